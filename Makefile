@@ -1,0 +1,57 @@
+# Two entry points, both self-contained on a fresh Linux machine with Python 3.10+:
+#   make demo   set up .venv, then run a local swarm on 127.0.0.1
+#   make test   set up .venv, then lint and run the test suite
+# Set-up is idempotent: it reruns only when pyproject.toml, setup.py or the Cython sources change.
+
+PYTHON ?= python3
+VENV ?= .venv
+VENV_FLAGS ?=
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.p2ptrain-installed
+TORCH_VERSION ?= 2.13.0
+# Where a CPU-only torch build comes from when none is on this machine already.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint format install clean
+
+demo: $(STAMP)
+	$(PY) -m p2ptrain demo
+
+test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: $(STAMP)
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+install: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
+
+# torch first, so that hivemind's and our own "torch" requirement are already met:
+#  - a torch already in the venv (e.g. a CUDA build, or --system-site-packages) is kept;
+#  - with an NVIDIA GPU (nvidia-smi present) pip installs the default CUDA build;
+#  - otherwise only a CPU build is accepted: a local one first, then the CPU index; never the
+#    multi-GB CUDA build that a bare "torch" requirement pulls from PyPI.
+$(STAMP): pyproject.toml setup.py $(wildcard cython_ext/*.pyx) | $(PY)
+	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
+		echo "torch $$($(PY) -c 'import torch; print(torch.__version__)') already installed: keeping it"; \
+	elif command -v nvidia-smi >/dev/null 2>&1; then \
+		$(PY) -m pip install "torch==$(TORCH_VERSION)"; \
+	else \
+		$(PY) -m pip install "torch==$(TORCH_VERSION)+cpu" 2>/dev/null || \
+		$(PY) -m pip install "torch==$(TORCH_VERSION)+cpu" --extra-index-url "$(TORCH_CPU_INDEX)"; \
+	fi
+	$(PY) -m pip install -e '.[dev]'
+	@touch $(STAMP)
+
+clean:
+	rm -rf build *.egg-info p2ptrain/_kernels*.so p2ptrain/_kernels.c cython_ext/*.c .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m benchmarks.<name> --json`; the last line printed is one JSON object."""

@@ -1,0 +1,256 @@
+"""Typed configuration: pydantic models filled from a TOML file, then P2PTRAIN_* variables, then flags.
+
+Precedence, lowest first: model defaults < TOML file < environment < command-line `--set`.
+Environment names map onto the nesting with a double underscore:
+`P2PTRAIN_SWARM__HEARTBEAT_INTERVAL=2` sets `swarm.heartbeat_interval`.
+Values from the environment and from `--set key=value` are parsed as TOML values
+(`2`, `1e-3`, `true`, `"text"`, `[1, 2]`); anything that does not parse is taken as a string.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from p2ptrain.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+ENV_PREFIX = "P2PTRAIN_"
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class Section(BaseModel):
+    """Every section refuses unknown keys, so a typo is an error rather than a silent default."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(Section):
+    id: str = Field("p2ptrain-debug", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    """Name shared by every node of one training run; records of other runs are ignored."""
+
+
+class NodeConfig(Section):
+    work_dir: str = "~/.local/share/p2ptrain/node"
+    """Where the node keeps its identity, checkpoints and logs."""
+    identity: str | None = None
+    """Directory holding node.key (Ed25519) and p2p.key (libp2p); default: work_dir."""
+    listen: list[str] = ["/ip4/0.0.0.0/tcp/0"]
+    """libp2p listen multiaddresses of the DHT."""
+    announce: list[str] = []
+    """Multiaddresses other peers should dial (public address behind NAT or in a container)."""
+
+
+class SwarmConfig(Section):
+    peers: list[str] = []
+    """Bootstrap multiaddresses (also from --peer or the PEER environment variable)."""
+    heartbeat_interval: float = Field(1.0, gt=0, le=60)
+    heartbeat_timeout: float = Field(6.0, gt=0, le=600)
+    dht_timeout: float = Field(5.0, gt=0, le=120)
+    """Bound on every single DHT store or get."""
+    connect_retries: int = Field(4, ge=1, le=100)
+    connect_backoff: float = Field(1.0, gt=0, le=60)
+    """First retry delay in seconds; it doubles after each failed attempt."""
+    shutdown_timeout: float = Field(5.0, gt=0, le=60)
+
+
+class ModelConfig(Section):
+    """Llama-style decoder shape; the trainer fills in the rest of the pipeline around it."""
+
+    name: str = "debug"
+    vocab_size: int = Field(256, gt=0)
+    dim: int = Field(128, gt=0)
+    n_layers: int = Field(2, gt=0)
+    n_heads: int = Field(4, gt=0)
+    n_kv_heads: int = Field(2, gt=0)
+    ffn_dim: int = Field(352, gt=0)
+    seq_len: int = Field(256, gt=0)
+    tie_embeddings: bool = True
+    rope_theta: float = Field(10000.0, gt=0)
+    norm_eps: float = Field(1e-5, gt=0)
+
+
+class TrainConfig(Section):
+    inner_steps: int = Field(10, gt=0)
+    """H: inner AdamW steps between two outer steps."""
+    batch_size: int = Field(8, gt=0)
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    warmup_steps: int = Field(10, ge=0)
+    max_steps: int = Field(200, gt=0)
+    grad_clip: float = Field(1.0, gt=0)
+    seed: int = 0
+    precision: Literal["fp32", "bf16"] = "fp32"
+
+
+class OuterConfig(Section):
+    lr: float = Field(0.7, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    nesterov: bool = True
+
+
+class CommConfig(Section):
+    quant_block: int = Field(256, ge=16, le=1 << 20)
+    """Values per (min, step) pair of the int8 code."""
+    chunk_bytes: int = Field(4 << 20, ge=1 << 12)
+    """Pipelining unit of the ring all-reduce."""
+    connections: int = Field(1, ge=1, le=16)
+    zstd: bool = False
+    failure_timeout: float = Field(5.0, gt=0, le=600)
+
+
+class Config(Section):
+    run: RunConfig = RunConfig()
+    node: NodeConfig = NodeConfig()
+    swarm: SwarmConfig = SwarmConfig()
+    model: ModelConfig = ModelConfig()
+    train: TrainConfig = TrainConfig()
+    outer: OuterConfig = OuterConfig()
+    comm: CommConfig = CommConfig()
+
+    def digest(self) -> str:
+        """sha256 of what every member of a run must share (model, training and outer settings)."""
+        shared = {name: getattr(self, name).model_dump() for name in ("run", "model", "train", "outer")}
+        return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()
+
+
+def parse_scalar(text: str) -> Any:
+    """Read `text` as a TOML value; fall back to the raw string (so `--set run.id=abc` works)."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, source: str) -> None:
+    parts = dotted.split(".")
+    if any(not part for part in parts) or len(parts) < 2:
+        raise ConfigError(f"{source}: '{dotted}' is not a section.key name")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{source}: '{dotted}' goes below a value that is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def env_overrides(environ: Mapping[str, str]) -> list[tuple[str, Any, str]]:
+    """(dotted key, value, source) for every P2PTRAIN_SECTION__KEY variable."""
+    found = []
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
+            continue  # P2PTRAIN_HOME and similar single names are not config keys
+        dotted = name[len(ENV_PREFIX) :].lower().replace("__", ".")
+        found.append((dotted, parse_scalar(environ[name]), f"environment variable {name}"))
+    return found
+
+
+def flag_overrides(assignments: list[str]) -> list[tuple[str, Any, str]]:
+    """(dotted key, value, source) for every `--set section.key=value` flag."""
+    found = []
+    for item in assignments:
+        if "=" not in item:
+            raise ConfigError(f"--set {item}: expected section.key=value")
+        dotted, _, raw = item.partition("=")
+        found.append((dotted.strip(), parse_scalar(raw.strip()), f"--set {item}"))
+    return found
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as handle:
+            return tomllib.load(handle)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a config file") from None
+    except PermissionError:
+        raise ConfigError(f"{path}: config file is not readable") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+
+
+def _describe(error: dict[str, Any]) -> str:
+    key = ".".join(str(part) for part in error["loc"])
+    if error["type"] == "extra_forbidden":
+        return f"unknown key '{key}'"
+    return f"'{key}': {error['msg']} (got {error.get('input')!r})"
+
+
+def resolve_config_path(name: str | os.PathLike[str]) -> Path:
+    """A path as given, or a bare name such as `debug` looked up in the bundled configs/ folder."""
+    path = Path(name).expanduser()
+    if path.exists() or path.suffix or os.sep in str(name):
+        return path
+    return CONFIG_DIR / f"{name}.toml"
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    overrides: list[str] = (),  # type: ignore[assignment]
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Build the resolved Config; every problem raises ConfigError naming the key and its source."""
+    tree: dict[str, Any] = {}
+    file_label = "defaults"
+    if path is not None:
+        resolved = resolve_config_path(path)
+        tree = _read_toml(resolved)
+        file_label = str(resolved)
+    # Validate the file alone first, so its errors name the file rather than an override.
+    _validate(tree, file_label)
+    layered = copy.deepcopy(tree)
+    environ = os.environ if environ is None else environ
+    for dotted, value, source in env_overrides(environ) + flag_overrides(list(overrides)):
+        _set_dotted(layered, dotted, value, source)
+        _validate(layered, source)
+    return _validate(layered, file_label)
+
+
+def _validate(tree: dict[str, Any], source: str) -> Config:
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        raise ConfigError(f"{source}: {_describe(first)}{more}") from None
+
+
+def to_toml(config: Config) -> str:
+    """Render the resolved config as TOML (flat sections of scalars and lists only)."""
+    lines: list[str] = []
+    for section, values in config.model_dump().items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if value is None:
+                lines.append(f"# {key} is unset")
+                continue
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+    raise TypeError(f"cannot render {type(value).__name__} as TOML")

@@ -1,0 +1,88 @@
+"""The node agent: owns the node's identity and networking, and keeps its heartbeat going.
+
+Until the trainer lands, a node joins the DHT, publishes its signed heartbeat every
+`heartbeat_interval`, prints the swarm table from time to time, and sends its deathrattle when it
+is told to stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from pathlib import Path
+from typing import TextIO
+
+from p2ptrain.config import Config
+from p2ptrain.identity import NodeIdentity, ensure_p2p_identity, load_or_create_identity
+from p2ptrain.swarm.dht import DHTSettings, SwarmDHT
+from p2ptrain.swarm.membership import HeartbeatPublisher, read_heartbeats
+from p2ptrain.swarm.records import HeartbeatValidator, NodeState
+from p2ptrain.swarm.status import format_table
+
+log = logging.getLogger(__name__)
+
+
+def identity_dir(config: Config) -> Path:
+    return Path(config.node.identity or config.node.work_dir).expanduser()
+
+
+def dht_settings(config: Config, *, p2p_key: Path | None, client_mode: bool = False) -> DHTSettings:
+    """DHT settings of a node of `config.run`; its validator protects that run's heartbeats."""
+    swarm = config.swarm
+    return DHTSettings(
+        peers=swarm.peers,
+        listen=config.node.listen,
+        announce=config.node.announce,
+        p2p_key=p2p_key,
+        client_mode=client_mode,
+        timeout=swarm.dht_timeout,
+        retries=swarm.connect_retries,
+        backoff=swarm.connect_backoff,
+        shutdown_timeout=swarm.shutdown_timeout,
+        validators=(HeartbeatValidator(run_ids=(config.run.id,)),),
+    )
+
+
+def start_node_dht(config: Config) -> tuple[NodeIdentity, SwarmDHT]:
+    """Load (or create) the node's keys and join the DHT; raises UserError subclasses on failure."""
+    directory = identity_dir(config)
+    identity = load_or_create_identity(directory)
+    p2p_key = ensure_p2p_identity(directory)
+    return identity, SwarmDHT.start(dht_settings(config, p2p_key=p2p_key))
+
+
+async def run_node(
+    config: Config,
+    identity: NodeIdentity,
+    dht: SwarmDHT,
+    stop: asyncio.Event,
+    out: TextIO,
+    table_every: float = 10.0,
+) -> None:
+    """Heartbeat until `stop` is set, then send the deathrattle (bounded by the DHT timeout)."""
+    publisher = HeartbeatPublisher(
+        dht, identity, config.run.id, ttl=config.swarm.heartbeat_timeout, config_digest=config.digest()
+    )
+    print(
+        f"node {identity.short_id} joined run {config.run.id!r} as DHT peer {dht.peer_id}",
+        file=out,
+        flush=True,
+    )
+    next_table = time.monotonic() + min(table_every, 2 * config.swarm.heartbeat_interval)
+    try:
+        while not stop.is_set():
+            if not await publisher.publish(state=NodeState.IDLE):
+                log.warning("heartbeat not stored by any DHT peer; retrying")
+            if table_every > 0 and time.monotonic() >= next_table:
+                next_table = time.monotonic() + table_every
+                print(format_table(await read_heartbeats(dht, config.run.id)), file=out, flush=True)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), config.swarm.heartbeat_interval)
+    finally:
+        try:
+            await publisher.deathrattle()
+            print(f"node {identity.short_id} left the swarm (deathrattle sent)", file=out, flush=True)
+        except Exception as exc:  # best effort: the swarm falls back to the heartbeat timeout
+            log.warning("deathrattle not sent: %s", exc)

@@ -1,0 +1,1 @@
+"""Control plane: the DHT, signed records, membership and election."""

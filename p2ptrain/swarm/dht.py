@@ -1,0 +1,237 @@
+"""The DHT handle: hivemind.DHT started with retries, bounded calls, and a shutdown that leaves nothing.
+
+hivemind runs its DHT node in a forked child, and that child runs the p2pd daemon. On their own
+both outlive a parent that is killed, and p2pd leaves its unix sockets in /tmp. `ManagedDHT`
+ties the child's life to its parent's (PR_SET_PDEATHSIG) and makes SIGTERM take p2pd and the
+sockets down with it; `SwarmDHT.shutdown` reaps whatever is left by PID.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hivemind import DHT
+from hivemind.dht.validation import RecordValidatorBase
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+from hivemind.utils.timed_storage import ValueWithExpiration
+
+from p2ptrain import procs
+from p2ptrain.errors import IdentityError, NetworkError, UserError
+
+log = logging.getLogger(__name__)
+
+
+class ManagedDHT(DHT):
+    """hivemind.DHT whose child process dies with its parent and takes p2pd with it."""
+
+    def run(self) -> None:
+        # Own session: a Ctrl+C at the terminal reaches the node, which shuts the DHT down in
+        # order (deathrattle first); it must not kill p2pd under the node's feet.
+        os.setsid()
+        procs.set_parent_death_signal(signal.SIGTERM)
+        if os.getppid() != self._parent_pid:  # the parent died before prctl took effect
+            os._exit(0)
+        signal.signal(signal.SIGTERM, _stop_daemon_and_exit)
+        super().run()
+
+
+def _stop_daemon_and_exit(signum: int, frame: Any) -> None:
+    """SIGTERM in the DHT child: stop p2pd, remove its unix sockets, exit at once."""
+    daemons = procs.descendants(os.getpid())
+    sockets = [path for pid in daemons for path in _p2pd_sockets(pid)]
+    procs.terminate(daemons, timeout=2.0)
+    for path in sockets:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+    os._exit(0)
+
+
+def _p2pd_sockets(pid: int) -> list[str]:
+    """The daemon and client unix sockets a p2pd process was started with."""
+    paths = []
+    for arg in procs.command_line(pid):
+        if arg.startswith("-listen=/unix"):
+            daemon_socket = arg.removeprefix("-listen=/unix")
+            paths.append(daemon_socket)
+            paths.append(daemon_socket.replace("p2pd-", "p2pclient-"))
+    return paths
+
+
+@dataclass
+class DHTSettings:
+    peers: Sequence[str] = ()
+    listen: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",)
+    announce: Sequence[str] = ()
+    p2p_key: Path | None = None
+    client_mode: bool = False
+    timeout: float = 5.0
+    retries: int = 4
+    backoff: float = 1.0
+    shutdown_timeout: float = 5.0
+    validators: Sequence[RecordValidatorBase] = field(default_factory=tuple)
+
+
+class SwarmDHT:
+    """A started DHT node. Every store and get is bounded by `settings.timeout`."""
+
+    def __init__(self, dht: ManagedDHT, settings: DHTSettings):
+        self._dht = dht
+        self.settings = settings
+        self._pid = dht.pid
+        self._closed = False
+
+    @classmethod
+    def start(cls, settings: DHTSettings) -> SwarmDHT:
+        """Start the DHT, retrying unreachable bootstrap peers with exponential backoff.
+
+        Raises NetworkError naming the peers (or the port) and what to check.
+        """
+        delay = settings.backoff
+        for attempt in range(1, settings.retries + 1):
+            try:
+                return cls(_start_once(settings), settings)
+            except P2PDaemonError as exc:
+                reason = str(exc)
+                if "address already in use" in reason:
+                    raise NetworkError(
+                        f"cannot listen on {', '.join(settings.listen)}: the port is already in use "
+                        "(stop the other process or choose another --listen port)"
+                    ) from None
+                if "already taken" in reason:
+                    raise IdentityError(
+                        f"the identity in {settings.p2p_key} is already used by a running peer; "
+                        "give each node its own --identity directory"
+                    ) from None
+                if "connect to bootstrap peers" not in reason or attempt == settings.retries:
+                    if settings.peers and "bootstrap" in reason:
+                        raise NetworkError(
+                            f"cannot reach bootstrap peer {' or '.join(settings.peers)} after {attempt} "
+                            "attempts: check the address and peer ID, that the peer is running, and that "
+                            "its TCP port is open to this machine"
+                        ) from None
+                    raise NetworkError(f"the DHT did not start: {_first_line(reason)}") from None
+                log.warning(
+                    "bootstrap peer not reachable (attempt %d/%d), retrying in %.1f s",
+                    attempt,
+                    settings.retries,
+                    delay,
+                )
+                time.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")
+
+    @property
+    def peer_id(self) -> str:
+        return self._dht.peer_id.to_base58()
+
+    def visible_maddrs(self) -> list[str]:
+        return [str(addr) for addr in self._dht.get_visible_maddrs()]
+
+    async def store(self, key: str, subkey: bytes, value: bytes, expiration: float) -> bool:
+        """Store one subkey of `key`; False when no replica accepted it within the timeout."""
+        future = self._dht.store(key, value, expiration, subkey=subkey, return_future=True)
+        try:
+            return bool(await asyncio.wait_for(_awaitable(future), self.settings.timeout))
+        except asyncio.TimeoutError:
+            future.cancel()
+            log.warning("DHT store of %s timed out after %.1f s", key, self.settings.timeout)
+            return False
+
+    async def get(self, key: str) -> dict[bytes, ValueWithExpiration] | None:
+        """The latest subkey dictionary under `key`, or None when absent or on timeout."""
+        future = self._dht.get(key, latest=True, return_future=True)
+        try:
+            found = await asyncio.wait_for(_awaitable(future), self.settings.timeout)
+        except asyncio.TimeoutError:
+            future.cancel()
+            log.warning("DHT get of %s timed out after %.1f s", key, self.settings.timeout)
+            return None
+        if found is None or not isinstance(found.value, dict):
+            return None
+        return {subkey: item for subkey, item in found.value.items() if isinstance(item, ValueWithExpiration)}
+
+    def shutdown(self) -> None:
+        """Stop the DHT child and p2pd; anything still alive after the timeout is killed by PID."""
+        if self._closed:
+            return
+        self._closed = True
+        tree = procs.descendants(self._pid) if self._pid else []
+        with contextlib.suppress(Exception):
+            self._dht.shutdown()
+        leftovers = [pid for pid in [self._pid, *tree] if pid and procs.is_alive(pid)]
+        if leftovers:
+            stubborn = procs.terminate(leftovers, timeout=self.settings.shutdown_timeout)
+            if stubborn:
+                log.warning("killed DHT processes that ignored SIGTERM: %s", stubborn)
+        for pid in tree:
+            for path in _p2pd_sockets(pid):
+                with contextlib.suppress(OSError):
+                    os.remove(path)
+
+    def __enter__(self) -> SwarmDHT:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+
+def _start_once(settings: DHTSettings) -> ManagedDHT:
+    kwargs: dict[str, Any] = {
+        "host_maddrs": list(settings.listen),
+        "client_mode": settings.client_mode,
+        "record_validators": list(settings.validators),
+        "shutdown_timeout": settings.shutdown_timeout,
+    }
+    if settings.announce:
+        kwargs["announce_maddrs"] = list(settings.announce)
+    if settings.p2p_key is not None:
+        kwargs["identity_path"] = str(settings.p2p_key)
+    before = _socket_files()
+    try:
+        return ManagedDHT(initial_peers=list(settings.peers) or None, start=True, **kwargs)
+    except P2PDaemonError:
+        _remove_dead_sockets(_socket_files() - before)  # hivemind leaves them when p2pd fails
+        raise
+    except ValueError as exc:  # hivemind validates announce addresses itself
+        raise UserError(f"invalid DHT address: {exc}") from None
+
+
+SOCKET_DIR = Path("/tmp")  # hivemind's fixed prefix: /unix/tmp/hivemind-
+SOCKET_GLOB = "hivemind-p2p*.sock"
+
+
+def _socket_files() -> set[Path]:
+    return set(SOCKET_DIR.glob(SOCKET_GLOB))
+
+
+def _remove_dead_sockets(paths: set[Path]) -> None:
+    """Unlink unix sockets nobody listens on (a live daemon's socket accepts the connection)."""
+    for path in paths:
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            with contextlib.suppress(OSError):
+                path.unlink()
+        except OSError:
+            pass
+        finally:
+            probe.close()
+
+
+async def _awaitable(future: Any) -> Any:
+    return await future
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else "unknown error"

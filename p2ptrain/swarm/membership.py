@@ -1,0 +1,85 @@
+"""Heartbeats: publishing this node's signed record, and reading everyone's.
+
+A node is alive while its record has not expired (`heartbeat_timeout`) and its last record is
+not a deathrattle (state `dead`). Sequence numbers start at the wall clock in milliseconds and
+grow by one per record, so they keep growing across restarts of the same node.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Any
+
+from hivemind.utils import get_dht_time
+
+from p2ptrain.identity import NodeIdentity
+from p2ptrain.swarm.dht import SwarmDHT
+from p2ptrain.swarm.records import Heartbeat, NodeState, RecordError, decode_heartbeat, heartbeat_key
+
+log = logging.getLogger(__name__)
+
+
+class HeartbeatPublisher:
+    """Signs and stores this node's heartbeat; fields not given keep their last value."""
+
+    def __init__(self, dht: SwarmDHT, identity: NodeIdentity, run_id: str, ttl: float, **fields: Any):
+        self._dht = dht
+        self._identity = identity
+        self._ttl = ttl
+        self._seq = int(time.time() * 1000)
+        self.current = Heartbeat(
+            run_id=run_id,
+            node_key=identity.public_key,
+            seq=self._seq,
+            timestamp=time.time(),
+            expiration=0.0,
+            state=NodeState.JOINING,
+            peer_id=dht.peer_id,
+            **fields,
+        )
+
+    async def publish(self, **changes: Any) -> bool:
+        """Store a fresh record with `changes` applied; False when the DHT did not take it."""
+        self._seq += 1
+        now = get_dht_time()
+        record = replace(
+            self.current, **changes, seq=self._seq, timestamp=time.time(), expiration=now + self._ttl
+        )
+        self.current = record
+        return await self._dht.store(
+            heartbeat_key(record.run_id), record.node_key, record.sign(self._identity), record.expiration
+        )
+
+    async def deathrattle(self) -> bool:
+        """Tell the swarm at once that this node is gone, instead of letting it wait for the timeout."""
+        return await self.publish(state=NodeState.DEAD)
+
+
+async def read_heartbeats(dht: SwarmDHT, run_id: str) -> list[Heartbeat]:
+    """Every valid, unexpired heartbeat of `run_id`, ordered by node key.
+
+    The DHT validator already refused bad records where they were stored; the reader verifies
+    again because a record may come from a node that runs no validator.
+    """
+    found = await dht.get(heartbeat_key(run_id))
+    if not found:
+        return []
+    heartbeats = []
+    for subkey, item in found.items():
+        try:
+            heartbeat = decode_heartbeat(item.value)
+        except (RecordError, TypeError) as exc:
+            log.warning("ignoring heartbeat under subkey %r: %s", subkey[:8], exc)
+            continue
+        if heartbeat.node_key != subkey or heartbeat.run_id != run_id:
+            log.warning("ignoring heartbeat filed under another node's subkey")
+            continue
+        heartbeats.append(heartbeat)
+    return sorted(heartbeats, key=lambda beat: beat.node_key)
+
+
+def live(heartbeats: list[Heartbeat]) -> list[Heartbeat]:
+    """Nodes that have not sent a deathrattle (expired records are already gone from the DHT)."""
+    return [beat for beat in heartbeats if beat.state is not NodeState.DEAD]

@@ -1,0 +1,247 @@
+"""Signed heartbeat records and the DHT validator that enforces them at every node that stores them.
+
+A heartbeat lives in the DHT under the run's key `p2ptrain/<run id>/nodes`, with the node's
+Ed25519 public key as subkey. Its value is a msgpack triple (version, body, signature): the body
+is a msgpack map of the fields below, the signature covers a domain tag plus the body. The body
+also names its DHT expiration time, so nobody can re-store an old record with a longer life.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import logging
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import msgpack
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+
+from p2ptrain.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, NodeIdentity, verify
+
+log = logging.getLogger(__name__)
+
+RECORD_VERSION = 1
+MAX_RECORD_BYTES = 4096
+"""Far below hivemind's ~16 KiB pipe limit; every heartbeat field is short."""
+MAX_FOREIGN_BYTES = 1024
+"""Values at keys that are not ours (a stranger's, or hivemind tooling's) are tolerated up to this."""
+_DOMAIN = b"p2ptrain/heartbeat/v1\0"
+_MAX_STRING = 512
+
+
+class NodeState(str, enum.Enum):
+    JOINING = "joining"
+    IDLE = "idle"  # connected, no training work attached (bootstrap-era nodes)
+    TRAINING = "training"
+    READY = "ready"
+    SYNCING = "syncing"
+    LEAVING = "leaving"
+    DEAD = "dead"  # the deathrattle: the node is gone, do not wait for its timeout
+
+
+class RecordError(ValueError):
+    """A record that fails to parse or verify; the message is the logged reason."""
+
+
+class StaleRecord(RecordError):
+    """A validly signed record older than one already seen from the same node (a replay)."""
+
+
+def heartbeat_key(run_id: str) -> str:
+    return f"p2ptrain/{run_id}/nodes"
+
+
+def key_id(key: str) -> bytes:
+    """The DHTID bytes hivemind hands to validators for `key`."""
+    return DHTID.generate(source=key).to_bytes()
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    run_id: str
+    node_key: bytes
+    seq: int
+    timestamp: float
+    expiration: float
+    state: NodeState
+    outer_step: int = 0
+    peer_id: str = ""
+    data_addr: str = ""
+    ckpt_addr: str = ""
+    ckpt_digest: str = ""
+    params_hash: str = ""
+    tokens: int = 0
+    config_digest: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Small fields of later protocol revisions; readers ignore what they do not know."""
+
+    def body(self) -> bytes:
+        fields = asdict(self)
+        fields["state"] = self.state.value
+        return msgpack.packb(fields, use_bin_type=True)
+
+    def sign(self, identity: NodeIdentity) -> bytes:
+        if identity.public_key != self.node_key:
+            raise ValueError("a heartbeat can only be signed by its own node key")
+        body = self.body()
+        value = msgpack.packb([RECORD_VERSION, body, identity.sign(_DOMAIN + body)], use_bin_type=True)
+        if len(value) > MAX_RECORD_BYTES:
+            raise ValueError(f"heartbeat of {len(value)} bytes exceeds {MAX_RECORD_BYTES}")
+        return value
+
+    @property
+    def digest(self) -> bytes:
+        return hashlib.sha256(self.body()).digest()
+
+
+_FIELDS = {
+    "run_id": str,
+    "node_key": bytes,
+    "seq": int,
+    "timestamp": float,
+    "expiration": float,
+    "state": str,
+    "outer_step": int,
+    "peer_id": str,
+    "data_addr": str,
+    "ckpt_addr": str,
+    "ckpt_digest": str,
+    "params_hash": str,
+    "tokens": int,
+    "config_digest": str,
+    "extra": dict,
+}
+
+
+def _unpack(data: bytes) -> Any:
+    try:
+        return msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=MAX_RECORD_BYTES,
+            max_bin_len=MAX_RECORD_BYTES,
+            max_array_len=64,
+            max_map_len=64,
+        )
+    except Exception as exc:  # msgpack raises many types for garbage input
+        raise RecordError(f"not msgpack ({type(exc).__name__})") from None
+
+
+def decode_heartbeat(value: bytes) -> Heartbeat:
+    """Parse and verify a signed heartbeat value; raise RecordError with the reason otherwise."""
+    if len(value) > MAX_RECORD_BYTES:
+        raise RecordError(f"record of {len(value)} bytes exceeds {MAX_RECORD_BYTES}")
+    envelope = _unpack(value)
+    if not (isinstance(envelope, list) and len(envelope) == 3):
+        raise RecordError("not a (version, body, signature) triple")
+    version, body, signature = envelope
+    if version != RECORD_VERSION:
+        raise RecordError(f"unsupported record version {version!r}")
+    if not isinstance(body, bytes) or not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES:
+        raise RecordError("malformed body or signature")
+    fields = _unpack(body)
+    if not isinstance(fields, dict) or set(fields) != set(_FIELDS):
+        raise RecordError("body does not have the heartbeat fields")
+    for name, kind in _FIELDS.items():
+        item = fields[name]
+        if kind is float and isinstance(item, int) and not isinstance(item, bool):
+            item = fields[name] = float(item)
+        if not isinstance(item, kind) or (kind is int and isinstance(item, bool)):
+            raise RecordError(f"field {name} is not {kind.__name__}")
+        if kind is str and len(item) > _MAX_STRING:
+            raise RecordError(f"field {name} is too long")
+    if len(fields["node_key"]) != PUBLIC_KEY_BYTES:
+        raise RecordError("node_key is not an Ed25519 public key")
+    if fields["seq"] < 0 or fields["tokens"] < 0 or fields["outer_step"] < 0:
+        raise RecordError("negative counter")
+    try:
+        fields["state"] = NodeState(fields["state"])
+    except ValueError:
+        raise RecordError(f"unknown state {fields['state']!r}") from None
+    if not verify(fields["node_key"], signature, _DOMAIN + body):
+        raise RecordError("bad signature")
+    return Heartbeat(**fields)
+
+
+class HeartbeatValidator(RecordValidatorBase):
+    """Accepts only records whose signature, key, subkey, expiration and sequence all check out.
+
+    Runs inside every DHT node (bootstrap peers included), so a forged, replayed, oversized or
+    malformed heartbeat is refused where it would be stored, not only where it is read.
+    `run_ids` are the runs whose key must hold heartbeats only; a bootstrap peer that serves any
+    run passes none and still verifies every value that claims to be a heartbeat.
+    """
+
+    def __init__(self, run_ids: tuple[str, ...] = (), max_tracked: int = 65536):
+        self._protected = {key_id(heartbeat_key(run)) for run in run_ids}
+        self._latest: OrderedDict[tuple[bytes, bytes], tuple[int, bytes]] = OrderedDict()
+        self._max_tracked = max_tracked
+
+    def validate(self, record: DHTRecord) -> bool:
+        try:
+            self._check(record)
+        except StaleRecord as exc:
+            # An older replica, or a store that lost a race with a newer one: expected, and refused.
+            log.info("refused DHT record: %s", exc)
+            return False
+        except RecordError as exc:
+            log.warning("refused DHT record: %s", exc)
+            return False
+        return True
+
+    def _check(self, record: DHTRecord) -> None:
+        try:
+            heartbeat = decode_heartbeat(_unpack_value(record.value))
+        except RecordError:
+            if record.key in self._protected:
+                raise
+            if len(record.value) > MAX_FOREIGN_BYTES:
+                raise RecordError(
+                    f"foreign value of {len(record.value)} bytes at a non-p2ptrain key"
+                ) from None
+            return  # a small value under some other key: not ours to judge
+        if record.key != key_id(heartbeat_key(heartbeat.run_id)):
+            raise RecordError(f"heartbeat of run {heartbeat.run_id!r} stored under another key")
+        if _unpack_value(record.subkey) != heartbeat.node_key:
+            raise RecordError(f"heartbeat of {heartbeat.node_key.hex()[:12]} under another node's subkey")
+        if record.expiration_time != heartbeat.expiration:
+            raise RecordError(f"heartbeat of {heartbeat.node_key.hex()[:12]} with altered expiration")
+        self._check_sequence(record.key, heartbeat)
+
+    def _check_sequence(self, key: bytes, heartbeat: Heartbeat) -> None:
+        slot = (key, heartbeat.node_key)
+        digest = heartbeat.digest
+        seen = self._latest.get(slot)
+        if seen is not None:
+            seq, seen_digest = seen
+            if heartbeat.seq < seq:
+                raise StaleRecord(
+                    f"replayed heartbeat of {heartbeat.node_key.hex()[:12]} (seq {heartbeat.seq} < {seq})"
+                )
+            if heartbeat.seq == seq and digest != seen_digest:
+                raise RecordError(
+                    f"two different heartbeats of {heartbeat.node_key.hex()[:12]} with seq {seq}"
+                )
+        self._latest[slot] = (heartbeat.seq, digest)
+        self._latest.move_to_end(slot)
+        while len(self._latest) > self._max_tracked:
+            self._latest.popitem(last=False)
+
+
+def _unpack_value(data: bytes | None) -> bytes:
+    """hivemind msgpack-serializes values and subkeys; ours are always msgpack bin (bytes)."""
+    if data is None:
+        raise RecordError("record without subkey")
+    try:
+        value = msgpack.unpackb(
+            data, raw=False, max_bin_len=MAX_RECORD_BYTES * 4, max_str_len=MAX_RECORD_BYTES * 4
+        )
+    except Exception:
+        raise RecordError("value is not msgpack") from None
+    if not isinstance(value, bytes):
+        raise RecordError(f"value is {type(value).__name__}, not bytes")
+    return value

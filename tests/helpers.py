@@ -1,0 +1,149 @@
+"""Shared helpers for tests that start real p2ptrain processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from p2ptrain.procs import ChildProcesses
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+SOCKET_DIR = Path("/tmp")
+
+
+def cli(
+    *args: str, timeout: float = 60, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run `python -m p2ptrain ARGS` to completion and capture its output."""
+    full_env = {key: value for key, value in os.environ.items() if key != "PEER"}
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "p2ptrain", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def wait_until(
+    predicate: Callable[[], bool], timeout: float, interval: float = 0.2, what: str = "condition"
+) -> None:
+    """Poll `predicate` (a check of external state, e.g. the DHT) until true; fail after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def read_address(path: Path, timeout: float = 30) -> str:
+    wait_until(path.exists, timeout, what=f"{path}")
+    return path.read_text().split()[0]
+
+
+def socket_files() -> set[Path]:
+    return set(SOCKET_DIR.glob("hivemind-p2p*.sock"))
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:
+    """A user error: non-zero exit, one `p2ptrain: error:` line on stderr, no traceback."""
+    assert result.returncode != 0, result
+    assert "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("p2ptrain: error:")]
+    assert len(errors) == 1, result.stderr
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+
+
+class LocalSwarm:
+    """A bootstrap peer and nodes, each a real `p2ptrain` process, stopped by PID at the end."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.children = ChildProcesses()
+        self.bootstrap_addr = ""
+
+    def start_bootstrap(
+        self, name: str = "bootstrap", identity: str = "bootstrap", listen: str = LOOPBACK
+    ) -> str:
+        address_file = self.root / f"{name}.addr"
+        address_file.unlink(missing_ok=True)
+        self.children.spawn(
+            name,
+            [
+                sys.executable,
+                "-m",
+                "p2ptrain",
+                "bootstrap",
+                "--listen",
+                listen,
+                "--identity",
+                str(self.root / identity),
+                "--address-file",
+                str(address_file),
+            ],
+            self.root / f"{name}.log",
+        )
+        self.bootstrap_addr = read_address(address_file)
+        return self.bootstrap_addr
+
+    def start_node(self, name: str, peer: str | None = None, *extra: str) -> Path:
+        address_file = self.root / f"{name}.addr"
+        self.children.spawn(
+            name,
+            [
+                sys.executable,
+                "-m",
+                "p2ptrain",
+                "join",
+                "--peer",
+                peer or self.bootstrap_addr,
+                "--config",
+                "debug",
+                "--work-dir",
+                str(self.root / name),
+                "--listen",
+                LOOPBACK,
+                "--address-file",
+                str(address_file),
+                "--table-every",
+                "0",
+                *extra,
+            ],
+            self.root / f"{name}.log",
+        )
+        return address_file
+
+    def status(self, peer: str | None = None) -> dict:
+        result = cli(
+            "status", "--peer", peer or self.bootstrap_addr, "--config", "debug", "--json", timeout=60
+        )
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    def live_ids(self, peer: str | None = None) -> set[str]:
+        return {node["id"] for node in self.status(peer)["nodes"] if node["state"] != "dead"}
+
+    def log(self, name: str) -> str:
+        return (self.root / f"{name}.log").read_text(errors="replace")
+
+    def stop(self) -> list[int]:
+        return self.children.stop_all()
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (the kernel's choice for an ephemeral bind)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

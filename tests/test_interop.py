@@ -1,0 +1,32 @@
+"""hivemind's own `hivemind-dht` works as the bootstrap peer of a p2ptrain swarm."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+from p2ptrain.identity import ensure_p2p_identity, peer_id_of
+from tests.helpers import LocalSwarm, free_port, read_address, wait_until
+
+
+def test_hivemind_dht_as_bootstrap_peer(swarm: LocalSwarm, tmp_path: Path):
+    key = ensure_p2p_identity(tmp_path / "hivemind")
+    port = free_port()
+    command = shutil.which("hivemind-dht", path=str(Path(sys.executable).parent))
+    assert command, "hivemind-dht is installed with hivemind"
+    swarm.children.spawn(
+        "hivemind-dht",
+        [command, "--host_maddrs", f"/ip4/127.0.0.1/tcp/{port}", "--identity_path", str(key)],
+        tmp_path / "hivemind-dht.log",
+    )
+    peer = f"/ip4/127.0.0.1/tcp/{port}/p2p/{peer_id_of(key)}"
+    swarm.bootstrap_addr = peer
+    first = read_address(swarm.start_node("node0"), timeout=60)
+    swarm.start_node("node1")
+    wait_until(
+        lambda: len(swarm.live_ids(first)) == 2, timeout=60, what="two nodes meeting through hivemind-dht"
+    )
+    wait_until(
+        lambda: len(swarm.live_ids(peer)) == 2, timeout=30, what="the heartbeats read through hivemind-dht"
+    )

@@ -1,0 +1,90 @@
+"""The compiled int8 kernels against the NumPy reference implementation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from p2ptrain import _kernels
+from p2ptrain.comm.quant import (
+    NonFiniteError,
+    dequantize,
+    dequantize_add,
+    empty,
+    quantize,
+    reference_dequantize,
+    reference_quantize,
+)
+
+
+@pytest.mark.parametrize("n", [1, 255, 256, 257, 10_007, 1 << 16])
+@pytest.mark.parametrize("block", [16, 256, 1000])
+def test_kernels_match_the_reference_bit_for_bit(n: int, block: int):
+    values = np.random.default_rng(n + block).standard_normal(n).astype(np.float32)
+    encoded, expected = quantize(values, block), reference_quantize(values, block)
+    assert np.array_equal(encoded.codes, expected.codes)
+    assert np.array_equal(encoded.mins, expected.mins) and np.array_equal(encoded.steps, expected.steps)
+    assert np.array_equal(dequantize(encoded), reference_dequantize(expected))
+
+
+def test_error_is_within_half_a_step():
+    values = np.random.default_rng(0).standard_normal(100_000).astype(np.float32)
+    encoded = quantize(values, 256)
+    error = np.abs(dequantize(encoded) - values)
+    step = np.repeat(encoded.steps, 256)[: values.size]
+    assert np.all(error <= step * 0.5 + 1e-6)
+    assert np.linalg.norm(dequantize(encoded) - values) / np.linalg.norm(values) < 0.01
+
+
+def test_dequantize_add_accumulates_in_place():
+    rng = np.random.default_rng(1)
+    values, acc = rng.standard_normal(5000).astype(np.float32), rng.standard_normal(5000).astype(np.float32)
+    expected = acc + reference_dequantize(reference_quantize(values, 256))
+    result = dequantize_add(quantize(values, 256), acc)
+    assert result is acc and np.array_equal(acc, expected)
+
+
+def test_an_outlier_only_costs_its_own_block():
+    values = np.random.default_rng(2).standard_normal(4096).astype(np.float32)
+    values[10] = 100.0
+    error = np.abs(dequantize(quantize(values, 256)) - values)
+    assert error[256:].max() < 0.02  # every other block keeps its resolution
+
+
+def test_constant_blocks_are_exact():
+    values = np.full(1000, 3.25, np.float32)
+    assert np.array_equal(dequantize(quantize(values, 256)), values)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_values_are_refused(bad: float):
+    values = np.zeros(1000, np.float32)
+    values[500] = bad
+    with pytest.raises(NonFiniteError, match="1 non-finite"):
+        quantize(values, 256)
+
+
+def test_shape_errors_are_caught():
+    values = np.zeros(100, np.float32)
+    out = empty(99, 16)
+    with pytest.raises(ValueError):
+        _kernels.quantize(values, out.codes, out.mins, out.steps, 16)
+    with pytest.raises(ValueError):
+        _kernels.quantize(
+            values, np.empty(100, np.uint8), np.empty(1, np.float32), np.empty(1, np.float32), 16
+        )
+    with pytest.raises(TypeError):
+        quantize(values.astype(np.float64), 16)
+
+
+def test_works_on_torch_tensors_without_copies():
+    torch = pytest.importorskip("torch")
+    tensor = torch.randn(3000)
+    encoded = quantize(tensor.numpy(), 256)
+    acc = torch.zeros(3000)
+    dequantize_add(encoded, acc.numpy())
+    assert torch.allclose(acc, tensor, atol=0.05)
+
+
+def test_threads_reported():
+    assert _kernels.max_threads() >= 1

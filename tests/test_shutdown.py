@@ -1,0 +1,55 @@
+"""Ctrl+C and SIGTERM stop a node cleanly (deathrattle, children, sockets); SIGKILL leaves no orphans."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from p2ptrain import procs
+from tests.helpers import LocalSwarm, read_address, wait_until
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_node_stops_within_five_seconds_and_says_so(swarm: LocalSwarm, how: str):
+    swarm.start_bootstrap()
+    read_address(swarm.start_node("node0"), timeout=60)
+    wait_until(lambda: len(swarm.live_ids()) == 1, timeout=30, what="the node's heartbeat")
+    node = swarm.children.children["node0"]
+    tree = procs.descendants(node.pid)
+    assert len(tree) >= 2, "expected the DHT child and p2pd"
+    swarm.children.remember_trees()
+    started = time.monotonic()
+    if how == "ctrl-c":
+        os.killpg(node.pid, signal.SIGINT)  # what the terminal does: the whole foreground group
+    else:
+        node.send_signal(signal.SIGTERM)
+    assert node.wait(timeout=5) == 0
+    wait_until(
+        lambda: not any(procs.is_alive(pid) for pid in tree),
+        timeout=5 - (time.monotonic() - started),
+        interval=0.05,
+        what="the DHT child and p2pd to exit",
+    )
+    assert "deathrattle sent" in swarm.log("node0")
+    # the others learn at once, without waiting for the heartbeat timeout
+    states = {entry["state"] for entry in swarm.status()["nodes"]}
+    assert states == {"dead"}
+
+
+def test_sigkill_of_a_node_takes_its_dht_child_and_p2pd_along(swarm: LocalSwarm):
+    swarm.start_bootstrap()
+    read_address(swarm.start_node("node0"), timeout=60)
+    node = swarm.children.children["node0"]
+    tree = procs.descendants(node.pid)
+    assert len(tree) >= 2
+    swarm.children.signal("node0", signal.SIGKILL)
+    node.wait(timeout=5)
+    wait_until(
+        lambda: not any(procs.is_alive(pid) for pid in tree),
+        timeout=5,
+        interval=0.05,
+        what="the orphaned DHT child and p2pd to exit",
+    )

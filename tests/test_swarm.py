@@ -1,0 +1,55 @@
+"""A real bootstrap peer and real nodes on 127.0.0.1: discovery, persistence, losing the bootstrap peer."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+from tests.helpers import LocalSwarm, free_port, read_address, wait_until
+
+
+def test_bootstrap_and_three_nodes_see_each_other(swarm: LocalSwarm):
+    swarm.start_bootstrap()
+    address_files = [swarm.start_node(f"node{i}") for i in range(3)]
+    node_addrs = [read_address(path, timeout=60) for path in address_files]
+    up = time.monotonic()
+    # every node's own view of the DHT lists all three, within 10 s of the nodes being up
+    for addr in node_addrs:
+        wait_until(
+            lambda addr=addr: len(swarm.live_ids(addr)) == 3,
+            timeout=max(1.0, 10 - (time.monotonic() - up)),
+            what="all three heartbeats from every node",
+        )
+    status = swarm.status()
+    assert {node["state"] for node in status["nodes"]} == {"idle"}
+    assert all(node["last_seen_s"] < 6 for node in status["nodes"])
+
+
+def test_restarted_bootstrap_keeps_its_multiaddress(swarm: LocalSwarm):
+    listen = f"/ip4/127.0.0.1/tcp/{free_port()}"
+    first = swarm.start_bootstrap(listen=listen)
+    swarm.children.signal("bootstrap", signal.SIGTERM)
+    assert swarm.children.wait("bootstrap", timeout=10) == 0
+    second = swarm.start_bootstrap(name="bootstrap-again", listen=listen)
+    assert first == second and first.startswith(listen + "/p2p/")
+    swarm.start_node("node0")
+    wait_until(lambda: len(swarm.live_ids(second)) == 1, timeout=60, what="a node joining the restarted peer")
+
+
+def test_swarm_keeps_working_without_its_bootstrap_peer(swarm: LocalSwarm):
+    swarm.start_bootstrap()
+    first = read_address(swarm.start_node("node0"), timeout=60)
+    second = read_address(swarm.start_node("node1"), timeout=60)
+    wait_until(lambda: len(swarm.live_ids(first)) == 2, timeout=30, what="two nodes")
+    swarm.children.signal("bootstrap", signal.SIGKILL)
+    swarm.children.wait("bootstrap", timeout=10)
+    wait_until(
+        lambda: swarm.children.leftovers() == [],
+        timeout=10,
+        what="the killed peer's DHT child and p2pd to exit",
+    )
+    # a newcomer that only knows node0 joins and node1 sees it: records flow without the bootstrap peer
+    swarm.start_node("node2", peer=first)
+    wait_until(lambda: len(swarm.live_ids(second)) == 3, timeout=60, what="the newcomer seen through node1")
+    status = swarm.status(second)
+    assert all(node["last_seen_s"] < 6 for node in status["nodes"]), status
