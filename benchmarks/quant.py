@@ -24,7 +24,9 @@ def torch_quantize(values: torch.Tensor, block: int) -> tuple[torch.Tensor, torc
     return codes, lo, step
 
 
-def torch_dequantize_add(codes: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, acc: torch.Tensor) -> None:
+def torch_dequantize_add(
+    codes: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, acc: torch.Tensor
+) -> None:
     acc.view(codes.shape).add_(codes.to(torch.float32) * step + lo)
 
 
