@@ -45,6 +45,62 @@ def _check(Py_ssize_t n, Py_ssize_t codes, Py_ssize_t params, Py_ssize_t block):
         raise ValueError(f"{params} block parameters for {_num_blocks(n, block)} blocks")
 
 
+cdef enum:
+    LANES = 8  # independent min/max lanes: lets the compiler vectorize the scan without fast-math
+
+
+cdef Py_ssize_t _encode_block(const float* x, Py_ssize_t n, unsigned char* codes, float* min_out,
+                              float* step_out) noexcept nogil:
+    """Encode one block; returns its count of non-finite values (then the block is all zeros)."""
+    cdef float lo[LANES]
+    cdef float hi[LANES]
+    cdef float poison[LANES]  # x * 0 is 0 for finite x and NaN for NaN/Inf: a branch-free check
+    cdef Py_ssize_t g, i, j, full = n - n % LANES, bad = 0
+    cdef float v, low, high, nan_probe = 0, step, inv, q
+    cdef float zero = 0, half = 0.5, top = 255
+    for j in range(LANES):
+        lo[j] = x[0]
+        hi[j] = x[0]
+        poison[j] = 0
+    for g in range(full // LANES):
+        i = g * LANES
+        for j in range(LANES):
+            v = x[i + j]
+            lo[j] = v if v < lo[j] else lo[j]
+            hi[j] = v if v > hi[j] else hi[j]
+            poison[j] = poison[j] + v * zero
+    for i in range(full, n):
+        v = x[i]
+        lo[0] = v if v < lo[0] else lo[0]
+        hi[0] = v if v > hi[0] else hi[0]
+        poison[0] = poison[0] + v * zero
+    low = lo[0]
+    high = hi[0]
+    for j in range(LANES):
+        low = lo[j] if lo[j] < low else low
+        high = hi[j] if hi[j] > high else high
+        nan_probe = nan_probe + poison[j]
+    if nan_probe != 0:  # rare: count exactly, and emit a harmless all-zero block
+        for i in range(n):
+            if not (fabsf(x[i]) < INFINITY):
+                bad += 1
+            codes[i] = 0
+        min_out[0] = 0
+        step_out[0] = 0
+        return bad
+    step = (high - low) / top
+    inv = 0
+    if step > 0:
+        inv = 1 / step
+    min_out[0] = low
+    step_out[0] = step
+    for i in range(n):
+        q = (x[i] - low) * inv + half  # >= 0.5 since x >= low; at most 255.5 give or take an ulp
+        q = q if q < top else top
+        codes[i] = <unsigned char> (<int> q)
+    return 0
+
+
 def quantize(const float[::1] values, unsigned char[::1] codes, float[::1] mins, float[::1] steps,
              Py_ssize_t block):
     """Encode `values` into `codes` with one (min, step) pair per block.
@@ -53,76 +109,58 @@ def quantize(const float[::1] values, unsigned char[::1] codes, float[::1] mins,
     """
     cdef Py_ssize_t n = values.shape[0]
     _check(n, codes.shape[0], min(mins.shape[0], steps.shape[0]), block)
-    cdef Py_ssize_t nblocks = _num_blocks(n, block)
-    cdef Py_ssize_t b, i, start, stop
-    cdef float lo, hi, x, step, inv, q
+    cdef Py_ssize_t b, start, length
     cdef Py_ssize_t bad = 0
-    for b in prange(nblocks, nogil=True, schedule="static"):
+    if n == 0:
+        return 0
+    cdef const float* source = &values[0]
+    cdef unsigned char* target = &codes[0]
+    cdef float* min_out = &mins[0]
+    cdef float* step_out = &steps[0]
+    for b in prange(_num_blocks(n, block), nogil=True, schedule="static"):
         start = b * block
-        stop = start + block
-        if stop > n:
-            stop = n
-        lo = INFINITY
-        hi = -INFINITY
-        for i in range(start, stop):
-            x = values[i]
-            if not (fabsf(x) < INFINITY):  # NaN or +-Inf
-                bad += 1
-            if x < lo:
-                lo = x
-            if x > hi:
-                hi = x
-        if not (fabsf(lo) < INFINITY and fabsf(hi) < INFINITY):
-            lo = 0
-            hi = 0
-        step = (hi - lo) / 255.0
-        mins[b] = lo
-        steps[b] = step
-        inv = 0.0
-        if step > 0:
-            inv = 1.0 / step
-        for i in range(start, stop):
-            q = (values[i] - lo) * inv + 0.5
-            if not (q >= 0):  # also catches NaN
-                q = 0
-            if q > 255:
-                q = 255
-            codes[i] = <unsigned char> q
+        length = block if start + block <= n else n - start
+        bad += _encode_block(source + start, length, target + start, min_out + b, step_out + b)
     return bad
+
+
+cdef void _decode_block(const unsigned char* codes, Py_ssize_t n, float low, float step, float* out,
+                       bint accumulate) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef float decoded
+    if accumulate:
+        for i in range(n):
+            decoded = low + codes[i] * step
+            out[i] = out[i] + decoded
+    else:
+        for i in range(n):
+            out[i] = low + codes[i] * step
+
+
+cdef void _decode(const unsigned char[::1] codes, const float[::1] mins, const float[::1] steps,
+                  float[::1] out, Py_ssize_t block, bint accumulate) noexcept nogil:
+    cdef Py_ssize_t n = out.shape[0], b, start
+    if n == 0:
+        return
+    cdef const unsigned char* source = &codes[0]
+    cdef float* target = &out[0]
+    for b in prange(_num_blocks(n, block), schedule="static"):
+        start = b * block
+        _decode_block(source + start, block if start + block <= n else n - start, mins[b], steps[b],
+                      target + start, accumulate)
 
 
 def dequantize(const unsigned char[::1] codes, const float[::1] mins, const float[::1] steps,
                float[::1] out, Py_ssize_t block):
     """out[i] = min[b] + code[i] * step[b]."""
-    cdef Py_ssize_t n = out.shape[0]
-    _check(n, codes.shape[0], min(mins.shape[0], steps.shape[0]), block)
-    cdef Py_ssize_t b, i, start, stop
-    cdef float lo, step
-    for b in prange(_num_blocks(n, block), nogil=True, schedule="static"):
-        start = b * block
-        stop = start + block
-        if stop > n:
-            stop = n
-        lo = mins[b]
-        step = steps[b]
-        for i in range(start, stop):
-            out[i] = lo + codes[i] * step
+    _check(out.shape[0], codes.shape[0], min(mins.shape[0], steps.shape[0]), block)
+    with nogil:
+        _decode(codes, mins, steps, out, block, False)
 
 
 def dequantize_add(const unsigned char[::1] codes, const float[::1] mins, const float[::1] steps,
                    float[::1] acc, Py_ssize_t block):
     """acc[i] += min[b] + code[i] * step[b]: the fp32 accumulation of one ring hop."""
-    cdef Py_ssize_t n = acc.shape[0]
-    _check(n, codes.shape[0], min(mins.shape[0], steps.shape[0]), block)
-    cdef Py_ssize_t b, i, start, stop
-    cdef float lo, step, decoded
-    for b in prange(_num_blocks(n, block), nogil=True, schedule="static"):
-        start = b * block
-        stop = start + block
-        if stop > n:
-            stop = n
-        lo = mins[b]
-        step = steps[b]
-        for i in range(start, stop):
-            decoded = lo + codes[i] * step
-            acc[i] = acc[i] + decoded
+    _check(acc.shape[0], codes.shape[0], min(mins.shape[0], steps.shape[0]), block)
+    with nogil:
+        _decode(codes, mins, steps, acc, block, True)
