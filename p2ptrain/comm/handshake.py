@@ -1,0 +1,150 @@
+"""Mutual authentication of a data-plane connection between two members of one outer step.
+
+    dialer   → hello   {node_key, step, digest, nonce}
+    listener → welcome {node_key, nonce, signature}     (or refuse {reason})
+    dialer   → proof   {signature}
+    listener → ok                                     (or refuse {reason})
+
+Each signature is Ed25519 over a transcript that binds both nonces, both keys, the role, the step
+and the membership digest: a recorded handshake cannot be replayed, a member of another step or
+another membership cannot get in, and the dialer knows it reached the member it meant to reach.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from p2ptrain.comm.wire import FrameError, WireError, expect, read_frame, write_frame
+from p2ptrain.identity import PUBLIC_KEY_BYTES, NodeIdentity, short_id, verify
+
+log = logging.getLogger(__name__)
+
+_DOMAIN = b"p2ptrain/ring-handshake/v1\0"
+NONCE_BYTES = 32
+MAX_HANDSHAKE_FRAME = 1024
+
+
+class HandshakeError(WireError):
+    """The peer is not who it should be, or not a member of this step (reason in the message)."""
+
+
+@dataclass(frozen=True)
+class Session:
+    """What a successful handshake established."""
+
+    step: int
+    digest: bytes
+    local_key: bytes
+    peer_key: bytes
+
+
+def _transcript(
+    role: bytes, step: int, digest: bytes, dialer: bytes, listener: bytes, nonces: bytes
+) -> bytes:
+    return b"".join([_DOMAIN, role, step.to_bytes(8, "big"), digest, dialer, listener, nonces])
+
+
+def _bytes_field(header: dict, name: str, size: int) -> bytes:
+    value = header.get(name)
+    if not isinstance(value, bytes) or len(value) != size:
+        raise HandshakeError(f"malformed handshake field {name!r}")
+    return value
+
+
+async def dial(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    identity: NodeIdentity,
+    expected_peer: bytes,
+    step: int,
+    digest: bytes,
+    timeout: float,
+) -> Session:
+    """Authenticate an outgoing connection to `expected_peer`; raises HandshakeError or WireError."""
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    header = {
+        "kind": "hello",
+        "node_key": identity.public_key,
+        "step": step,
+        "digest": digest,
+        "nonce": nonce,
+    }
+    await write_frame(writer, header, timeout=timeout)
+    try:
+        welcome = expect(await read_frame(reader, timeout, MAX_HANDSHAKE_FRAME), "welcome")
+    except FrameError as exc:
+        raise HandshakeError(str(exc)) from None
+    peer_key = _bytes_field(welcome.header, "node_key", PUBLIC_KEY_BYTES)
+    peer_nonce = _bytes_field(welcome.header, "nonce", NONCE_BYTES)
+    signature = _bytes_field(welcome.header, "signature", 64)
+    if peer_key != expected_peer:
+        raise HandshakeError(f"reached {short_id(peer_key)} instead of {short_id(expected_peer)}")
+    nonces = nonce + peer_nonce
+    if not verify(
+        peer_key, signature, _transcript(b"L", step, digest, identity.public_key, peer_key, nonces)
+    ):
+        raise HandshakeError(f"{short_id(peer_key)} failed to prove its key")
+    proof = identity.sign(_transcript(b"D", step, digest, identity.public_key, peer_key, nonces))
+    await write_frame(writer, {"kind": "proof", "signature": proof}, timeout=timeout)
+    try:
+        expect(await read_frame(reader, timeout, MAX_HANDSHAKE_FRAME), "ok")
+    except FrameError as exc:
+        raise HandshakeError(str(exc)) from None
+    return Session(step, digest, identity.public_key, peer_key)
+
+
+async def accept(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    identity: NodeIdentity,
+    members: Collection[bytes],
+    step: int,
+    digest: bytes,
+    timeout: float,
+) -> Session:
+    """Authenticate an incoming connection; a refusal is sent, logged and raised as HandshakeError."""
+    hello = expect(await read_frame(reader, timeout, MAX_HANDSHAKE_FRAME), "hello")
+    try:
+        peer_key = _bytes_field(hello.header, "node_key", PUBLIC_KEY_BYTES)
+        peer_nonce = _bytes_field(hello.header, "nonce", NONCE_BYTES)
+        reason = None
+        if hello.header.get("step") != step:
+            reason = f"step {hello.header.get('step')!r} is not this node's step {step}"
+        elif hello.header.get("digest") != digest:
+            reason = "membership digest differs (the two nodes elected different members)"
+        elif peer_key not in members or peer_key == identity.public_key:
+            reason = f"{short_id(peer_key)} is not a member of step {step}"
+        if reason:
+            raise HandshakeError(reason)
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        nonces = peer_nonce + nonce
+        signature = identity.sign(_transcript(b"L", step, digest, peer_key, identity.public_key, nonces))
+        await write_frame(
+            writer,
+            {"kind": "welcome", "node_key": identity.public_key, "nonce": nonce, "signature": signature},
+            timeout=timeout,
+        )
+        proof = expect(await read_frame(reader, timeout, MAX_HANDSHAKE_FRAME), "proof")
+        transcript = _transcript(b"D", step, digest, peer_key, identity.public_key, nonces)
+        if not verify(peer_key, _bytes_field(proof.header, "signature", 64), transcript):
+            raise HandshakeError(f"{short_id(peer_key)} failed to prove its key")
+    except (HandshakeError, FrameError) as exc:
+        log.warning("refused data-plane connection: %s", exc)
+        await _refuse(writer, str(exc))
+        raise HandshakeError(str(exc)) from None
+    await write_frame(writer, {"kind": "ok"}, timeout=timeout)
+    return Session(step, digest, identity.public_key, peer_key)
+
+
+async def _refuse(writer: asyncio.StreamWriter, reason: str) -> None:
+    """Tell the peer why, best effort, and close."""
+    try:
+        await write_frame(writer, {"kind": "refuse", "reason": reason[:200]}, timeout=1.0)
+    except WireError:
+        pass
+    finally:
+        writer.close()

@@ -1,0 +1,249 @@
+"""Data-plane framing and the authenticated handshake, over real TCP on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from p2ptrain.comm.handshake import HandshakeError, accept, dial
+from p2ptrain.comm.wire import (
+    MAGIC,
+    PREFIX,
+    VERSION,
+    FrameError,
+    PeerClosed,
+    PeerTimeout,
+    WireError,
+    encode_frame,
+    read_frame,
+    write_frame,
+)
+from p2ptrain.identity import NodeIdentity, load_or_create_identity
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[object]]
+
+
+async def with_server(
+    handler: Handler, client: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[object]]
+):
+    """Run `handler` for one connection on 127.0.0.1 and `client` against it; return both results."""
+    result: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            result.set_result(await handler(reader, writer))
+        except Exception as exc:
+            result.set_result(exc)
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            client_result = await client(reader, writer)
+        except Exception as exc:
+            client_result = exc
+        finally:
+            writer.close()
+        return await asyncio.wait_for(result, 10), client_result
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def raw_reader(data: bytes, eof: bool = True) -> asyncio.StreamReader:
+    reader = asyncio.StreamReader()
+    reader.feed_data(data)
+    if eof:
+        reader.feed_eof()
+    return reader
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_frame_round_trip_over_tcp():
+    payload = bytes(range(256)) * 4096
+
+    async def server(reader, writer):
+        return await read_frame(reader, timeout=5)
+
+    async def client(reader, writer):
+        await write_frame(writer, {"kind": "chunk", "step": 3, "index": 7}, memoryview(payload))
+
+    frame, _ = run(with_server(server, client))
+    assert frame.header == {"kind": "chunk", "step": 3, "index": 7} and frame.payload == payload
+
+
+def frame_bytes(header: dict, payload: bytes = b"") -> bytes:
+    return b"".join(bytes(part) for part in encode_frame(header, payload))
+
+
+@pytest.mark.parametrize(
+    ("data", "error", "reason"),
+    [
+        (b"XXXX" + frame_bytes({"kind": "x"})[4:], FrameError, "bad magic"),
+        (PREFIX.pack(MAGIC, 9, 1, 0) + b"\x80", FrameError, "version"),
+        (PREFIX.pack(MAGIC, VERSION, 0, 0), FrameError, "header length"),
+        (PREFIX.pack(MAGIC, VERSION, 60000, 0), FrameError, "header length"),
+        (PREFIX.pack(MAGIC, VERSION, 1, 1 << 31), FrameError, "exceeds the limit"),
+        (PREFIX.pack(MAGIC, VERSION, 3, 0) + b"\xc1\xc1\xc1", FrameError, "not msgpack"),
+        (PREFIX.pack(MAGIC, VERSION, 2, 0) + b"\x91\x01", FrameError, "not a map"),
+        (frame_bytes({"kind": "x"}, b"12345678")[:-3], PeerClosed, "closed after"),
+        (frame_bytes({"kind": "x"})[:5], PeerClosed, "closed after"),
+    ],
+)
+def test_bad_frames_raise_typed_errors(data: bytes, error: type[WireError], reason: str):
+    async def go():
+        return await read_frame(raw_reader(data), timeout=2, max_payload=1 << 20)
+
+    with pytest.raises(error, match=reason):
+        run(go())
+
+
+def test_a_stalled_peer_times_out():
+    async def go():
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(PeerTimeout):
+            await read_frame(raw_reader(frame_bytes({"kind": "x"}, b"abc")[:-1], eof=False), timeout=0.3)
+        return loop.time() - started
+
+    assert run(go()) < 1.0
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=2048))
+def test_parser_fuzz_only_raises_wire_errors(data: bytes):
+    async def go():
+        try:
+            frame = await read_frame(raw_reader(data), timeout=1, max_payload=4096)
+        except WireError:
+            return
+        assert len(frame.payload) <= 4096
+
+    run(go())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 255), st.integers(0, 65535), st.integers(0, 2**32 - 1), st.binary(max_size=64))
+def test_parser_fuzz_on_valid_magic(version: int, header_len: int, payload_len: int, rest: bytes):
+    async def go():
+        with contextlib.suppress(WireError):
+            await read_frame(
+                raw_reader(struct.pack("!4sBHI", MAGIC, version, header_len, payload_len) + rest),
+                timeout=1,
+                max_payload=1 << 16,
+            )
+
+    run(go())
+
+
+# ---- handshake --------------------------------------------------------------------------------
+
+
+@dataclass
+class Nodes:
+    a: NodeIdentity
+    b: NodeIdentity
+    c: NodeIdentity
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory) -> Nodes:
+    root: Path = tmp_path_factory.mktemp("keys")
+    return Nodes(*(load_or_create_identity(root / name) for name in "abc"))
+
+
+DIGEST = b"d" * 32
+
+
+def handshake(
+    listener: NodeIdentity,
+    dialer: NodeIdentity,
+    members,
+    *,
+    expected=None,
+    step=5,
+    digest=DIGEST,
+    dial_step=5,
+    dial_digest=DIGEST,
+):
+    async def server(reader, writer):
+        return await accept(reader, writer, listener, members, step, digest, timeout=5)
+
+    async def client(reader, writer):
+        return await dial(
+            reader, writer, dialer, expected or listener.public_key, dial_step, dial_digest, timeout=5
+        )
+
+    return run(with_server(server, client))
+
+
+def test_handshake_between_members(nodes: Nodes):
+    accepted, dialed = handshake(nodes.a, nodes.b, {nodes.a.public_key, nodes.b.public_key})
+    assert accepted.peer_key == nodes.b.public_key and dialed.peer_key == nodes.a.public_key
+    assert accepted.step == dialed.step == 5
+
+
+@pytest.mark.parametrize(
+    ("case", "reason"),
+    [("non-member", "is not a member"), ("step", "step 6"), ("digest", "membership digest differs")],
+)
+def test_handshake_refusals_are_logged_on_both_sides(nodes: Nodes, caplog, case: str, reason: str):
+    members = {nodes.a.public_key, nodes.b.public_key}
+    kwargs = {"dial_step": 6} if case == "step" else {"dial_digest": b"x" * 32} if case == "digest" else {}
+    dialer = nodes.c if case == "non-member" else nodes.b
+    with caplog.at_level(logging.WARNING, logger="p2ptrain.comm.handshake"):
+        accepted, dialed = handshake(nodes.a, dialer, members, **kwargs)
+    assert isinstance(accepted, HandshakeError) and reason in str(accepted)
+    assert isinstance(dialed, HandshakeError) and reason in str(dialed)
+    assert any(reason in record.getMessage() for record in caplog.records)
+
+
+def test_impostor_claiming_a_members_key_is_refused(nodes: Nodes):
+    """c says it is b but cannot sign as b."""
+    impostor = NodeIdentity(private_key=nodes.c.private_key, path=nodes.c.path)
+
+    class Claims(NodeIdentity):
+        @property
+        def public_key(self) -> bytes:  # claims b's key, signs with c's private key
+            return nodes.b.public_key
+
+    liar = Claims(private_key=impostor.private_key, path=impostor.path)
+    accepted, dialed = handshake(nodes.a, liar, {nodes.a.public_key, nodes.b.public_key})
+    assert isinstance(accepted, HandshakeError) and "failed to prove" in str(accepted)
+    assert isinstance(dialed, WireError)
+
+
+def test_dialer_detects_the_wrong_listener(nodes: Nodes):
+    accepted, dialed = handshake(
+        nodes.c, nodes.b, {nodes.b.public_key, nodes.c.public_key}, expected=nodes.a.public_key
+    )
+    assert isinstance(dialed, HandshakeError) and "instead of" in str(dialed)
+    assert isinstance(accepted, WireError)  # the dialer hung up without its proof
+
+
+def test_garbage_instead_of_a_handshake(nodes: Nodes):
+    async def server(reader, writer):
+        return await accept(reader, writer, nodes.a, {nodes.a.public_key}, 1, DIGEST, timeout=2)
+
+    async def client(reader, writer):
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        await writer.drain()
+        return await reader.read()
+
+    accepted, _ = run(with_server(server, client))
+    assert isinstance(accepted, FrameError) and "bad magic" in str(accepted)
