@@ -82,7 +82,9 @@ async def run_node(
                 await asyncio.wait_for(stop.wait(), config.swarm.heartbeat_interval)
     finally:
         try:
-            await publisher.deathrattle()
-            print(f"node {identity.short_id} left the swarm (deathrattle sent)", file=out, flush=True)
+            sent = await publisher.deathrattle()
         except Exception as exc:  # best effort: the swarm falls back to the heartbeat timeout
             log.warning("deathrattle not sent: %s", exc)
+            sent = False
+        outcome = "deathrattle sent" if sent else "deathrattle not confirmed; peers will time it out"
+        print(f"node {identity.short_id} left the swarm ({outcome})", file=out, flush=True)

@@ -53,3 +53,8 @@ def test_swarm_keeps_working_without_its_bootstrap_peer(swarm: LocalSwarm):
     wait_until(lambda: len(swarm.live_ids(second)) == 3, timeout=60, what="the newcomer seen through node1")
     status = swarm.status(second)
     assert all(node["last_seen_s"] < 6 for node in status["nodes"]), status
+    # and a node still stops within 5 s, deathrattle included, with the dead peer in its routing table
+    swarm.children.signal("node1", signal.SIGTERM)
+    assert swarm.children.wait("node1", timeout=5) == 0
+    assert "deathrattle sent" in swarm.log("node1")
+    assert len(swarm.live_ids(first)) == 2

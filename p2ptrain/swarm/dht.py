@@ -137,14 +137,23 @@ class SwarmDHT:
     def visible_maddrs(self) -> list[str]:
         return [str(addr) for addr in self._dht.get_visible_maddrs()]
 
-    async def store(self, key: str, subkey: bytes, value: bytes, expiration: float) -> bool:
-        """Store one subkey of `key`; False when no replica accepted it within the timeout."""
-        future = self._dht.store(key, value, expiration, subkey=subkey, return_future=True)
+    async def store(
+        self, key: str, subkey: bytes, value: bytes, expiration: float, timeout: float | None = None
+    ) -> bool:
+        """Store one subkey of `key`; False when no replica accepted it within the timeout.
+
+        Returns at the first replica that accepts (the others continue in the background), so a
+        dead peer still in the routing table does not hold every heartbeat up for its RPC timeout.
+        """
+        timeout = self.settings.timeout if timeout is None else timeout
+        future = self._dht.store(
+            key, value, expiration, subkey=subkey, return_future=True, await_all_replicas=False
+        )
         try:
-            return bool(await asyncio.wait_for(_awaitable(future), self.settings.timeout))
+            return bool(await asyncio.wait_for(_awaitable(future), timeout))
         except asyncio.TimeoutError:
             future.cancel()
-            log.warning("DHT store of %s timed out after %.1f s", key, self.settings.timeout)
+            log.warning("DHT store of %s timed out after %.1f s", key, timeout)
             return False
 
     async def get(self, key: str) -> dict[bytes, ValueWithExpiration] | None:

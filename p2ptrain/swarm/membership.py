@@ -20,6 +20,8 @@ from p2ptrain.swarm.records import Heartbeat, NodeState, RecordError, decode_hea
 
 log = logging.getLogger(__name__)
 
+DEATHRATTLE_TIMEOUT = 2.0
+
 
 class HeartbeatPublisher:
     """Signs and stores this node's heartbeat; fields not given keep their last value."""
@@ -40,7 +42,7 @@ class HeartbeatPublisher:
             **fields,
         )
 
-    async def publish(self, **changes: Any) -> bool:
+    async def publish(self, timeout: float | None = None, **changes: Any) -> bool:
         """Store a fresh record with `changes` applied; False when the DHT did not take it."""
         self._seq += 1
         now = get_dht_time()
@@ -49,12 +51,19 @@ class HeartbeatPublisher:
         )
         self.current = record
         return await self._dht.store(
-            heartbeat_key(record.run_id), record.node_key, record.sign(self._identity), record.expiration
+            heartbeat_key(record.run_id),
+            record.node_key,
+            record.sign(self._identity),
+            record.expiration,
+            timeout=timeout,
         )
 
-    async def deathrattle(self) -> bool:
-        """Tell the swarm at once that this node is gone, instead of letting it wait for the timeout."""
-        return await self.publish(state=NodeState.DEAD)
+    async def deathrattle(self, timeout: float = DEATHRATTLE_TIMEOUT) -> bool:
+        """Tell the swarm at once that this node is gone, instead of letting it wait for the timeout.
+
+        Bounded tighter than other stores: a node that is stopping must be gone within seconds.
+        """
+        return await self.publish(timeout=timeout, state=NodeState.DEAD)
 
 
 async def read_heartbeats(dht: SwarmDHT, run_id: str) -> list[Heartbeat]:
