@@ -19,6 +19,8 @@ from typing import Any
 
 import msgpack
 
+from p2ptrain.untrusted import UndecodableError, unpack_untrusted
+
 MAGIC = b"P2PT"
 VERSION = 1
 PREFIX = struct.Struct("!4sBHI")
@@ -81,17 +83,9 @@ def parse_prefix(data: bytes, max_payload: int) -> tuple[int, int]:
 
 def decode_header(data: bytes) -> dict[str, Any]:
     try:
-        header = msgpack.unpackb(
-            data,
-            raw=False,
-            strict_map_key=True,
-            max_str_len=MAX_HEADER_BYTES,
-            max_bin_len=MAX_HEADER_BYTES,
-            max_array_len=256,
-            max_map_len=64,
-        )
-    except Exception as exc:  # msgpack raises several types on garbage
-        raise FrameError(f"header is not msgpack ({type(exc).__name__})") from None
+        header = unpack_untrusted(data, MAX_HEADER_BYTES, max_items=256)
+    except UndecodableError as exc:
+        raise FrameError(f"header is {exc}") from None
     if not isinstance(header, dict) or not all(isinstance(key, str) for key in header):
         raise FrameError("header is not a map with string keys")
     return header

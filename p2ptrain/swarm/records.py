@@ -20,6 +20,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
 from p2ptrain.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, NodeIdentity, verify
+from p2ptrain.untrusted import UndecodableError, unpack_untrusted
 
 log = logging.getLogger(__name__)
 
@@ -116,19 +117,11 @@ _FIELDS = {
 }
 
 
-def _unpack(data: bytes) -> Any:
+def _unpack(data: bytes, max_bytes: int = MAX_RECORD_BYTES) -> Any:
     try:
-        return msgpack.unpackb(
-            data,
-            raw=False,
-            strict_map_key=True,
-            max_str_len=MAX_RECORD_BYTES,
-            max_bin_len=MAX_RECORD_BYTES,
-            max_array_len=64,
-            max_map_len=64,
-        )
-    except Exception as exc:  # msgpack raises many types for garbage input
-        raise RecordError(f"not msgpack ({type(exc).__name__})") from None
+        return unpack_untrusted(data, max_bytes)
+    except UndecodableError as exc:
+        raise RecordError(str(exc)) from None
 
 
 def decode_heartbeat(value: bytes) -> Heartbeat:
@@ -236,12 +229,7 @@ def _unpack_value(data: bytes | None) -> bytes:
     """hivemind msgpack-serializes values and subkeys; ours are always msgpack bin (bytes)."""
     if data is None:
         raise RecordError("record without subkey")
-    try:
-        value = msgpack.unpackb(
-            data, raw=False, max_bin_len=MAX_RECORD_BYTES * 4, max_str_len=MAX_RECORD_BYTES * 4
-        )
-    except Exception:
-        raise RecordError("value is not msgpack") from None
+    value = _unpack(data, MAX_RECORD_BYTES * 4)
     if not isinstance(value, bytes):
         raise RecordError(f"value is {type(value).__name__}, not bytes")
     return value
