@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Collection
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 
 from p2ptrain.comm.wire import FrameError, WireError, expect, read_frame, write_frame
@@ -97,6 +97,17 @@ async def dial(
     return Session(step, digest, identity.public_key, peer_key)
 
 
+@dataclass(frozen=True)
+class Admission:
+    """Who may connect for one step: the allowed peer keys and the membership digest."""
+
+    allowed: Collection[bytes]
+    digest: bytes
+
+
+Resolver = Callable[[int], Awaitable["Admission | None"]]
+
+
 async def accept(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
@@ -106,20 +117,43 @@ async def accept(
     digest: bytes,
     timeout: float,
 ) -> Session:
-    """Authenticate an incoming connection; a refusal is sent, logged and raised as HandshakeError."""
+    """Authenticate an incoming connection for one known step (see `accept_any`)."""
+
+    async def resolve(asked: int) -> Admission | None:
+        return Admission(members, digest) if asked == step else None
+
+    return await accept_any(reader, writer, identity, resolve, timeout)
+
+
+async def accept_any(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    identity: NodeIdentity,
+    resolve: Resolver,
+    timeout: float,
+) -> Session:
+    """Authenticate an incoming connection; `resolve(step)` says who may connect for that step.
+
+    A refusal is sent to the peer, logged, and raised as HandshakeError.
+    """
     hello = expect(await read_frame(reader, timeout, MAX_HANDSHAKE_FRAME), "hello")
     try:
         peer_key = _bytes_field(hello.header, "node_key", PUBLIC_KEY_BYTES)
         peer_nonce = _bytes_field(hello.header, "nonce", NONCE_BYTES)
+        step = hello.header.get("step")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise HandshakeError(f"malformed step {step!r}")
+        admission = await resolve(step)
         reason = None
-        if hello.header.get("step") != step:
-            reason = f"step {hello.header.get('step')!r} is not this node's step {step}"
-        elif hello.header.get("digest") != digest:
+        if admission is None:
+            reason = f"step {step} is not a step this node is reducing"
+        elif hello.header.get("digest") != admission.digest:
             reason = "membership digest differs (the two nodes elected different members)"
-        elif peer_key not in members or peer_key == identity.public_key:
+        elif peer_key not in admission.allowed or peer_key == identity.public_key:
             reason = f"{short_id(peer_key)} is not a member of step {step}"
-        if reason:
-            raise HandshakeError(reason)
+        if reason or admission is None:
+            raise HandshakeError(reason or "refused")
+        digest = admission.digest
         nonce = secrets.token_bytes(NONCE_BYTES)
         nonces = peer_nonce + nonce
         signature = identity.sign(_transcript(b"L", step, digest, peer_key, identity.public_key, nonces))

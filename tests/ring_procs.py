@@ -1,0 +1,137 @@
+"""Members of a ring all-reduce, each in its own process with its own sockets (spawned, stopped by PID)."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from p2ptrain.comm.ring import AllReduceError, DataPlaneServer, RingMember, RingSettings, ring_all_reduce
+from p2ptrain.identity import load_or_create_identity
+
+
+@dataclass
+class Outcome:
+    index: int
+    ok: bool
+    error: str = ""
+    seconds: float = 0.0
+    failed_at: float = 0.0
+    """time.time() when the error was raised, to bound detection time."""
+
+
+def member_data(index: int, length: int, outlier: bool) -> np.ndarray:
+    data = np.random.default_rng(1000 + index).standard_normal(length).astype(np.float32)
+    if outlier and length > 10:
+        data[:: max(1, length // 4)][:4] = 100.0  # a few values at 100 sigma
+    return data
+
+
+def _member(
+    index: int,
+    root: str,
+    length: int,
+    outlier: bool,
+    settings: RingSettings,
+    step: int,
+    inbox: Any,
+    outbox: Any,
+    fault: str | None,
+    fault_after: int,
+) -> None:
+    async def main() -> None:
+        identity = load_or_create_identity(Path(root) / f"id{index}")
+        server = DataPlaneServer(identity, settings)
+        host, port = await server.start()
+        outbox.put(("address", index, identity.public_key, host, port))
+        members = await asyncio.get_running_loop().run_in_executor(None, inbox.get)
+        buffer = member_data(index, length, outlier)
+        frames = 0
+
+        def progress(phase: str, rnd: int, chunk: int) -> None:
+            nonlocal frames
+            frames += 1
+            if fault == "kill" and frames >= fault_after:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if fault == "stall" and frames >= fault_after:
+                time.sleep(3600)  # a hung process: nothing moves, the sockets stay open
+
+        if fault == "nan":
+            buffer[length // 2] = np.nan
+        started = time.monotonic()
+        try:
+            await ring_all_reduce(server, step, members, buffer, progress)
+        except AllReduceError as exc:
+            outbox.put(("done", Outcome(index, False, str(exc), time.monotonic() - started, time.time())))
+            return
+        finally:
+            await server.close()
+        np.save(Path(root) / f"result{index}.npy", buffer)
+        outbox.put(("done", Outcome(index, True, "", time.monotonic() - started)))
+
+    asyncio.run(main())
+
+
+def run_ring(
+    root: Path,
+    n: int,
+    length: int,
+    *,
+    weights: list[float] | None = None,
+    outlier: bool = False,
+    settings: RingSettings | None = None,
+    faults: dict[int, tuple[str, int]] | None = None,
+    timeout: float = 60.0,
+) -> tuple[dict[int, Outcome], dict[int, np.ndarray], list[np.ndarray]]:
+    """Run one all-reduce over `n` member processes; returns outcomes, results and the inputs."""
+    context = mp.get_context("spawn")
+    outbox = context.Queue()
+    inboxes = [context.Queue() for _ in range(n)]
+    settings = settings or RingSettings(chunk_bytes=1 << 16)
+    faults = faults or {}
+    processes = [
+        context.Process(
+            target=_member,
+            args=(i, str(root), length, outlier, settings, 11, inboxes[i], outbox, *faults.get(i, (None, 0))),
+            daemon=True,
+        )
+        for i in range(n)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        addresses = {}
+        while len(addresses) < n:
+            _, index, key, host, port = outbox.get(timeout=timeout)
+            addresses[index] = (key, host, port)
+        weights = weights or [1.0] * n
+        members = [
+            RingMember(addresses[i][0], addresses[i][1], addresses[i][2], weights[i]) for i in range(n)
+        ]
+        for inbox in inboxes:
+            inbox.put(members)
+        outcomes: dict[int, Outcome] = {}
+        expected = n - sum(1 for kind, _ in faults.values() if kind in ("kill", "stall"))
+        deadline = time.monotonic() + timeout
+        while len(outcomes) < expected and time.monotonic() < deadline:
+            try:
+                _, outcome = outbox.get(timeout=max(0.1, deadline - time.monotonic()))
+            except Exception:
+                break
+            outcomes[outcome.index] = outcome
+    finally:
+        for process in processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
+    results = {i: np.load(root / f"result{i}.npy") for i, outcome in outcomes.items() if outcome.ok}
+    inputs = [member_data(i, length, outlier) for i in range(n)]
+    return outcomes, results, inputs
