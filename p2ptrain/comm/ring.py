@@ -234,8 +234,8 @@ class _Ring:
         self,
         index: int,
         members: Sequence[RingMember],
-        work: np.ndarray,
-        result: np.ndarray,
+        own: np.ndarray,
+        share: float,
         settings: RingSettings,
         step: int,
         progress: Callable[[str, int, int], None] | None,
@@ -244,12 +244,14 @@ class _Ring:
         self._loop = loop
         self.n = len(members)
         self.index = index
-        self.work = work
-        self.result = result
+        self.own = own  # the caller's buffer: read only, never written before success
+        self.share = np.float32(share)
+        self.finals: list[tuple[int, int, bytes]] = []
+        """Encoded chunks of the result; decoded into the caller's buffer only once all succeeded."""
         self.settings = settings
         self.step = step
         self.progress = progress
-        self.bounds = segment_bounds(work.shape[0], self.n, settings.block)
+        self.bounds = segment_bounds(own.shape[0], self.n, settings.block)
         chunk = max(settings.block, (settings.chunk_bytes // settings.block) * settings.block)
         self.chunks = [chunk_bounds(self.bounds[s], self.bounds[s + 1], chunk) for s in range(self.n)]
         self.stats = RingStats()
@@ -283,9 +285,7 @@ class _Ring:
                 segment = self.segment(phase, rnd, sending=True)
                 for chunk_index, (start, stop) in enumerate(self.chunks[segment]):
                     if phase == "rs" and rnd == 0:
-                        encoded = await loop.run_in_executor(
-                            None, _encode, self.work[start:stop], self.settings.block
-                        )
+                        encoded = await loop.run_in_executor(None, self._encode_own, start, stop)
                     else:
                         encoded = await self.slot((phase, rnd, chunk_index))
                     payload = encoded.payload
@@ -345,22 +345,32 @@ class _Ring:
         """Runs on a worker thread: decode one received chunk and prepare what goes out next."""
         loop_result: tuple[str, int, int, _Encoded] | None = None
         if phase == "rs":
-            view = self.work[start:stop]
+            view = self._scaled_own(start, stop)
             quant.dequantize_add(encoded, view)
             if rnd < self.n - 2:
                 loop_result = ("rs", rnd + 1, chunk, _encode(view, self.settings.block))
-            else:  # this member now owns the fully reduced chunk: encode it once, decode it like everyone
+            else:  # this member now owns the fully reduced chunk: encode it once, like everyone decodes it
                 final = _encode(view, self.settings.block)
-                quant.dequantize(
-                    _decode(final.payload, final.length, self.settings.block), self.result[start:stop]
-                )
+                self.finals.append((start, stop, final.payload))
                 loop_result = ("ag", 0, chunk, final)
         else:
-            quant.dequantize(encoded, self.result[start:stop])
+            self.finals.append((start, stop, payload))
             if rnd < self.n - 2:
                 loop_result = ("ag", rnd + 1, chunk, _Encoded(payload, stop - start))
         if loop_result is not None:
             self._post(loop_result)
+
+    def _scaled_own(self, start: int, stop: int) -> np.ndarray:
+        """This member's weighted contribution to one chunk, in a fresh chunk-sized buffer."""
+        return np.multiply(self.own[start:stop], self.share)
+
+    def _encode_own(self, start: int, stop: int) -> _Encoded:
+        return _encode(self._scaled_own(start, stop), self.settings.block)
+
+    def write_result(self, buffer: np.ndarray) -> None:
+        """Decode every final chunk into `buffer`: the same bytes on every member, so the same floats."""
+        for start, stop, payload in self.finals:
+            quant.dequantize(_decode(payload, stop - start, self.settings.block), buffer[start:stop])
 
     def _post(self, item: tuple[str, int, int, _Encoded]) -> None:
         phase, rnd, chunk, encoded = item
@@ -403,14 +413,13 @@ async def ring_all_reduce(
     index = keys.index(identity.public_key)
     share = shares(members)[index]
     started = time.monotonic()
-    poisoned = not np.isfinite(buffer).all()
     if len(members) == 1:
-        if poisoned:
-            raise AllReduceError(f"step {step}: this node's own contribution holds NaN or Inf")
+        if not np.isfinite(buffer).all():
+            raise AllReduceError(f"step {step}: this node's contribution holds NaN or Inf")
         return RingStats(seconds=time.monotonic() - started)
-    work = buffer * np.float32(share)
-    result = np.empty_like(buffer)
-    ring = _Ring(index, members, work, result, settings, step, progress, asyncio.get_running_loop())
+    # Partial sums live in chunk-sized buffers; NaN/Inf of ours are caught where a chunk is encoded,
+    # before anything is sent, and the error then closes the connections so the others fail at once.
+    ring = _Ring(index, members, buffer, share, settings, step, progress, asyncio.get_running_loop())
     digest = membership_digest(step, members)
     successor, predecessor = members[(index + 1) % len(members)], members[index - 1]
     incoming = server.expect(step, predecessor.key, digest)
@@ -422,8 +431,6 @@ async def ring_all_reduce(
             writers.append(out_writer)
             in_reader, in_writer = await asyncio.wait_for(incoming, settings.setup_timeout)
             writers.append(in_writer)
-            if poisoned:  # connect, then hang up: the others fail at once instead of waiting for us
-                raise AllReduceError(f"step {step}: this node's own contribution holds NaN or Inf: not sent")
         except asyncio.TimeoutError:
             raise AllReduceError(
                 f"{short_id(predecessor.key)} did not connect within {settings.setup_timeout:.0f} s"
@@ -438,7 +445,11 @@ async def ring_all_reduce(
                 task.result()  # the first failure propagates at once
     except AllReduceError:
         raise
-    except (WireError, HandshakeError, OSError, quant.NonFiniteError) as exc:
+    except quant.NonFiniteError as exc:
+        raise AllReduceError(
+            f"step {step}: NaN or Inf in this node's contribution ({exc}); not sent"
+        ) from exc
+    except (WireError, HandshakeError, OSError) as exc:
         raise AllReduceError(f"step {step}: {exc}") from exc
     finally:
         for task in tasks:
@@ -446,6 +457,6 @@ async def ring_all_reduce(
         for writer in writers:
             writer.close()
         server.forget(step)
-    np.copyto(buffer, result)
+    await asyncio.get_running_loop().run_in_executor(None, ring.write_result, buffer)
     ring.stats.seconds = time.monotonic() - started
     return ring.stats
