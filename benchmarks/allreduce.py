@@ -1,18 +1,23 @@
-"""The int8 ring all-reduce against torch.distributed gloo (fp32), 3 processes on 127.0.0.1.
+"""The int8 ring all-reduce against torch.distributed gloo (fp32), 3 member processes.
 
-    python -m benchmarks.allreduce --json [--mib 64] [--rounds 5]
+    python -m benchmarks.allreduce --json [--mib 64] [--rounds 5] [--bandwidth MBIT]
 
-Every process holds its own N(0,1) fp32 vector; the figures are medians over the rounds of the
-slowest member's time (a barrier starts each round). `rel_err` is the ring's relative L2 error
-against the exact fp32 mean.
+Every member holds its own N(0,1) fp32 vector. A gloo barrier starts each round; a round's time is
+the slowest member's, and the figures are medians over the rounds. `rel_err` is the ring's relative
+L2 error against the exact fp32 mean. Without --bandwidth the members talk over 127.0.0.1; with it,
+each runs in its own network namespace whose uplink tc limits to MBIT, and `link_util` = (ideal wire
+time of the int8 ring at that bandwidth) / (measured time).
 """
 
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
+import json
 import os
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,117 +28,153 @@ import numpy as np
 from benchmarks.common import parser, report
 
 WORLD = 3
+BLOCK = 256
 
 
 def _data(rank: int, length: int) -> np.ndarray:
     return np.random.default_rng(rank).standard_normal(length).astype(np.float32)
 
 
-def _worker(
-    rank: int, length: int, rounds: int, root: str, port: int, queue: Any, barrier: Any, members_q: Any
-) -> None:
+def worker(rank: int, host: str, master: str, length: int, rounds: int, out: Path) -> None:
+    """One member: `rounds` ring all-reduces, then `rounds` gloo all-reduces, timings to `out`."""
     import torch
     import torch.distributed as dist
 
-    from p2ptrain.comm.ring import DataPlaneServer, RingSettings, ring_all_reduce
+    from p2ptrain.comm.ring import DataPlaneServer, RingMember, RingSettings, ring_all_reduce
     from p2ptrain.identity import load_or_create_identity
 
-    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=WORLD)
     data = _data(rank, length)
 
-    async def ring_rounds() -> list[float]:
-        identity = load_or_create_identity(Path(root) / f"id{rank}")
-        server = DataPlaneServer(identity, RingSettings())
-        host, listen_port = await server.start()
-        queue.put(("address", rank, identity.public_key, host, listen_port))
-        members = await asyncio.get_running_loop().run_in_executor(None, members_q.get)
-        times = []
-        buffer = data.copy()
+    async def ring_rounds() -> tuple[list[float], np.ndarray]:
+        identity = load_or_create_identity(out.parent / f"id{rank}")
+        server = DataPlaneServer(identity, RingSettings(block=BLOCK, failure_timeout=120, setup_timeout=60))
+        listen_host, port = await server.start(host)
+        everyone: list[Any] = [None] * WORLD
+        dist.all_gather_object(everyone, (identity.public_key, listen_host, port))
+        members = [RingMember(key, member_host, member_port) for key, member_host, member_port in everyone]
+        buffer, times = data.copy(), []
         for step in range(rounds + 1):
             np.copyto(buffer, data)
-            await asyncio.get_running_loop().run_in_executor(None, barrier.wait)
+            dist.barrier()
             started = time.perf_counter()
             await ring_all_reduce(server, step, members, buffer)
             times.append(time.perf_counter() - started)
         await server.close()
-        if rank == 0:
-            np.save(Path(root) / "ring.npy", buffer)
-        return times[1:]
+        return times[1:], buffer
 
-    ring_times = asyncio.run(ring_rounds())
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    tensor = torch.from_numpy(data.copy())
-    gloo_times = []
+    ring_times, result = asyncio.run(ring_rounds())
+    tensor, gloo_times = torch.from_numpy(data.copy()), []
     for _ in range(rounds + 1):
         tensor.copy_(torch.from_numpy(data))
         dist.barrier()
         started = time.perf_counter()
         dist.all_reduce(tensor)
         gloo_times.append(time.perf_counter() - started)
+    everyone_times: list[Any] = [None] * WORLD
+    dist.all_gather_object(everyone_times, (ring_times, gloo_times[1:]))
     dist.destroy_process_group()
-    queue.put(("times", rank, ring_times, gloo_times[1:]))
+    if rank == 0:
+        np.save(out.parent / "ring.npy", result)
+        out.write_text(json.dumps(everyone_times))
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
 
 
-def run(mib: int, rounds: int) -> dict[str, Any]:
-    from p2ptrain.comm.ring import RingMember
-
-    length = (mib << 20) // 4
-    context = mp.get_context("spawn")
-    queue, members_q, barrier = (
-        context.Queue(),
-        [context.Queue() for _ in range(WORLD)],
-        context.Barrier(WORLD),
-    )
-    port = _free_port()
-    with tempfile.TemporaryDirectory() as root:
-        processes = [
-            context.Process(
-                target=_worker, args=(rank, length, rounds, root, port, queue, barrier, members_q[rank])
-            )
-            for rank in range(WORLD)
-        ]
+def _run_members(commands: list[list[str]], root: Path, timeout: float) -> list[Any]:
+    logs = [open(root / f"member{rank}.log", "w") for rank in range(WORLD)]  # noqa: SIM115
+    processes = [
+        subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent
+        )
+        for command, log in zip(commands, logs, strict=True)
+    ]
+    try:
+        deadline = time.monotonic() + timeout
         for process in processes:
-            process.start()
-        try:
-            addresses = {}
-            while len(addresses) < WORLD:
-                _, rank, key, host, listen_port = queue.get(timeout=120)
-                addresses[rank] = RingMember(key, host, listen_port)
-            for inbox in members_q:
-                inbox.put([addresses[rank] for rank in range(WORLD)])
-            ring_times: list[list[float]] = []
-            gloo_times: list[list[float]] = []
-            for _ in range(WORLD):
-                _, rank, ring, gloo = queue.get(timeout=600)
-                ring_times.append(ring)
-                gloo_times.append(gloo)
-            result = np.load(Path(root) / "ring.npy")
-        finally:
-            for process in processes:
-                process.join(timeout=30)
-                if process.is_alive():
-                    process.kill()
+            process.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        for log in logs:
+            log.close()
+    if any(process.returncode != 0 for process in processes):
+        tail = (root / "member0.log").read_text()[-2000:]
+        raise RuntimeError(f"a member failed; member 0 said:\n{tail}")
+    return json.loads((root / "times.json").read_text())
+
+
+def run(mib: int, rounds: int, bandwidth: float | None) -> dict[str, Any]:
+    length = (mib << 20) // 4
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        out = root / "times.json"
+
+        def command(rank: int, host: str, master: str) -> list[str]:
+            return [
+                sys.executable,
+                "-m",
+                "benchmarks.allreduce",
+                "--worker",
+                str(rank),
+                "--host",
+                host,
+                "--master",
+                master,
+                "--length",
+                str(length),
+                "--rounds",
+                str(rounds),
+                "--out",
+                str(out),
+            ]
+
+        timeout = 120 + rounds * (4 * length * 8 / (bandwidth * 1e6) * 2 if bandwidth else 5)
+        if bandwidth is None:
+            master = f"127.0.0.1:{_free_port()}"
+            times = _run_members([command(rank, "127.0.0.1", master) for rank in range(WORLD)], root, timeout)
+        else:
+            from benchmarks.netns import limited_network
+
+            with limited_network(WORLD, bandwidth) as network:
+                master = f"{network.addresses[0]}:29517"
+                commands = [
+                    network.command(rank, command(rank, network.addresses[rank], master))
+                    for rank in range(WORLD)
+                ]
+                times = _run_members(commands, root, timeout)
+        result = np.load(root / "ring.npy")
     exact = np.mean([_data(rank, length).astype(np.float64) for rank in range(WORLD)], axis=0)
-    slowest = lambda per_rank: statistics.median(max(r[i] for r in per_rank) for i in range(rounds))  # noqa: E731
-    ring_s, gloo_s = slowest(ring_times), slowest(gloo_times)
-    return {
+
+    def slowest(index: int) -> float:
+        return statistics.median(max(member[index][i] for member in times) for i in range(rounds))
+
+    ring_s, gloo_s = slowest(0), slowest(1)
+    summary: dict[str, Any] = {
         "members": WORLD,
         "mib": mib,
         "rounds": rounds,
-        "cpus": os.cpu_count(),
         "int8_ring_s": round(ring_s, 4),
         "gloo_fp32_s": round(gloo_s, 4),
-        "ring_vs_gloo": round(ring_s / gloo_s, 2),
+        "ring_vs_gloo": round(ring_s / gloo_s, 3),
         "rel_err": round(float(np.linalg.norm(result - exact) / np.linalg.norm(exact)), 5),
     }
+    if bandwidth is not None:
+        wire_bytes = 2 * (WORLD - 1) / WORLD * length * (1 + 8 / BLOCK)
+        ideal_s = wire_bytes * 8 / (bandwidth * 1e6)
+        summary.update(
+            bandwidth_mbit=bandwidth,
+            ideal_ring_s=round(ideal_s, 4),
+            link_util=round(ideal_s / ring_s, 3),
+            speedup_vs_gloo=round(gloo_s / ring_s, 2),
+        )
+    return summary
 
 
 def main() -> None:
@@ -141,16 +182,36 @@ def main() -> None:
     arguments.add_argument("--mib", type=int, default=64, help="fp32 buffer size per member (MiB)")
     arguments.add_argument("--rounds", type=int, default=5, help="timed rounds (after one warm-up)")
     arguments.add_argument(
-        "--bandwidth", type=float, help="(not implemented yet) limit links to MBIT with tc"
+        "--bandwidth", type=float, metavar="MBIT", help="limit each member's uplink to MBIT"
     )
+    arguments.add_argument("--worker", type=int, help=argparse_hidden())
+    arguments.add_argument("--host", help=argparse_hidden())
+    arguments.add_argument("--master", help=argparse_hidden())
+    arguments.add_argument("--length", type=int, help=argparse_hidden())
+    arguments.add_argument("--out", help=argparse_hidden())
     args = arguments.parse_args()
-    if args.bandwidth is not None:
-        report(
-            {"skipped": True, "reason": "--bandwidth (tc-limited network namespaces) is not implemented yet"},
-            args.json,
-        )
+    if args.worker is not None:
+        worker(args.worker, args.host, args.master, args.length, args.rounds, Path(args.out))
         return
-    report(run(args.mib, args.rounds), args.json)
+    if args.bandwidth is not None and os.geteuid() != 0:
+        report({"skipped": True, "reason": "--bandwidth needs root for network namespaces and tc"}, args.json)
+        return
+    try:
+        summary = run(args.mib, args.rounds, args.bandwidth)
+    except Exception as exc:
+        from benchmarks.netns import NamespacesUnavailable
+
+        if isinstance(exc, NamespacesUnavailable):
+            report({"skipped": True, "reason": f"network namespaces not permitted here: {exc}"}, args.json)
+            return
+        raise
+    report(summary, args.json)
+
+
+def argparse_hidden() -> str:
+    import argparse
+
+    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":

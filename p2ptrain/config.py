@@ -105,7 +105,7 @@ class CommConfig(Section):
     quant_block: int = Field(256, ge=16, le=1 << 20)
     """Values per (min, step) pair of the int8 code."""
     chunk_bytes: int = Field(4 << 20, ge=1 << 12)
-    """Pipelining unit of the ring all-reduce."""
+    """Pipelining unit of the ring all-reduce, in fp32 bytes (a quarter of that on the wire)."""
     connections: int = Field(1, ge=1, le=16)
     zstd: bool = False
     failure_timeout: float = Field(5.0, gt=0, le=600)

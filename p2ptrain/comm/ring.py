@@ -58,6 +58,7 @@ class RingMember:
 class RingSettings:
     block: int = 256
     chunk_bytes: int = 4 << 20
+    """fp32 bytes per pipelined chunk (about a quarter of that goes on the wire)."""
     failure_timeout: float = 5.0
     """Longest wait for the next frame (or for a neighbour to connect) before the step fails."""
     setup_timeout: float = 30.0
@@ -252,7 +253,7 @@ class _Ring:
         self.step = step
         self.progress = progress
         self.bounds = segment_bounds(own.shape[0], self.n, settings.block)
-        chunk = max(settings.block, (settings.chunk_bytes // settings.block) * settings.block)
+        chunk = max(settings.block, (settings.chunk_bytes // 4 // settings.block) * settings.block)
         self.chunks = [chunk_bounds(self.bounds[s], self.bounds[s + 1], chunk) for s in range(self.n)]
         self.stats = RingStats()
         self.frames_queued = 0

@@ -1,0 +1,109 @@
+"""A small switched network of network namespaces with tc-limited links, for bandwidth benchmarks.
+
+Needs root (or CAP_NET_ADMIN) and iproute2. Every member gets its own namespace with one veth into
+a hub namespace's bridge; each member's egress is shaped with a token bucket (tbf) to MBIT, so a
+member can send at most MBIT whatever the destination — like a home or cloud uplink.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+SUBNET = "10.213.7"
+
+
+class NamespacesUnavailable(RuntimeError):
+    """Network namespaces or tc cannot be used here (no permission, no iproute2)."""
+
+
+@dataclass(frozen=True)
+class Network:
+    namespaces: list[str]
+    addresses: list[str]
+
+    def command(self, index: int, argv: list[str]) -> list[str]:
+        """`argv` run inside member `index`'s namespace (gloo told to use its one interface)."""
+        return ["ip", "netns", "exec", self.namespaces[index], "env", "GLOO_SOCKET_IFNAME=eth0", *argv]
+
+
+def _ip(*args: str) -> None:
+    result = subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise NamespacesUnavailable(f"ip {' '.join(args)}: {result.stderr.strip() or 'failed'}")
+
+
+@contextlib.contextmanager
+def limited_network(members: int, mbit: float) -> Iterator[Network]:
+    """Create the namespaces, yield them, and always delete them again."""
+    prefix = f"p2pb{os.getpid() % 100000}"
+    hub = f"{prefix}h"
+    created: list[str] = []
+    try:
+        _ip("netns", "add", hub)
+        created.append(hub)
+        _ip("-n", hub, "link", "add", "br0", "type", "bridge")
+        _ip("-n", hub, "link", "set", "br0", "up")
+        names, addresses = [], []
+        burst = max(64 * 1024, int(mbit * 1e6 / 8 / 100))  # at least 10 ms of traffic
+        for index in range(members):
+            name = f"{prefix}m{index}"
+            _ip("netns", "add", name)
+            created.append(name)
+            _ip(
+                "link",
+                "add",
+                "eth0",
+                "netns",
+                name,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                f"m{index}",
+                "netns",
+                hub,
+            )
+            address = f"{SUBNET}.{index + 1}"
+            _ip("-n", name, "addr", "add", f"{address}/24", "dev", "eth0")
+            _ip("-n", name, "link", "set", "eth0", "up")
+            _ip("-n", name, "link", "set", "lo", "up")
+            _ip("-n", hub, "link", "set", f"m{index}", "master", "br0")
+            _ip("-n", hub, "link", "set", f"m{index}", "up")
+            shaped = subprocess.run(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    name,
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    "eth0",
+                    "root",
+                    "tbf",
+                    "rate",
+                    f"{mbit}mbit",
+                    "burst",
+                    str(burst),
+                    "latency",
+                    "100ms",
+                ],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if shaped.returncode != 0:
+                raise NamespacesUnavailable(f"tc: {shaped.stderr.strip()}")
+            names.append(name)
+            addresses.append(address)
+        yield Network(names, addresses)
+    except FileNotFoundError as exc:
+        raise NamespacesUnavailable(f"{exc.filename} not found (iproute2 missing)") from None
+    finally:
+        for name in reversed(created):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
