@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -193,6 +194,8 @@ def main() -> None:
     if args.worker is not None:
         worker(args.worker, args.host, args.master, args.length, args.rounds, Path(args.out))
         return
+    # SIGTERM unwinds like Ctrl+C, so the network namespaces are always deleted
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.bandwidth is not None and os.geteuid() != 0:
         report({"skipped": True, "reason": "--bandwidth needs root for network namespaces and tc"}, args.json)
         return

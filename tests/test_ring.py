@@ -11,9 +11,11 @@ import pytest
 from p2ptrain.comm.ring import RingSettings, segment_bounds, shares
 from tests.ring_procs import run_ring
 
-# Relative L2 error of the ring's mean on independent N(0,1) vectors, block 256: each hop requantizes a
-# partial sum, so the error grows with the member count (0.8 % at 2, 0.9 % at 3, 1.1 % at 5; see README).
-ERROR_BOUND = {2: 0.01, 3: 0.01, 5: 0.012}
+# Relative L2 error of the mean of independent N(0,1) vectors, block 256. The ring re-encodes a growing
+# partial sum at every hop (0.8 % at 2 members, 0.9 % at 3, 1.1 % at 5); the butterfly encodes each
+# contribution once (about 0.9 % at any size). "auto" takes the ring up to 3 members.
+BUDGET = 0.01
+RING_AT_5 = 0.012
 
 
 def weighted_mean(inputs: list[np.ndarray], weights: list[float]) -> np.ndarray:
@@ -30,14 +32,25 @@ def relative_error(result: np.ndarray, exact: np.ndarray) -> float:
     return float(np.linalg.norm(result - exact) / np.linalg.norm(exact))
 
 
-@pytest.mark.parametrize("n", [2, 3, 5])
-def test_weighted_mean_is_bit_identical_on_every_member(tmp_path: Path, n: int):
+@pytest.mark.parametrize(
+    ("n", "topology", "bound"),
+    [
+        (2, "auto", BUDGET),
+        (3, "auto", BUDGET),
+        (5, "auto", BUDGET),
+        (8, "auto", BUDGET),
+        (5, "ring", RING_AT_5),
+        (3, "butterfly", BUDGET),
+    ],
+)
+def test_weighted_mean_is_bit_identical_on_every_member(tmp_path: Path, n: int, topology: str, bound: float):
     weights = [float(i + 1) for i in range(n)]
-    outcomes, results, inputs = run_ring(tmp_path, n, 200_003, weights=weights)
+    settings = RingSettings(chunk_bytes=1 << 18, topology=topology)
+    outcomes, results, inputs = run_ring(tmp_path, n, 200_003, weights=weights, settings=settings)
     assert all(outcome.ok for outcome in outcomes.values()) and len(results) == n, outcomes
     first = results[0]
     assert all(np.array_equal(first.view(np.uint32), other.view(np.uint32)) for other in results.values())
-    assert relative_error(first, weighted_mean(inputs, weights)) <= ERROR_BOUND[n]
+    assert relative_error(first, weighted_mean(inputs, weights)) <= bound
 
 
 def test_zero_weight_member_and_uneven_sizes(tmp_path: Path):
@@ -67,17 +80,18 @@ def test_outliers_do_not_wreck_the_rest(tmp_path: Path):
     assert np.allclose(results[2][outliers], exact[outliers], rtol=0.01)
 
 
-def test_zstd_on_the_wire(tmp_path: Path):
+@pytest.mark.parametrize("topology", ["ring", "butterfly"])
+def test_zstd_on_the_wire(tmp_path: Path, topology: str):
     _outcomes, results, inputs = run_ring(
-        tmp_path, 3, 50_000, settings=RingSettings(chunk_bytes=1 << 14, zstd=True)
+        tmp_path, 3, 50_000, settings=RingSettings(chunk_bytes=1 << 16, zstd=True, topology=topology)
     )
     assert len(results) == 3 and all(np.array_equal(results[0], other) for other in results.values())
     assert relative_error(results[0], weighted_mean(inputs, [1.0] * 3)) <= 0.01
 
 
-@pytest.mark.parametrize("n", [3, 5])
-def test_member_killed_mid_reduce_fails_every_survivor_quickly(tmp_path: Path, n: int):
-    settings = RingSettings(chunk_bytes=1 << 14, failure_timeout=5.0)
+@pytest.mark.parametrize(("n", "topology"), [(3, "ring"), (5, "ring"), (5, "butterfly")])
+def test_member_killed_mid_reduce_fails_every_survivor_quickly(tmp_path: Path, n: int, topology: str):
+    settings = RingSettings(chunk_bytes=1 << 16, failure_timeout=5.0, topology=topology)
     outcomes, results, _ = run_ring(tmp_path, n, 400_000, settings=settings, faults={1: ("kill", 3)})
     survivors = [i for i in range(n) if i != 1]
     assert sorted(outcomes) == survivors, outcomes

@@ -101,3 +101,33 @@ def reference_quantize(values: np.ndarray, block: int) -> Encoded:
 def reference_dequantize(encoded: Encoded) -> np.ndarray:
     index = np.arange(encoded.size) // encoded.block
     return (encoded.mins[index] + encoded.codes.astype(np.float32) * encoded.steps[index]).astype(np.float32)
+
+
+# ---- one chunk on the wire: codes, then mins, then steps -----------------------------------------
+
+
+class PayloadError(ValueError):
+    """A received payload does not hold a valid encoding of the announced number of values."""
+
+
+def payload_size(length: int, block: int) -> int:
+    return length + 8 * num_blocks(length, block)
+
+
+def encode_payload(values: np.ndarray, block: int) -> bytes:
+    """Encode `values` as one wire payload; raises NonFiniteError for NaN/Inf."""
+    encoded = quantize(np.ascontiguousarray(values), block)
+    return encoded.codes.tobytes() + encoded.mins.tobytes() + encoded.steps.tobytes()
+
+
+def decode_payload(payload: bytes, length: int, block: int) -> Encoded:
+    """Views of a payload's codes and block parameters; sizes and values are checked, nothing copied."""
+    blocks = num_blocks(length, block)
+    if len(payload) != payload_size(length, block):
+        raise PayloadError(f"payload of {len(payload)} bytes for {length} values")
+    codes = np.frombuffer(payload, np.uint8, length)
+    mins = np.frombuffer(payload, np.float32, blocks, length)
+    steps = np.frombuffer(payload, np.float32, blocks, length + 4 * blocks)
+    if not (np.isfinite(mins).all() and np.isfinite(steps).all() and (steps >= 0).all()):
+        raise PayloadError("non-finite or negative block parameters in a contribution")
+    return Encoded(codes, mins, steps, block)

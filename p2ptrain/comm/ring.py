@@ -1,397 +1,285 @@
-"""The int8 ring all-reduce of one outer step, over authenticated TCP between ring neighbours.
+"""The int8 all-reduce of one outer step, over authenticated TCP between members.
 
 Every member of step N calls `ring_all_reduce` with the same ordered member list. The flat fp32
-vector is cut into one segment per member, and each segment into chunks (`chunk_bytes`):
+vector is cut into one segment per member (member i owns segment i+1 mod n) and each segment into
+chunks (`chunk_bytes`). Two reduce-scatter topologies share one all-gather:
 
-- reduce-scatter, n−1 rounds: a member receives a chunk from its predecessor, decodes it and adds
-  its own weighted values in fp32, then encodes the partial sum for its successor; the member
-  after the segment's last hop holds the segment's complete sum (it "owns" the segment);
-- all-gather, n−1 rounds: each owner encodes its reduced segment once; those bytes travel around
-  the ring unchanged and every member, the owner included, decodes the same bytes. So all members
-  end with bit-identical vectors.
+- ring: n−1 rounds; a member receives a chunk from its predecessor, decodes it, adds its own
+  weighted values in fp32, re-encodes the partial sum and sends it to its successor. Only ring
+  neighbours talk, so slow links can be avoided by the ring order; but each hop re-encodes a
+  growing partial sum, so the error grows with n (0.9 % at 3 members, 1.4 % at 8).
+- butterfly: every member sends its own encoded chunks of segment j straight to j's owner, which
+  sums them in fp32. The same bytes leave each member as in the ring, every contribution is encoded
+  once, and the error stays near 0.9 % at any n; but every pair of members must connect.
+- all-gather (both): each owner encodes its reduced segment once; the bytes travel around the ring
+  unchanged, and every member, the owner included, decodes the same bytes: bit-identical results.
 
-Rounds are pipelined per chunk: chunk k of round r goes out as soon as chunk k of round r−1 came
-in, so the wire is busy while the kernels (which release the GIL, on a worker thread) decode and
-encode. Weights (tokens processed) are part of the membership, hence of its digest: every member
-scales its own vector by its share of the total before the ring, and the ring sums the shares.
+`RingSettings.topology = "auto"` takes the ring up to 3 members (where it meets the 1 % error
+budget) and the butterfly above. Chunks are pipelined: a chunk goes out as soon as what it depends
+on came in, and the kernels (which release the GIL) run on worker threads while the event loop
+keeps the sockets busy. Weights are part of the membership, hence of its digest: each member scales
+its own values by its share of the total.
 
-Failure is all-or-nothing. Any error — a neighbour that dies, stalls past `failure_timeout`, sends
-a malformed frame or a non-finite contribution — closes both of this member's connections, which
-makes its neighbours fail at once too, and raises AllReduceError. The caller's buffer is written
-only after the whole all-reduce succeeded.
+Failure is all-or-nothing. Any error — a member that dies, stalls past `failure_timeout`, sends a
+malformed frame or non-finite block parameters, or our own NaN/Inf — closes all of this member's
+connections, which makes its peers fail at once too, and raises AllReduceError. The caller's buffer
+is read, never written, until every frame arrived; then the encoded result is decoded into it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import zstandard
 
 from p2ptrain.comm import quant
-from p2ptrain.comm.handshake import Admission, HandshakeError, accept_any, dial
+from p2ptrain.comm.dataplane import (
+    AllReduceError,
+    Connection,
+    DataPlaneServer,
+    RingMember,
+    RingSettings,
+    RingStats,
+    chunk_bounds,
+    dial_member,
+    membership_digest,
+    segment_bounds,
+    shares,
+)
+from p2ptrain.comm.handshake import HandshakeError
 from p2ptrain.comm.wire import FrameError, PeerClosed, WireError, read_frame, write_frame
-from p2ptrain.identity import NodeIdentity, short_id
+from p2ptrain.identity import short_id
 
 log = logging.getLogger(__name__)
 
+Progress = Callable[[str, int, int], None]
+Stream = list[tuple[str, int, int]]
+"""What travels on one connection, in order: (phase, round, segment) for every chunk of the segment."""
 
-class AllReduceError(WireError):
-    """This member's all-reduce failed; its buffer is unchanged. Retry with the survivors."""
+AUTO_RING_MAX_MEMBERS = 3
 
-
-@dataclass(frozen=True)
-class RingMember:
-    key: bytes
-    host: str
-    port: int
-    weight: float = 1.0
-
-
-@dataclass(frozen=True)
-class RingSettings:
-    block: int = 256
-    chunk_bytes: int = 4 << 20
-    """fp32 bytes per pipelined chunk (about a quarter of that goes on the wire)."""
-    failure_timeout: float = 5.0
-    """Longest wait for the next frame (or for a neighbour to connect) before the step fails."""
-    setup_timeout: float = 30.0
-    """How long members may take to arrive at the step and connect."""
-    zstd: bool = False
+__all__ = [
+    "AllReduceError",
+    "DataPlaneServer",
+    "RingMember",
+    "RingSettings",
+    "RingStats",
+    "choose_topology",
+    "ring_all_reduce",
+    "segment_bounds",
+    "shares",
+]
 
 
-@dataclass
-class RingStats:
-    seconds: float = 0.0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    frames: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
+def choose_topology(settings: RingSettings, members: int) -> str:
+    if settings.topology != "auto":
+        return settings.topology
+    return "ring" if members <= AUTO_RING_MAX_MEMBERS else "butterfly"
 
 
-def membership_digest(step: int, members: Sequence[RingMember]) -> bytes:
-    """sha256 over the step and the ordered members (keys, addresses, weights)."""
-    digest = hashlib.sha256(b"p2ptrain/ring/v1\0" + step.to_bytes(8, "big"))
-    for member in members:
-        digest.update(member.key + f"{member.host}:{member.port}:{member.weight!r}\0".encode())
-    return digest.digest()
-
-
-def shares(members: Sequence[RingMember]) -> list[float]:
-    """Each member's share of the average: weight / total, or equal shares when all weights are 0."""
-    weights = [float(member.weight) for member in members]
-    if any(not np.isfinite(weight) or weight < 0 for weight in weights):
-        raise ValueError("member weights must be finite and non-negative")
-    total = sum(weights)
-    return [weight / total for weight in weights] if total > 0 else [1.0 / len(weights)] * len(weights)
-
-
-def segment_bounds(length: int, parts: int, align: int = 1) -> list[int]:
-    """Start offsets of `parts` near-equal segments of `length`, plus the end.
-
-    Boundaries fall on multiples of `align` (the code block), so every block of the vector is the
-    same block on every member and in every chunk, whatever the member count.
-    """
-    units = -(-length // align)
-    base, extra = divmod(units, parts)
-    bounds = [0]
-    for index in range(parts):
-        bounds.append(min(length, bounds[-1] + (base + (1 if index < extra else 0)) * align))
-    return bounds
-
-
-def chunk_bounds(start: int, stop: int, chunk: int) -> list[tuple[int, int]]:
-    return [(offset, min(offset + chunk, stop)) for offset in range(start, stop, chunk)] or [(start, start)]
-
-
-class DataPlaneServer:
-    """A node's listening socket; hands each incoming ring connection to the step that expects it."""
-
-    def __init__(self, identity: NodeIdentity, settings: RingSettings):
-        self.identity = identity
-        self.settings = settings
-        self._server: asyncio.Server | None = None
-        self._expected: dict[int, tuple[Admission, asyncio.Future]] = {}
-        self._changed = asyncio.Event()
-        self.address: tuple[str, int] = ("", 0)
-
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
-        self._server = await asyncio.start_server(self._on_connection, host, port)
-        self.address = self._server.sockets[0].getsockname()[:2]
-        return self.address
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-        for _, future in self._expected.values():
-            if not future.done():
-                future.cancel()
-
-    def expect(self, step: int, predecessor: bytes, digest: bytes) -> asyncio.Future:
-        """Register step `step`: the future resolves with the predecessor's authenticated connection."""
-        future = asyncio.get_running_loop().create_future()
-        self._expected[step] = (Admission({predecessor}, digest), future)
-        self._changed.set()
-        self._changed = asyncio.Event()
-        return future
-
-    def forget(self, step: int) -> None:
-        self._expected.pop(step, None)
-
-    async def _admission(self, step: int) -> Admission | None:
-        """Wait (bounded) for the local node to reach `step`: a fast peer may dial before we get there."""
-        deadline = time.monotonic() + self.settings.setup_timeout
-        while step not in self._expected:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), remaining)
-        admission, future = self._expected[step]
-        return None if future.done() else admission
-
-    async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            session = await accept_any(
-                reader, writer, self.identity, self._admission, self.settings.failure_timeout
-            )
-        except WireError as exc:
-            log.info("data-plane connection dropped: %s", exc)
-            writer.close()
-            return
-        entry = self._expected.get(session.step)
-        if entry is None or entry[1].done():
-            writer.close()
-            return
-        entry[1].set_result((reader, writer))
-
-
-async def _dial(
-    identity: NodeIdentity, member: RingMember, step: int, digest: bytes, settings: RingSettings
-) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """Connect and authenticate to the successor, retrying refused connections until the setup deadline."""
-    deadline = time.monotonic() + settings.setup_timeout
-    delay = 0.05
-    while True:
-        try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(member.host, member.port), settings.failure_timeout
-            )
-        except (OSError, asyncio.TimeoutError) as exc:
-            if time.monotonic() + delay > deadline:
-                raise AllReduceError(
-                    f"cannot connect to {short_id(member.key)} at {member.host}:{member.port}: {exc}"
-                ) from None
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
-            continue
-        try:
-            await dial(reader, writer, identity, member.key, step, digest, settings.setup_timeout)
-        except BaseException:
-            writer.close()
-            raise
-        return reader, writer
-
-
-@dataclass
-class _Encoded:
-    """One encoded chunk as it travels: codes, then mins, then steps, in one payload."""
-
-    payload: bytes
-    length: int
-
-
-def _encode(values: np.ndarray, block: int) -> _Encoded:
-    encoded = quant.quantize(np.ascontiguousarray(values), block)
-    return _Encoded(
-        encoded.codes.tobytes() + encoded.mins.tobytes() + encoded.steps.tobytes(), values.shape[0]
-    )
-
-
-def _decode(payload: bytes, length: int, block: int) -> quant.Encoded:
-    """Split a payload back into codes and block parameters; sizes and values are checked."""
-    blocks = quant.num_blocks(length, block)
-    if len(payload) != length + 8 * blocks:
-        raise FrameError(f"payload of {len(payload)} bytes for {length} values")
-    codes = np.frombuffer(payload, np.uint8, length)
-    mins = np.frombuffer(payload, np.float32, blocks, length)
-    steps = np.frombuffer(payload, np.float32, blocks, length + 4 * blocks)
-    if not (np.isfinite(mins).all() and np.isfinite(steps).all() and (steps >= 0).all()):
-        raise FrameError("non-finite or negative block parameters in a contribution")
-    return quant.Encoded(codes, mins, steps, block)
-
-
-class _Ring:
-    """State of one member's all-reduce; see the module docstring for the schedule."""
+class _AllReduce:
+    """One member's part in one all-reduce; see the module docstring for the schedule."""
 
     def __init__(
         self,
         index: int,
         members: Sequence[RingMember],
         own: np.ndarray,
-        share: float,
         settings: RingSettings,
         step: int,
-        progress: Callable[[str, int, int], None] | None,
-        loop: asyncio.AbstractEventLoop,
+        progress: Progress | None,
     ):
-        self._loop = loop
         self.n = len(members)
         self.index = index
+        self.keys = [member.key for member in members]
         self.own = own  # the caller's buffer: read only, never written before success
-        self.share = np.float32(share)
-        self.finals: list[tuple[int, int, bytes]] = []
-        """Encoded chunks of the result; decoded into the caller's buffer only once all succeeded."""
+        self.share = np.float32(shares(members)[index])
         self.settings = settings
+        self.block = settings.block
         self.step = step
         self.progress = progress
-        self.bounds = segment_bounds(own.shape[0], self.n, settings.block)
-        chunk = max(settings.block, (settings.chunk_bytes // 4 // settings.block) * settings.block)
-        self.chunks = [chunk_bounds(self.bounds[s], self.bounds[s + 1], chunk) for s in range(self.n)]
-        self.stats = RingStats()
-        self.frames_queued = 0
-        self.frames_to_send = sum(
-            len(self.chunks[self.segment(phase, rnd, sending=True)])
-            for phase in ("rs", "ag")
-            for rnd in range(self.n - 1)
-        )
-        # ready[(phase, round, chunk)] is set once that chunk may be sent
-        self.outbox: dict[tuple[str, int, int], asyncio.Future] = {}
+        self.topology = choose_topology(settings, self.n)
+        self.successor = (index + 1) % self.n
+        self.predecessor = (index - 1) % self.n
+        bounds = segment_bounds(own.shape[0], self.n, self.block)
+        chunk = max(self.block, (settings.chunk_bytes // 4 // self.block) * self.block)
+        self.chunks = [chunk_bounds(bounds[s], bounds[s + 1], chunk) for s in range(self.n)]
+        self.finals: list[tuple[int, int, bytes]] = []
+        """Encoded chunks of the result; decoded into the caller's buffer only once all succeeded."""
+        self.outbox: dict[tuple[str, int, int], asyncio.Future[bytes]] = {}
+        self.partial: dict[int, np.ndarray] = {}  # butterfly: chunk index -> fp32 sum so far
+        self.arrived: dict[int, int] = {}
+        self.locks: dict[int, asyncio.Lock] = {}
+        self.frames_queued = dict.fromkeys(self.out_peers(), 0)
+        self.stats = RingStats(extra={"butterfly": float(self.topology == "butterfly")})
         self.compressor = zstandard.ZstdCompressor(level=1) if settings.zstd else None
         self.decompressor = zstandard.ZstdDecompressor() if settings.zstd else None
 
-    def segment(self, phase: str, rnd: int, sending: bool) -> int:
-        """Segment sent (or received) in round `rnd` of `phase` by this member."""
-        shift = 0 if sending else 1
-        if phase == "rs":
-            return (self.index - rnd - shift) % self.n
-        return (self.index + 1 - rnd - shift) % self.n
+    # ---- who talks to whom, and what goes on each connection ----------------------------------
 
-    def slot(self, key: tuple[str, int, int]) -> asyncio.Future:
+    def others(self) -> list[int]:
+        return [peer for peer in range(self.n) if peer != self.index]
+
+    def out_peers(self) -> list[int]:
+        return self.others() if self.topology == "butterfly" else [self.successor]
+
+    def in_peers(self) -> list[int]:
+        return self.others() if self.topology == "butterfly" else [self.predecessor]
+
+    def send_stream(self, peer: int) -> Stream:
+        n, i = self.n, self.index
+        if self.topology == "ring":
+            stream = [("rs", rnd, (i - rnd) % n) for rnd in range(n - 1)]
+        else:
+            stream = [("rs", 0, (peer + 1) % n)]
+        if peer == self.successor:
+            stream += [("ag", rnd, (i + 1 - rnd) % n) for rnd in range(n - 1)]
+        return stream
+
+    def receive_stream(self, peer: int) -> Stream:
+        n, i = self.n, self.index
+        if self.topology == "ring":
+            stream = [("rs", rnd, (i - rnd - 1) % n) for rnd in range(n - 1)]
+        else:
+            stream = [("rs", 0, (i + 1) % n)]
+        if peer == self.predecessor:
+            stream += [("ag", rnd, (i - rnd) % n) for rnd in range(n - 1)]
+        return stream
+
+    def frames_in(self, stream: Stream) -> int:
+        return sum(len(self.chunks[segment]) for _, _, segment in stream)
+
+    # ---- sending ----------------------------------------------------------------------------
+
+    def slot(self, key: tuple[str, int, int]) -> asyncio.Future[bytes]:
         if key not in self.outbox:
             self.outbox[key] = asyncio.get_running_loop().create_future()
         return self.outbox[key]
 
-    async def send_all(self, writer: asyncio.StreamWriter) -> None:
-        loop = asyncio.get_running_loop()
-        for phase in ("rs", "ag"):
-            for rnd in range(self.n - 1):
-                segment = self.segment(phase, rnd, sending=True)
-                for chunk_index, (start, stop) in enumerate(self.chunks[segment]):
-                    if phase == "rs" and rnd == 0:
-                        encoded = await loop.run_in_executor(None, self._encode_own, start, stop)
-                    else:
-                        encoded = await self.slot((phase, rnd, chunk_index))
-                    payload = encoded.payload
-                    header = {
-                        "kind": phase,
-                        "step": self.step,
-                        "round": rnd,
-                        "chunk": chunk_index,
-                        "n": encoded.length,
-                    }
-                    if self.compressor is not None:
-                        payload = self.compressor.compress(payload)
-                        header["zstd"] = True
-                    # counted before the call: write_frame queues the bytes before its first await
-                    self.frames_queued += 1
-                    await write_frame(writer, header, payload, timeout=self.settings.failure_timeout)
-                    self.stats.bytes_sent += len(payload)
+    def deliver(self, key: tuple[str, int, int], payload: bytes) -> None:
+        slot = self.slot(key)
+        if not slot.done():
+            slot.set_result(payload)
 
-    async def receive_all(self, reader: asyncio.StreamReader) -> None:
+    async def send_to(self, peer: int, writer: asyncio.StreamWriter) -> None:
         loop = asyncio.get_running_loop()
-        block = self.settings.block
-        max_payload = max(stop - start for chunks in self.chunks for start, stop in chunks)
-        max_payload += 8 * quant.num_blocks(max_payload, block) + 64
-        for phase in ("rs", "ag"):
-            for rnd in range(self.n - 1):
-                segment = self.segment(phase, rnd, sending=False)
-                for chunk_index, (start, stop) in enumerate(self.chunks[segment]):
-                    frame = await read_frame(reader, self.settings.failure_timeout, max_payload)
-                    expected = (phase, self.step, rnd, chunk_index, stop - start)
-                    got = tuple(frame.header.get(key) for key in ("kind", "step", "round", "chunk", "n"))
-                    if got != expected:
-                        raise FrameError(f"expected frame {expected}, got {got}")
-                    payload = frame.payload
-                    self.stats.bytes_received += len(payload)
-                    if frame.header.get("zstd"):
-                        payload = self._decompress(payload, stop - start)
-                    encoded = _decode(payload, stop - start, block)
-                    await loop.run_in_executor(
-                        None, self._absorb, phase, rnd, chunk_index, start, stop, encoded, payload
+        for phase, rnd, segment in self.send_stream(peer):
+            for chunk, (start, stop) in enumerate(self.chunks[segment]):
+                if phase == "rs" and (rnd == 0 or self.topology == "butterfly"):
+                    payload = await loop.run_in_executor(None, self._encode_own, start, stop)
+                else:
+                    payload = await self.slot((phase, rnd, chunk))
+                header = {"kind": phase, "step": self.step, "round": rnd, "chunk": chunk, "n": stop - start}
+                if self.compressor is not None:
+                    payload = self.compressor.compress(payload)
+                    header["zstd"] = True
+                # counted before the call: write_frame queues the bytes before its first await
+                self.frames_queued[peer] += 1
+                await write_frame(writer, header, payload, timeout=self.settings.failure_timeout)
+                self.stats.bytes_sent += len(payload)
+
+    async def watch(self, peer: int, reader: asyncio.StreamReader) -> None:
+        """A peer we dial never writes after the handshake and hangs up once it has all our frames.
+
+        End of stream before we queued our last frame to it therefore means it failed.
+        """
+        with contextlib.suppress(ConnectionError, OSError):
+            await reader.read(1)
+        if self.frames_queued[peer] < self.frames_in(self.send_stream(peer)):
+            raise PeerClosed(f"{short_id(self.keys[peer])} closed the connection")
+
+    # ---- receiving --------------------------------------------------------------------------
+
+    async def receive_from(self, peer: int, reader: asyncio.StreamReader) -> None:
+        largest = max(stop - start for chunks in self.chunks for start, stop in chunks)
+        max_payload = quant.payload_size(largest, self.block) + 64
+        for phase, rnd, segment in self.receive_stream(peer):
+            for chunk, (start, stop) in enumerate(self.chunks[segment]):
+                frame = await read_frame(reader, self.settings.failure_timeout, max_payload)
+                expected = (phase, self.step, rnd, chunk, stop - start)
+                got = tuple(frame.header.get(key) for key in ("kind", "step", "round", "chunk", "n"))
+                if got != expected:
+                    raise FrameError(f"expected frame {expected}, got {got}")
+                payload = frame.payload
+                self.stats.bytes_received += len(payload)
+                if frame.header.get("zstd"):
+                    payload = self._decompress(payload, stop - start)
+                try:
+                    encoded = quant.decode_payload(payload, stop - start, self.block)
+                except quant.PayloadError as exc:
+                    raise FrameError(str(exc)) from None
+                await self._absorb(phase, rnd, chunk, start, stop, encoded, payload)
+                self.stats.frames += 1
+                if self.progress is not None:
+                    self.progress(phase, rnd, chunk)
+
+    async def _absorb(
+        self, phase: str, rnd: int, chunk: int, start: int, stop: int, encoded: quant.Encoded, payload: bytes
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        if phase == "ag":
+            self.finals.append((start, stop, payload))
+            if rnd < self.n - 2:
+                self.deliver(("ag", rnd + 1, chunk), payload)
+        elif self.topology == "ring":
+            partial = await loop.run_in_executor(None, self._add_own_and_encode, encoded, start, stop)
+            if rnd < self.n - 2:
+                self.deliver(("rs", rnd + 1, chunk), partial)
+            else:  # the last hop: this member owns the reduced chunk, encoded once for everyone
+                self._finish_chunk(chunk, start, stop, partial)
+        else:
+            lock = self.locks.setdefault(chunk, asyncio.Lock())
+            async with lock:  # contributions to one chunk arrive from every peer at once
+                await loop.run_in_executor(None, self._accumulate, encoded, chunk, start, stop)
+                self.arrived[chunk] = self.arrived.get(chunk, 0) + 1
+                if self.arrived[chunk] == self.n - 1:
+                    final = await loop.run_in_executor(
+                        None, quant.encode_payload, self.partial.pop(chunk), self.block
                     )
-                    self.stats.frames += 1
-                    if self.progress is not None:
-                        self.progress(phase, rnd, chunk_index)
+                    self._finish_chunk(chunk, start, stop, final)
+
+    def _finish_chunk(self, chunk: int, start: int, stop: int, payload: bytes) -> None:
+        self.finals.append((start, stop, payload))
+        self.deliver(("ag", 0, chunk), payload)
 
     def _decompress(self, payload: bytes, length: int) -> bytes:
         if self.decompressor is None:
-            raise FrameError("zstd frame, but zstd is off for this ring")
-        limit = length + 8 * quant.num_blocks(length, self.settings.block)
+            raise FrameError("zstd frame, but zstd is off for this all-reduce")
         try:
-            return self.decompressor.decompress(payload, max_output_size=limit)
+            return self.decompressor.decompress(
+                payload, max_output_size=quant.payload_size(length, self.block)
+            )
         except zstandard.ZstdError as exc:
             raise FrameError(f"bad zstd payload: {exc}") from None
 
-    def _absorb(
-        self, phase: str, rnd: int, chunk: int, start: int, stop: int, encoded: quant.Encoded, payload: bytes
-    ) -> None:
-        """Runs on a worker thread: decode one received chunk and prepare what goes out next."""
-        loop_result: tuple[str, int, int, _Encoded] | None = None
-        if phase == "rs":
-            view = self._scaled_own(start, stop)
-            quant.dequantize_add(encoded, view)
-            if rnd < self.n - 2:
-                loop_result = ("rs", rnd + 1, chunk, _encode(view, self.settings.block))
-            else:  # this member now owns the fully reduced chunk: encode it once, like everyone decodes it
-                final = _encode(view, self.settings.block)
-                self.finals.append((start, stop, final.payload))
-                loop_result = ("ag", 0, chunk, final)
-        else:
-            self.finals.append((start, stop, payload))
-            if rnd < self.n - 2:
-                loop_result = ("ag", rnd + 1, chunk, _Encoded(payload, stop - start))
-        if loop_result is not None:
-            self._post(loop_result)
+    # ---- kernels, on worker threads ------------------------------------------------------------
 
     def _scaled_own(self, start: int, stop: int) -> np.ndarray:
         """This member's weighted contribution to one chunk, in a fresh chunk-sized buffer."""
         return np.multiply(self.own[start:stop], self.share)
 
-    def _encode_own(self, start: int, stop: int) -> _Encoded:
-        return _encode(self._scaled_own(start, stop), self.settings.block)
+    def _encode_own(self, start: int, stop: int) -> bytes:
+        return quant.encode_payload(self._scaled_own(start, stop), self.block)
+
+    def _add_own_and_encode(self, encoded: quant.Encoded, start: int, stop: int) -> bytes:
+        partial = self._scaled_own(start, stop)
+        quant.dequantize_add(encoded, partial)
+        return quant.encode_payload(partial, self.block)
+
+    def _accumulate(self, encoded: quant.Encoded, chunk: int, start: int, stop: int) -> None:
+        if chunk not in self.partial:
+            self.partial[chunk] = self._scaled_own(start, stop)
+        quant.dequantize_add(encoded, self.partial[chunk])
 
     def write_result(self, buffer: np.ndarray) -> None:
         """Decode every final chunk into `buffer`: the same bytes on every member, so the same floats."""
         for start, stop, payload in self.finals:
-            quant.dequantize(_decode(payload, stop - start, self.settings.block), buffer[start:stop])
-
-    def _post(self, item: tuple[str, int, int, _Encoded]) -> None:
-        phase, rnd, chunk, encoded = item
-        self._loop.call_soon_threadsafe(self._deliver, (phase, rnd, chunk), encoded)
-
-    def _deliver(self, key: tuple[str, int, int], encoded: _Encoded) -> None:
-        slot = self.slot(key)
-        if not slot.done():
-            slot.set_result(encoded)
-
-
-async def _watch_successor(reader: asyncio.StreamReader, ring: _Ring) -> None:
-    """The successor never writes after the handshake; it hangs up once it has every frame of ours.
-
-    End of stream before we queued our last frame therefore means it failed.
-    """
-    with contextlib.suppress(ConnectionError, OSError):
-        await reader.read(1)
-    if ring.frames_queued < ring.frames_to_send:
-        raise PeerClosed("the successor closed the connection")
+            quant.dequantize(quant.decode_payload(payload, stop - start, self.block), buffer[start:stop])
 
 
 async def ring_all_reduce(
@@ -399,7 +287,7 @@ async def ring_all_reduce(
     step: int,
     members: Sequence[RingMember],
     buffer: np.ndarray,
-    progress: Callable[[str, int, int], None] | None = None,
+    progress: Progress | None = None,
 ) -> RingStats:
     """Replace `buffer` (1-D fp32) with the weighted average over `members`, identical on all of them.
 
@@ -411,36 +299,30 @@ async def ring_all_reduce(
     keys = [member.key for member in members]
     if identity.public_key not in keys or len(set(keys)) != len(keys):
         raise ValueError("members must be distinct and include this node")
-    index = keys.index(identity.public_key)
-    share = shares(members)[index]
     started = time.monotonic()
     if len(members) == 1:
         if not np.isfinite(buffer).all():
             raise AllReduceError(f"step {step}: this node's contribution holds NaN or Inf")
         return RingStats(seconds=time.monotonic() - started)
-    # Partial sums live in chunk-sized buffers; NaN/Inf of ours are caught where a chunk is encoded,
-    # before anything is sent, and the error then closes the connections so the others fail at once.
-    ring = _Ring(index, members, buffer, share, settings, step, progress, asyncio.get_running_loop())
+    # NaN/Inf of ours are caught where a chunk is encoded, before anything is sent; the error then
+    # closes every connection, so the others fail at once instead of waiting for a timeout.
+    plan = _AllReduce(keys.index(identity.public_key), members, buffer, settings, step, progress)
     digest = membership_digest(step, members)
-    successor, predecessor = members[(index + 1) % len(members)], members[index - 1]
-    incoming = server.expect(step, predecessor.key, digest)
-    writers: list[asyncio.StreamWriter] = []
-    tasks: list[asyncio.Task] = []
+    incoming = server.expect(step, [keys[peer] for peer in plan.in_peers()], digest)
+    connections: list[Connection] = []
+    tasks: list[asyncio.Task[None]] = []
     try:
-        try:
-            out_reader, out_writer = await _dial(identity, successor, step, digest, settings)
-            writers.append(out_writer)
-            in_reader, in_writer = await asyncio.wait_for(incoming, settings.setup_timeout)
-            writers.append(in_writer)
-        except asyncio.TimeoutError:
-            raise AllReduceError(
-                f"{short_id(predecessor.key)} did not connect within {settings.setup_timeout:.0f} s"
-            ) from None
-        sender = asyncio.create_task(ring.send_all(out_writer))
-        receiver = asyncio.create_task(ring.receive_all(in_reader))
-        tasks = [sender, receiver, asyncio.create_task(_watch_successor(out_reader, ring))]
-        pending = set(tasks)
-        while not (sender.done() and receiver.done()):
+        outgoing = await _connect(plan, members, incoming, server, step, digest, connections)
+        workers = [asyncio.create_task(plan.send_to(peer, writer)) for peer, (_, writer) in outgoing.items()]
+        workers += [
+            asyncio.create_task(plan.receive_from(peer, incoming[keys[peer]].result()[0]))
+            for peer in plan.in_peers()
+        ]
+        tasks = workers + [
+            asyncio.create_task(plan.watch(peer, reader)) for peer, (reader, _) in outgoing.items()
+        ]
+        pending: set[asyncio.Task[None]] = set(tasks)
+        while not all(worker.done() for worker in workers):
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()  # the first failure propagates at once
@@ -455,9 +337,43 @@ async def ring_all_reduce(
     finally:
         for task in tasks:
             task.cancel()
-        for writer in writers:
+        for _, writer in connections:
             writer.close()
         server.forget(step)
-    await asyncio.get_running_loop().run_in_executor(None, ring.write_result, buffer)
-    ring.stats.seconds = time.monotonic() - started
-    return ring.stats
+    await asyncio.get_running_loop().run_in_executor(None, plan.write_result, buffer)
+    plan.stats.seconds = time.monotonic() - started
+    return plan.stats
+
+
+async def _connect(
+    plan: _AllReduce,
+    members: Sequence[RingMember],
+    incoming: dict[bytes, asyncio.Future[Connection]],
+    server: DataPlaneServer,
+    step: int,
+    digest: bytes,
+    connections: list[Connection],
+) -> dict[int, Connection]:
+    """Dial every out-peer and wait for every in-peer; all connections land in `connections`."""
+    settings = server.settings
+
+    async def dial_one(peer: int) -> tuple[int, Connection]:
+        connection = await dial_member(server.identity, members[peer], step, digest, settings)
+        connections.append(connection)
+        return peer, connection
+
+    dials = [asyncio.create_task(dial_one(peer)) for peer in plan.out_peers()]
+    try:
+        outgoing = dict(await asyncio.gather(*dials))
+        for key, future in incoming.items():
+            try:
+                connections.append(await asyncio.wait_for(asyncio.shield(future), settings.setup_timeout))
+            except asyncio.TimeoutError:
+                raise AllReduceError(
+                    f"{short_id(key)} did not connect within {settings.setup_timeout:.0f} s"
+                ) from None
+    except BaseException:
+        for task in dials:
+            task.cancel()
+        raise
+    return outgoing

@@ -1,0 +1,192 @@
+"""The data plane's shared parts: members, settings, the listening server, and authenticated dialing.
+
+Every node listens on one TCP port. For each all-reduce step the schedule (ring.py) tells the server
+which peers may connect and under which membership digest; the server authenticates each incoming
+connection (handshake.py) and hands it to the waiting step. Peers that dial before this node has
+reached the step wait (bounded) instead of being refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from p2ptrain.comm.handshake import Admission, accept_any, dial
+from p2ptrain.comm.wire import WireError
+from p2ptrain.identity import NodeIdentity, short_id
+
+log = logging.getLogger(__name__)
+
+Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+class AllReduceError(WireError):
+    """This member's all-reduce failed; its buffer is unchanged. Retry with the survivors."""
+
+
+@dataclass(frozen=True)
+class RingMember:
+    key: bytes
+    host: str
+    port: int
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
+class RingSettings:
+    block: int = 256
+    chunk_bytes: int = 4 << 20
+    """fp32 bytes per pipelined chunk (about a quarter of that goes on the wire)."""
+    failure_timeout: float = 5.0
+    """Longest wait for the next frame (or for a neighbour to connect) before the step fails."""
+    setup_timeout: float = 30.0
+    """How long members may take to arrive at the step and connect."""
+    zstd: bool = False
+    topology: Literal["auto", "ring", "butterfly"] = "auto"
+    """How the reduce-scatter travels; see ring.py. "auto" takes the ring up to 3 members."""
+
+
+@dataclass
+class RingStats:
+    seconds: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    frames: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def membership_digest(step: int, members: Sequence[RingMember]) -> bytes:
+    """sha256 over the step and the ordered members (keys, addresses, weights)."""
+    digest = hashlib.sha256(b"p2ptrain/ring/v1\0" + step.to_bytes(8, "big"))
+    for member in members:
+        digest.update(member.key + f"{member.host}:{member.port}:{member.weight!r}\0".encode())
+    return digest.digest()
+
+
+def shares(members: Sequence[RingMember]) -> list[float]:
+    """Each member's share of the average: weight / total, or equal shares when all weights are 0."""
+    weights = [float(member.weight) for member in members]
+    if any(not np.isfinite(weight) or weight < 0 for weight in weights):
+        raise ValueError("member weights must be finite and non-negative")
+    total = sum(weights)
+    return [weight / total for weight in weights] if total > 0 else [1.0 / len(weights)] * len(weights)
+
+
+def segment_bounds(length: int, parts: int, align: int = 1) -> list[int]:
+    """Start offsets of `parts` near-equal segments of `length`, plus the end.
+
+    Boundaries fall on multiples of `align` (the code block), so every block of the vector is the
+    same block on every member and in every chunk, whatever the member count.
+    """
+    units = -(-length // align)
+    base, extra = divmod(units, parts)
+    bounds = [0]
+    for index in range(parts):
+        bounds.append(min(length, bounds[-1] + (base + (1 if index < extra else 0)) * align))
+    return bounds
+
+
+def chunk_bounds(start: int, stop: int, chunk: int) -> list[tuple[int, int]]:
+    return [(offset, min(offset + chunk, stop)) for offset in range(start, stop, chunk)] or [(start, start)]
+
+
+class DataPlaneServer:
+    """A node's listening socket; hands each incoming ring connection to the step that expects it."""
+
+    def __init__(self, identity: NodeIdentity, settings: RingSettings):
+        self.identity = identity
+        self.settings = settings
+        self._server: asyncio.Server | None = None
+        self._expected: dict[int, tuple[Admission, dict[bytes, asyncio.Future]]] = {}
+        self._changed = asyncio.Event()
+        self.address: tuple[str, int] = ("", 0)
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
+        self._server = await asyncio.start_server(self._on_connection, host, port)
+        self.address = self._server.sockets[0].getsockname()[:2]
+        return self.address
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        for _, futures in self._expected.values():
+            for future in futures.values():
+                if not future.done():
+                    future.cancel()
+
+    def expect(self, step: int, peers: Collection[bytes], digest: bytes) -> dict[bytes, asyncio.Future]:
+        """Register step `step`: one future per peer, resolved with its authenticated connection."""
+        loop = asyncio.get_running_loop()
+        futures = {key: loop.create_future() for key in peers}
+        self._expected[step] = (Admission(set(peers), digest), futures)
+        self._changed.set()
+        self._changed = asyncio.Event()
+        return futures
+
+    def forget(self, step: int) -> None:
+        self._expected.pop(step, None)
+
+    async def _admission(self, step: int) -> Admission | None:
+        """Wait (bounded) for the local node to reach `step`: a fast peer may dial before we get there."""
+        deadline = time.monotonic() + self.settings.setup_timeout
+        while step not in self._expected:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), remaining)
+        admission, futures = self._expected[step]
+        waiting = {key for key, future in futures.items() if not future.done()}
+        return Admission(waiting, admission.digest) if waiting else None
+
+    async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            session = await accept_any(
+                reader, writer, self.identity, self._admission, self.settings.failure_timeout
+            )
+        except WireError as exc:
+            log.info("data-plane connection dropped: %s", exc)
+            writer.close()
+            return
+        entry = self._expected.get(session.step)
+        future = entry[1].get(session.peer_key) if entry else None
+        if future is None or future.done():
+            writer.close()
+            return
+        future.set_result((reader, writer))
+
+
+async def dial_member(
+    identity: NodeIdentity, member: RingMember, step: int, digest: bytes, settings: RingSettings
+) -> Connection:
+    """Connect and authenticate to `member`, retrying refused connections until the setup deadline."""
+    deadline = time.monotonic() + settings.setup_timeout
+    delay = 0.05
+    while True:
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(member.host, member.port), settings.failure_timeout
+            )
+        except (OSError, asyncio.TimeoutError) as exc:
+            if time.monotonic() + delay > deadline:
+                raise AllReduceError(
+                    f"cannot connect to {short_id(member.key)} at {member.host}:{member.port}: {exc}"
+                ) from None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+            continue
+        try:
+            await dial(reader, writer, identity, member.key, step, digest, settings.setup_timeout)
+        except BaseException:
+            writer.close()
+            raise
+        return reader, writer
