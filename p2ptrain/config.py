@@ -109,6 +109,8 @@ class CommConfig(Section):
     connections: int = Field(1, ge=1, le=16)
     zstd: bool = False
     failure_timeout: float = Field(5.0, gt=0, le=600)
+    topology: Literal["auto", "ring", "butterfly"] = "auto"
+    """Reduce-scatter path: ring (neighbours only) or butterfly (straight to each segment's owner)."""
 
 
 class Config(Section):

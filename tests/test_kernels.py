@@ -57,9 +57,10 @@ def test_constant_blocks_are_exact():
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_non_finite_values_are_refused(bad: float):
+@pytest.mark.parametrize("position", [0, 256, 500, 997, 999])  # block starts, vector body, scalar tail
+def test_non_finite_values_are_refused(bad: float, position: int):
     values = np.zeros(1000, np.float32)
-    values[500] = bad
+    values[position] = bad
     with pytest.raises(NonFiniteError, match="1 non-finite"):
         quantize(values, 256)
 
