@@ -57,7 +57,7 @@ def worker(rank: int, host: str, master: str, length: int, rounds: int, out: Pat
         buffer, times = data.copy(), []
         for step in range(rounds + 1):
             np.copyto(buffer, data)
-            dist.barrier()
+            await asyncio.get_running_loop().run_in_executor(None, dist.barrier)  # keep the loop free
             started = time.perf_counter()
             await ring_all_reduce(server, step, members, buffer)
             times.append(time.perf_counter() - started)
@@ -105,9 +105,12 @@ def _run_members(commands: list[list[str]], root: Path, timeout: float) -> list[
                 process.wait()
         for log in logs:
             log.close()
-    if any(process.returncode != 0 for process in processes):
-        tail = (root / "member0.log").read_text()[-2000:]
-        raise RuntimeError(f"a member failed; member 0 said:\n{tail}")
+    failed = [rank for rank, process in enumerate(processes) if process.returncode != 0]
+    if failed:
+        # the first to fail is usually the one whose log does not blame a peer
+        said = {rank: (root / f"member{rank}.log").read_text()[-3000:] for rank in failed}
+        culprit = next((rank for rank in failed if "closed by peer" not in said[rank]), failed[0])
+        raise RuntimeError(f"member {culprit} failed:\n{said[culprit]}")
     return json.loads((root / "times.json").read_text())
 
 

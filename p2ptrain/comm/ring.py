@@ -52,7 +52,7 @@ from p2ptrain.comm.dataplane import (
     shares,
 )
 from p2ptrain.comm.handshake import HandshakeError
-from p2ptrain.comm.wire import FrameError, PeerClosed, WireError, read_frame, write_frame
+from p2ptrain.comm.wire import FrameError, PeerClosed, PeerTimeout, WireError, read_frame, write_frame
 from p2ptrain.identity import short_id
 
 log = logging.getLogger(__name__)
@@ -326,6 +326,7 @@ async def ring_all_reduce(
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()  # the first failure propagates at once
+        await _flush([writer for _, writer in outgoing.values()], settings.failure_timeout)
     except AllReduceError:
         raise
     except quant.NonFiniteError as exc:
@@ -343,6 +344,19 @@ async def ring_all_reduce(
     await asyncio.get_running_loop().run_in_executor(None, plan.write_result, buffer)
     plan.stats.seconds = time.monotonic() - started
     return plan.stats
+
+
+async def _flush(writers: list[asyncio.StreamWriter], timeout: float) -> None:
+    """Wait until every byte we queued has reached the kernel, so closing the socket loses nothing
+    even if the caller's event loop is busy right after we return."""
+    for writer in writers:
+        writer.transport.set_write_buffer_limits(high=0)
+    try:
+        await asyncio.wait_for(asyncio.gather(*(writer.drain() for writer in writers)), timeout)
+    except asyncio.TimeoutError:
+        raise PeerTimeout("peers did not take our last frames within the deadline") from None
+    except (ConnectionError, OSError) as exc:
+        raise PeerClosed(f"connection lost while flushing: {exc}") from None
 
 
 async def _connect(
