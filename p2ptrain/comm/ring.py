@@ -327,13 +327,16 @@ async def ring_all_reduce(
             for task in done:
                 task.result()  # the first failure propagates at once
         await _flush([writer for _, writer in outgoing.values()], settings.failure_timeout)
-    except AllReduceError:
+    except AllReduceError as exc:
+        log.warning("all-reduce of step %d failed: %s", step, exc)
         raise
     except quant.NonFiniteError as exc:
+        log.warning("all-reduce of step %d failed: NaN or Inf in this node's contribution", step)
         raise AllReduceError(
             f"step {step}: NaN or Inf in this node's contribution ({exc}); not sent"
         ) from exc
     except (WireError, HandshakeError, OSError) as exc:
+        log.warning("all-reduce of step %d failed, connections dropped: %s", step, exc)
         raise AllReduceError(f"step {step}: {exc}") from exc
     finally:
         for task in tasks:
