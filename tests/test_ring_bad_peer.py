@@ -92,3 +92,27 @@ def test_bad_frame_from_an_authenticated_peer(tmp_path: Path, case: str, caplog)
     assert isinstance(error, AllReduceError), case
     assert np.array_equal(buffer, before), "the buffer must stay untouched on failure"
     assert any("all-reduce of step" in record.getMessage() for record in caplog.records)
+
+
+def test_handshake_flood_is_capped(tmp_path: Path):
+    """Unauthenticated connections beyond the cap are closed at once; memory stays bounded."""
+    from p2ptrain.comm.dataplane import MAX_PENDING_HANDSHAKES
+
+    async def scenario() -> int:
+        server = DataPlaneServer(load_or_create_identity(tmp_path / "x"), RingSettings(failure_timeout=5.0))
+        host, port = await server.start()
+        idle = [await asyncio.open_connection(host, port) for _ in range(MAX_PENDING_HANDSHAKES)]
+        for _ in range(200):  # until the server has taken them all in (bounded)
+            if server.pending_handshakes == MAX_PENDING_HANDSHAKES:
+                break
+            await asyncio.sleep(0.01)
+        assert server.pending_handshakes == MAX_PENDING_HANDSHAKES
+        reader, writer = await asyncio.open_connection(host, port)
+        closed_at_once = await asyncio.wait_for(reader.read(), 2.0) == b""
+        for _, idle_writer in idle:
+            idle_writer.close()
+        writer.close()
+        await server.close()
+        return closed_at_once
+
+    assert asyncio.run(scenario())

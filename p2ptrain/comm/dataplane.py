@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 
 Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
+MAX_PENDING_HANDSHAKES = 64
+"""Unauthenticated connections a node holds at once; more are closed at once (bounded memory)."""
+
 
 class AllReduceError(WireError):
     """This member's all-reduce failed; its buffer is unchanged. Retry with the survivors."""
@@ -107,12 +110,19 @@ class DataPlaneServer:
         self._server: asyncio.Server | None = None
         self._expected: dict[int, tuple[Admission, dict[bytes, asyncio.Future]]] = {}
         self._changed = asyncio.Event()
+        self._latest_step = -1
+        self._pending = 0
         self.address: tuple[str, int] = ("", 0)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         self._server = await asyncio.start_server(self._on_connection, host, port)
         self.address = self._server.sockets[0].getsockname()[:2]
         return self.address
+
+    @property
+    def pending_handshakes(self) -> int:
+        """Incoming connections not yet authenticated."""
+        return self._pending
 
     async def close(self) -> None:
         if self._server is not None:
@@ -128,6 +138,7 @@ class DataPlaneServer:
         loop = asyncio.get_running_loop()
         futures = {key: loop.create_future() for key in peers}
         self._expected[step] = (Admission(set(peers), digest), futures)
+        self._latest_step = max(self._latest_step, step)
         self._changed.set()
         self._changed = asyncio.Event()
         return futures
@@ -137,6 +148,8 @@ class DataPlaneServer:
 
     async def _admission(self, step: int) -> Admission | None:
         """Wait (bounded) for the local node to reach `step`: a fast peer may dial before we get there."""
+        if step not in self._expected and step <= self._latest_step:
+            return None  # a step we already finished (or gave up): nothing to wait for
         deadline = time.monotonic() + self.settings.setup_timeout
         while step not in self._expected:
             remaining = deadline - time.monotonic()
@@ -149,6 +162,11 @@ class DataPlaneServer:
         return Admission(waiting, admission.digest) if waiting else None
 
     async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._pending >= MAX_PENDING_HANDSHAKES:
+            log.warning("data-plane connection refused: %d handshakes already pending", self._pending)
+            writer.close()
+            return
+        self._pending += 1
         try:
             session = await accept_any(
                 reader, writer, self.identity, self._admission, self.settings.failure_timeout
@@ -157,6 +175,8 @@ class DataPlaneServer:
             log.info("data-plane connection dropped: %s", exc)
             writer.close()
             return
+        finally:
+            self._pending -= 1
         entry = self._expected.get(session.step)
         future = entry[1].get(session.peer_key) if entry else None
         if future is None or future.done():
