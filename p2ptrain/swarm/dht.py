@@ -223,19 +223,30 @@ def _socket_files() -> set[Path]:
     return set(SOCKET_DIR.glob(SOCKET_GLOB))
 
 
-def _remove_dead_sockets(paths: set[Path]) -> None:
-    """Unlink unix sockets nobody listens on (a live daemon's socket accepts the connection)."""
-    for path in paths:
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(str(path))
-        except (ConnectionRefusedError, FileNotFoundError):
-            with contextlib.suppress(OSError):
-                path.unlink()
-        except OSError:
-            pass
-        finally:
-            probe.close()
+def _remove_dead_sockets(paths: set[Path], settle: float = 3.0) -> None:
+    """Unlink unix sockets nobody listens on (a live daemon's socket accepts the connection).
+
+    A p2pd that just reported its failure may still be exiting, its socket still accepting: such
+    sockets are probed again until `settle` seconds have passed.
+    """
+    deadline = time.monotonic() + settle
+    remaining = set(paths)
+    while remaining:
+        for path in list(remaining):
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(str(path))
+            except (ConnectionRefusedError, FileNotFoundError):
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                remaining.discard(path)
+            except OSError:
+                remaining.discard(path)
+            finally:
+                probe.close()
+        if not remaining or time.monotonic() >= deadline:
+            return
+        time.sleep(0.05)
 
 
 async def _awaitable(future: Any) -> Any:
