@@ -100,6 +100,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--address-file", metavar="FILE", help="write this node's DHT multiaddresses to FILE once up"
     )
     join.add_argument(
+        "--drill",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead of training, run N outer steps with synthetic pseudo-gradients (tests the plumbing)",
+    )
+    join.add_argument(
+        "--drill-nodes", type=int, default=1, metavar="K", help="drill: wait for K live nodes before step 0"
+    )
+    join.add_argument("--drill-size", type=int, default=1 << 20, metavar="VALUES", help="drill vector length")
+    join.add_argument(
+        "--drill-inner", type=float, default=2.0, metavar="S", help="drill inner phase: up to S s"
+    )
+    join.add_argument(
         "--table-every",
         type=float,
         default=10.0,
@@ -219,16 +233,38 @@ def cmd_join(args: argparse.Namespace) -> int:
             "node.announce": _validate_listen(args.announce),
         },
     )
+    if args.drill < 0 or args.drill_size < 1 or args.drill_inner < 0:
+        raise UserError("--drill, --drill-size and --drill-inner must not be negative (size at least 1)")
     if not peers:
         print("no --peer or PEER given: running alone (no bootstrap peer to find others through)", flush=True)
     identity, dht = start_node_dht(config)
     with dht:
         if args.address_file:
             _write_atomic(Path(args.address_file), "\n".join(dht.visible_maddrs()) + "\n")
-        _run_until_signal(
-            lambda stop: run_node(config, identity, dht, stop, sys.stdout, table_every=args.table_every),
-            on_force=dht.shutdown,
-        )
+        if args.drill:
+            from p2ptrain.drill import run_drill
+
+            log_path = Path(config.node.work_dir).expanduser() / "drill.jsonl"
+            _run_until_signal(
+                lambda stop: run_drill(
+                    config,
+                    identity,
+                    dht,
+                    stop,
+                    sys.stdout,
+                    args.drill,
+                    args.drill_size,
+                    args.drill_inner,
+                    log_path,
+                    min_nodes=args.drill_nodes,
+                ),
+                on_force=dht.shutdown,
+            )
+        else:
+            _run_until_signal(
+                lambda stop: run_node(config, identity, dht, stop, sys.stdout, table_every=args.table_every),
+                on_force=dht.shutdown,
+            )
     return 0
 
 

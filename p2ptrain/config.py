@@ -51,6 +51,12 @@ class NodeConfig(Section):
     """libp2p listen multiaddresses of the DHT."""
     announce: list[str] = []
     """Multiaddresses other peers should dial (public address behind NAT or in a container)."""
+    data_host: str = "0.0.0.0"
+    """Interface the data plane (all-reduce) listens on."""
+    data_port: int = Field(0, ge=0, lt=65536)
+    """TCP port of the data plane; 0 picks a free one."""
+    data_announce: str = ""
+    """host:port others dial for the data plane; default: data_host (127.0.0.1 for 0.0.0.0) and the port."""
 
 
 class SwarmConfig(Section):
@@ -64,6 +70,11 @@ class SwarmConfig(Section):
     connect_backoff: float = Field(1.0, gt=0, le=60)
     """First retry delay in seconds; it doubles after each failed attempt."""
     shutdown_timeout: float = Field(5.0, gt=0, le=60)
+    straggler_deadline: float = Field(10.0, ge=0, le=3600)
+    """Seconds after a node first sees a ready(N) record before step N goes on without the late ones."""
+    election_timeout: float = Field(120.0, gt=0, le=86400)
+    sync_retries: int = Field(20, ge=1, le=1000)
+    """Elections and all-reduces tried for one step before the node gives the step up."""
 
 
 class ModelConfig(Section):

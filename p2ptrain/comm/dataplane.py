@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 
 Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
+REFUSED_GRACE = 1.0
+"""Seconds a refused or failed connect is retried before the member counts as gone."""
 MAX_PENDING_HANDSHAKES = 64
 """Unauthenticated connections a node holds at once; more are closed at once (bounded memory)."""
 
@@ -148,8 +150,8 @@ class DataPlaneServer:
 
     async def _admission(self, step: int) -> Admission | None:
         """Wait (bounded) for the local node to reach `step`: a fast peer may dial before we get there."""
-        if step not in self._expected and step <= self._latest_step:
-            return None  # a step we already finished (or gave up): nothing to wait for
+        if step not in self._expected and step < self._latest_step:
+            return None  # an older step than ours: nothing to wait for (ours may be retried)
         deadline = time.monotonic() + self.settings.setup_timeout
         while step not in self._expected:
             remaining = deadline - time.monotonic()
@@ -188,8 +190,12 @@ class DataPlaneServer:
 async def dial_member(
     identity: NodeIdentity, member: RingMember, step: int, digest: bytes, settings: RingSettings
 ) -> Connection:
-    """Connect and authenticate to `member`, retrying refused connections until the setup deadline."""
-    deadline = time.monotonic() + settings.setup_timeout
+    """Connect and authenticate to `member`.
+
+    A member publishes its address only once its server listens, so a refused connection means
+    it is gone: that is retried only briefly (REFUSED_GRACE), not for the whole setup deadline.
+    """
+    deadline = time.monotonic() + min(settings.setup_timeout, REFUSED_GRACE)
     delay = 0.05
     while True:
         try:

@@ -1,0 +1,132 @@
+"""`p2ptrain join --drill N`: N outer steps with synthetic pseudo-gradients instead of a model.
+
+It exercises everything between two nodes' trainers — heartbeats, election, the int8 all-reduce,
+retries — so an operator can check a swarm's plumbing and bandwidth before training, and the tests
+can check that every member ends every step with the same bytes. Each step waits a random "inner
+phase" (`--drill-inner S`, uniform in [0, S]) and writes one JSON line to the node's log file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import random
+import time
+from pathlib import Path
+from typing import TextIO
+
+import numpy as np
+
+from p2ptrain.comm.dataplane import DataPlaneServer
+from p2ptrain.config import Config
+from p2ptrain.errors import UserError
+from p2ptrain.identity import NodeIdentity, short_id
+from p2ptrain.swarm.dht import SwarmDHT
+from p2ptrain.swarm.membership import HeartbeatPublisher, live, read_heartbeats
+from p2ptrain.swarm.records import NodeState
+from p2ptrain.sync import OuterSync, StepGivenUp, data_address, ring_settings
+
+
+async def _keep_alive(publisher: HeartbeatPublisher, interval: float, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval)
+        if not stop.is_set():
+            await publisher.publish()
+
+
+async def _wait_for_nodes(
+    config: Config, dht: SwarmDHT, stop: asyncio.Event, out: TextIO, count: int
+) -> None:
+    """Hold step 0 until `count` live nodes are in the swarm table (bounded by election_timeout)."""
+    if count <= 1:
+        return
+    print(f"drill: waiting for {count} nodes", file=out, flush=True)
+    deadline = time.monotonic() + config.swarm.election_timeout
+    while len(live(await read_heartbeats(dht, config.run.id))) < count and not stop.is_set():
+        if time.monotonic() > deadline:
+            raise UserError(f"fewer than {count} nodes joined within {config.swarm.election_timeout:.0f} s")
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), config.swarm.heartbeat_interval / 2)
+
+
+async def run_drill(
+    config: Config,
+    identity: NodeIdentity,
+    dht: SwarmDHT,
+    stop: asyncio.Event,
+    out: TextIO,
+    steps: int,
+    size: int,
+    inner_seconds: float,
+    log_path: Path,
+    min_nodes: int = 1,
+) -> None:
+    server = DataPlaneServer(identity, ring_settings(config))
+    _, port = await server.start(config.node.data_host, config.node.data_port)
+    publisher = HeartbeatPublisher(
+        dht,
+        identity,
+        config.run.id,
+        ttl=config.swarm.heartbeat_timeout,
+        config_digest=config.digest(),
+        data_addr=data_address(config, port),
+    )
+    await publisher.publish(state=NodeState.TRAINING, outer_step=0)
+    sync = OuterSync(config, dht, publisher, server)
+    keeper = asyncio.create_task(_keep_alive(publisher, config.swarm.heartbeat_interval, stop))
+    rng = random.Random(identity.public_key)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    print(f"drill: {steps} outer steps of {size} values, data plane on port {port}", file=out, flush=True)
+    try:
+        await _wait_for_nodes(config, dht, stop, out, min_nodes)
+        with log_path.open("a") as log_file:
+            for step in range(steps):
+                if stop.is_set():
+                    break
+                await publisher.publish(state=NodeState.TRAINING, outer_step=step)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), rng.uniform(0, inner_seconds))
+                if stop.is_set():
+                    break
+                seed = int.from_bytes(
+                    hashlib.sha256(identity.public_key + step.to_bytes(8, "big")).digest()[:8]
+                )
+                vector = np.random.default_rng(seed).standard_normal(size).astype(np.float32)
+                started = time.monotonic()
+                try:
+                    result = await sync.sync(step, vector, tokens=rng.randint(1, 1000))
+                except StepGivenUp as exc:
+                    print(f"drill: step {step} given up: {exc}", file=out, flush=True)
+                    log_file.write(json.dumps({"step": step, "given_up": str(exc)}) + "\n")
+                    continue
+                params_hash = hashlib.sha256(vector.tobytes()).hexdigest()
+                line = {
+                    "step": step,
+                    "members": [member.key.hex() for member in result.election.members],
+                    "digest": result.election.digest.hex(),
+                    "hash": params_hash,
+                    "attempts": result.attempts,
+                    "sync_s": round(time.monotonic() - started, 3),
+                    "bytes_sent": result.stats.bytes_sent,
+                }
+                log_file.write(json.dumps(line) + "\n")
+                log_file.flush()
+                await publisher.publish(
+                    state=NodeState.TRAINING, outer_step=step + 1, params_hash=params_hash
+                )
+                names = ", ".join(short_id(member.key) for member in result.election.members)
+                print(
+                    f"drill: step {step} done with {len(result.election.members)} members ({names}), "
+                    f"hash {params_hash[:12]}",
+                    file=out,
+                    flush=True,
+                )
+    finally:
+        keeper.cancel()
+        await server.close()
+        sent = await publisher.deathrattle()
+        outcome = "deathrattle sent" if sent else "deathrattle not confirmed"
+        print(f"drill: node {identity.short_id} left ({outcome})", file=out, flush=True)

@@ -1,0 +1,81 @@
+"""Election and all-reduce together: real node agents (`p2ptrain join --drill`) on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+from tests.helpers import LocalSwarm, wait_until
+
+DRILL = ["--set", 'node.data_host="127.0.0.1"', "--drill-size", "50000"]
+
+
+def drill_log(swarm: LocalSwarm, name: str) -> list[dict]:
+    path = swarm.root / name / "drill.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def assert_agreement(logs: dict[str, list[dict]], steps: range) -> None:
+    for step in steps:
+        entries = [next(entry for entry in log if entry["step"] == step) for log in logs.values()]
+        assert all("given_up" not in entry for entry in entries), entries
+        assert len({entry["hash"] for entry in entries}) == 1, f"step {step}: results differ"
+        assert len({entry["digest"] for entry in entries}) == 1, f"step {step}: memberships differ"
+        assert len({tuple(entry["members"]) for entry in entries}) == 1
+
+
+def test_four_nodes_agree_on_members_order_and_result_for_20_steps(swarm: LocalSwarm):
+    swarm.start_bootstrap()
+    names = [f"node{i}" for i in range(4)]
+    for name in names:
+        swarm.start_node(name, None, "--drill", "20", "--drill-nodes", "4", "--drill-inner", "0.5", *DRILL)
+    for name in names:
+        assert swarm.children.wait(name, timeout=180) == 0, swarm.log(name)
+    logs = {name: drill_log(swarm, name) for name in names}
+    assert all(len(log) == 20 for log in logs.values())
+    assert_agreement(logs, range(20))
+    assert all(len(entry["members"]) == 4 for log in logs.values() for entry in log)
+    orders = {tuple(entry["members"]) for entry in logs["node0"]}
+    assert len(orders) > 1, "the ring order should rotate between steps"
+
+
+def test_survivors_go_on_after_a_member_is_killed(swarm: LocalSwarm):
+    swarm.start_bootstrap()
+    names = ["node0", "node1", "node2"]
+    extra = [
+        "--set",
+        "swarm.straggler_deadline=2",
+        "--drill",
+        "14",
+        "--drill-nodes",
+        "3",
+        "--drill-inner",
+        "0.3",
+    ]
+    extra += DRILL
+    for name in names:
+        swarm.start_node(name, None, *extra)
+    wait_until(lambda: len(drill_log(swarm, "node0")) >= 3, timeout=120, what="three drill steps")
+    killed_at = time.monotonic()
+    swarm.children.signal("node2", signal.SIGKILL)
+    for name in names[:2]:
+        assert swarm.children.wait(name, timeout=180) == 0, swarm.log(name)
+    logs = {name: drill_log(swarm, name) for name in names[:2]}
+    assert all(len(log) == 14 for log in logs.values()), logs
+    assert_agreement(logs, range(14))
+    last = logs["node0"][-1]
+    assert len(last["members"]) == 2, "the killed node must be out of the later steps"
+    # the step during which the node died completed within heartbeat timeout + the ring's failure bound
+    slowest = max(entry["sync_s"] for entry in logs["node0"])
+    assert slowest <= 6 + 5 + 2, slowest
+    assert time.monotonic() - killed_at < 180
+
+
+def test_drill_rejects_bad_arguments(tmp_path: Path):
+    from tests.helpers import assert_one_line_error, cli
+
+    assert_one_line_error(cli("join", "--work-dir", str(tmp_path), "--drill", "-1"), "--drill")

@@ -1,0 +1,145 @@
+"""The election function: members and ring order from heartbeats, identical on every node."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from p2ptrain.swarm.election import decide, elect, expected_for, parse_address, ready_for, ring_order
+from p2ptrain.swarm.records import Heartbeat, NodeState
+
+
+def key(index: int) -> bytes:
+    return bytes([index]) * 32
+
+
+def beat(index: int, state: NodeState, step: int, tokens: int = 100, timestamp: float = 1e9) -> Heartbeat:
+    return Heartbeat(
+        run_id="r",
+        node_key=key(index),
+        seq=1,
+        timestamp=timestamp,
+        expiration=0.0,
+        state=state,
+        outer_step=step,
+        data_addr=f"127.0.0.1:{5000 + index}",
+        tokens=tokens,
+    )
+
+
+def test_parse_address():
+    assert parse_address("10.0.0.1:80") == ("10.0.0.1", 80)
+    assert parse_address("[::1]:9000") == ("::1", 9000)
+    for bad in ["", "host", "host:", ":80", "h:0", "h:70000", "h:x"]:
+        assert parse_address(bad) is None
+
+
+def test_ready_and_expected():
+    beats = [
+        beat(1, NodeState.READY, 4),
+        beat(2, NodeState.SYNCING, 4),
+        beat(3, NodeState.TRAINING, 4),
+        beat(4, NodeState.READY, 3),
+        beat(5, NodeState.JOINING, 4),
+        beat(6, NodeState.DEAD, 4),
+    ]
+    assert [b.node_key for b in ready_for(beats, 4)] == [key(1), key(2)]
+    assert [b.node_key for b in expected_for(beats, 4)] == [key(3)]
+
+
+def test_a_node_alone_in_its_view_waits_for_the_deadline():
+    beats = [beat(1, NodeState.READY, 4)]
+    assert decide(beats, 4, deadline_passed=False) is None
+    assert decide(beats, 4, deadline_passed=True).keys == [key(1)]
+
+
+def test_never_solo_while_another_node_is_at_the_step():
+    """A stale record of a peer (its ready record has not reached us) must not let us go alone."""
+    beats = [beat(1, NodeState.READY, 4), beat(2, NodeState.LEAVING, 4)]
+    assert decide(beats, 4, deadline_passed=True) is None
+    beats = [beat(1, NodeState.READY, 4), beat(2, NodeState.TRAINING, 5)]  # already past: not at 4
+    assert decide(beats, 4, deadline_passed=True).keys == [key(1)]
+
+
+def test_waits_for_nodes_still_training_until_the_deadline():
+    beats = [beat(1, NodeState.READY, 4), beat(3, NodeState.READY, 4), beat(2, NodeState.TRAINING, 4)]
+    assert decide(beats, 4, deadline_passed=False) is None
+    election = decide(beats, 4, deadline_passed=True)
+    assert election is not None and sorted(election.keys) == [key(1), key(3)]  # the straggler is left out
+
+
+def test_every_node_computes_the_same_election_from_the_same_records():
+    beats = [beat(i, NodeState.READY, 7, tokens=10 * i) for i in range(1, 7)]
+    reference = decide(beats, 7, False)
+    for _ in range(10):
+        shuffled = random.sample(beats, len(beats))
+        election = decide(shuffled, 7, False)
+        assert election.keys == reference.keys and election.digest == reference.digest
+    assert [m.weight for m in reference.members] == [10.0 * (k[0]) for k in reference.keys]
+
+
+def test_clock_skew_does_not_change_the_result():
+    """Record timestamps come from each sender's clock; the election never reads them."""
+    beats = [beat(i, NodeState.READY, 3) for i in range(1, 5)]
+    skewed = [beat(i, NodeState.READY, 3, timestamp=1e9 + (5 if i == 2 else 0)) for i in range(1, 5)]
+    assert decide(beats, 3, False).keys == decide(skewed, 3, False).keys
+
+
+def test_order_rotates_between_steps_and_is_a_permutation():
+    keys = [key(i) for i in range(1, 9)]
+    orders = {tuple(ring_order(keys, step)) for step in range(10)}
+    assert len(orders) > 1
+    assert all(sorted(order) == sorted(keys) for order in orders)
+
+
+def test_bandwidth_aware_order_avoids_slow_links():
+    keys = [key(i) for i in range(1, 6)]
+    fast = 1e9
+    throughput = {(a, b): fast for a in keys for b in keys if a != b}
+    base = ring_order(keys, 0)
+    # make every link out of base[0] slow except to base[3]
+    for other in keys:
+        if other not in (base[0], base[3]):
+            throughput[(base[0], other)] = 1e3
+    order = ring_order(keys, 0, throughput)
+    assert order[0] == base[0] and order[1] == base[3]
+    assert ring_order(list(reversed(keys)), 0, throughput) == order
+
+
+def test_ring_order_at_1000_nodes_is_fast_enough():
+    import time
+
+    keys = [i.to_bytes(32, "big") for i in range(1000)]
+    throughput = {(keys[i], keys[(i * 7 + 3) % 1000]): float(i) for i in range(1000)}
+    started = time.perf_counter()
+    order = ring_order(keys, 1, throughput)
+    assert len(set(order)) == 1000
+    assert time.perf_counter() - started < 30  # O(n²) greedy; a bound, not a benchmark
+
+
+def test_elect_decides_at_the_straggler_deadline_on_its_own_clock():
+    now = [0.0]
+    views = [
+        [beat(1, NodeState.TRAINING, 2), beat(2, NodeState.TRAINING, 2), beat(3, NodeState.TRAINING, 2)]
+    ] + [[beat(1, NodeState.READY, 2), beat(2, NodeState.TRAINING, 2), beat(3, NodeState.READY, 2)]] * 100
+
+    async def read():
+        now[0] += 0.5
+        return views.pop(0)
+
+    async def scenario():
+        return await elect(read, 2, straggler_deadline=2.0, timeout=30, poll_interval=0, clock=lambda: now[0])
+
+    election = asyncio.run(scenario())
+    assert sorted(election.keys) == [key(1), key(3)]
+    assert now[0] == pytest.approx(3.0)  # first ready seen at 1.0, deadline 2.0 later
+
+
+def test_elect_times_out():
+    async def read():
+        return [beat(1, NodeState.TRAINING, 2)]
+
+    with pytest.raises(TimeoutError):
+        asyncio.run(elect(read, 2, straggler_deadline=1.0, timeout=0.2, poll_interval=0.05))
