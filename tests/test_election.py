@@ -143,3 +143,18 @@ def test_elect_times_out():
 
     with pytest.raises(TimeoutError):
         asyncio.run(elect(read, 2, straggler_deadline=1.0, timeout=0.2, poll_interval=0.05))
+
+
+def test_status_derives_the_last_ring_from_the_records():
+    from dataclasses import replace
+
+    from p2ptrain.swarm.status import format_table, last_ring, status_json
+
+    beats = [replace(beat(i, NodeState.TRAINING, 8), params_hash="ab") for i in (1, 2, 3)]
+    beats.append(replace(beat(4, NodeState.TRAINING, 7), params_hash="cd"))  # finished an older step
+    beats.append(beat(5, NodeState.JOINING, 0))
+    ring = last_ring(beats)
+    assert ring == {"step": 7, "members": [k.hex() for k in ring_order([key(1), key(2), key(3)], 7)]}
+    assert status_json(beats)["last_ring"] == ring
+    assert "last ring (step 7)" in format_table(beats)
+    assert last_ring([beat(5, NodeState.JOINING, 0)]) is None
