@@ -79,3 +79,36 @@ def test_drill_rejects_bad_arguments(tmp_path: Path):
     from tests.helpers import assert_one_line_error, cli
 
     assert_one_line_error(cli("join", "--work-dir", str(tmp_path), "--drill", "-1"), "--drill")
+
+
+def test_elections_go_on_after_the_bootstrap_peer_dies(swarm: LocalSwarm):
+    swarm.start_bootstrap()
+    names = ["node0", "node1", "node2"]
+    for name in names:
+        swarm.start_node(name, None, "--drill", "12", "--drill-nodes", "3", "--drill-inner", "0.3", *DRILL)
+    wait_until(lambda: len(drill_log(swarm, "node0")) >= 3, timeout=120, what="three drill steps")
+    swarm.children.signal("bootstrap", signal.SIGKILL)
+    for name in names:
+        assert swarm.children.wait(name, timeout=180) == 0, swarm.log(name)
+    logs = {name: drill_log(swarm, name) for name in names}
+    assert all(len(log) == 12 for log in logs.values())
+    assert_agreement(logs, range(12))
+    assert all(len(entry["members"]) == 3 for log in logs.values() for entry in log)
+
+
+def test_a_node_stopped_with_sigterm_is_dropped_without_waiting_for_its_timeout(swarm: LocalSwarm):
+    swarm.start_bootstrap()
+    names = ["node0", "node1", "node2"]
+    for name in names:
+        swarm.start_node(name, None, "--drill", "12", "--drill-nodes", "3", "--drill-inner", "0.3", *DRILL)
+    wait_until(lambda: len(drill_log(swarm, "node0")) >= 3, timeout=120, what="three drill steps")
+    swarm.children.signal("node2", signal.SIGTERM)
+    assert swarm.children.wait("node2", timeout=5) == 0
+    assert "deathrattle sent" in swarm.log("node2")
+    for name in names[:2]:
+        assert swarm.children.wait(name, timeout=180) == 0, swarm.log(name)
+    logs = {name: drill_log(swarm, name) for name in names[:2]}
+    assert_agreement(logs, range(12))
+    assert len(logs["node0"][-1]["members"]) == 2
+    # no step waited for the heartbeat timeout (6 s): the deathrattle removed node2 at once
+    assert max(entry["sync_s"] for entry in logs["node0"]) < 5, [e["sync_s"] for e in logs["node0"]]
