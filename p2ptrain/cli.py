@@ -145,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--work-dir", default=".p2ptrain-demo", metavar="DIR", help="where identities and logs go"
     )
+    demo.add_argument("--steps", type=int, default=5, help="outer steps to run (default %(default)s)")
     demo.add_argument("--timeout", type=float, default=60.0, metavar="S", help="give up after S seconds")
     demo.add_argument(
         "--json", action="store_true", help="print the summary as one JSON object on the last line"
@@ -297,9 +298,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from p2ptrain.demo import run_demo
 
-    if args.nodes < 1:
-        raise UserError("--nodes must be at least 1")
-    summary = run_demo(Path(args.work_dir), nodes=args.nodes, timeout=args.timeout, quiet=args.json)
+    if args.nodes < 1 or args.steps < 1:
+        raise UserError("--nodes and --steps must be at least 1")
+    summary = run_demo(
+        Path(args.work_dir), nodes=args.nodes, steps=args.steps, timeout=args.timeout, quiet=args.json
+    )
     if args.json:
         print(json.dumps(summary))
     return 0 if summary["ok"] else 1
