@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from pathlib import Path
 
 from tests.helpers import LocalSwarm, wait_until
@@ -17,6 +16,34 @@ def drill_log(swarm: LocalSwarm, name: str) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def start_drill(swarm: LocalSwarm, steps: int, *extra: str, nodes: int = 3) -> list[str]:
+    """Bootstrap peer plus `nodes` drill nodes; returns once node0 has finished three steps."""
+    swarm.start_bootstrap()
+    names = [f"node{i}" for i in range(nodes)]
+    for name in names:
+        swarm.start_node(
+            name,
+            None,
+            "--drill",
+            str(steps),
+            "--drill-nodes",
+            str(nodes),
+            "--drill-inner",
+            "0.3",
+            *extra,
+            *DRILL,
+        )
+    wait_until(lambda: len(drill_log(swarm, "node0")) >= 3, timeout=120, what="three drill steps")
+    return names
+
+
+def finish(swarm: LocalSwarm, names: list[str]) -> dict[str, list[dict]]:
+    """Wait for the drill nodes to exit cleanly; their step logs."""
+    for name in names:
+        assert swarm.children.wait(name, timeout=180) == 0, swarm.log(name)
+    return {name: drill_log(swarm, name) for name in names}
 
 
 def assert_agreement(logs: dict[str, list[dict]], steps: range) -> None:
@@ -44,35 +71,15 @@ def test_four_nodes_agree_on_members_order_and_result_for_20_steps(swarm: LocalS
 
 
 def test_survivors_go_on_after_a_member_is_killed(swarm: LocalSwarm):
-    swarm.start_bootstrap()
-    names = ["node0", "node1", "node2"]
-    extra = [
-        "--set",
-        "swarm.straggler_deadline=2",
-        "--drill",
-        "14",
-        "--drill-nodes",
-        "3",
-        "--drill-inner",
-        "0.3",
-    ]
-    extra += DRILL
-    for name in names:
-        swarm.start_node(name, None, *extra)
-    wait_until(lambda: len(drill_log(swarm, "node0")) >= 3, timeout=120, what="three drill steps")
-    killed_at = time.monotonic()
+    names = start_drill(swarm, 14, "--set", "swarm.straggler_deadline=2")
     swarm.children.signal("node2", signal.SIGKILL)
-    for name in names[:2]:
-        assert swarm.children.wait(name, timeout=180) == 0, swarm.log(name)
-    logs = {name: drill_log(swarm, name) for name in names[:2]}
+    logs = finish(swarm, names[:2])
     assert all(len(log) == 14 for log in logs.values()), logs
     assert_agreement(logs, range(14))
-    last = logs["node0"][-1]
-    assert len(last["members"]) == 2, "the killed node must be out of the later steps"
+    assert len(logs["node0"][-1]["members"]) == 2, "the killed node must be out of the later steps"
     # the step during which the node died completed within heartbeat timeout + the ring's failure bound
     slowest = max(entry["sync_s"] for entry in logs["node0"])
     assert slowest <= 6 + 5 + 2, slowest
-    assert time.monotonic() - killed_at < 180
 
 
 def test_drill_rejects_bad_arguments(tmp_path: Path):
@@ -82,32 +89,20 @@ def test_drill_rejects_bad_arguments(tmp_path: Path):
 
 
 def test_elections_go_on_after_the_bootstrap_peer_dies(swarm: LocalSwarm):
-    swarm.start_bootstrap()
-    names = ["node0", "node1", "node2"]
-    for name in names:
-        swarm.start_node(name, None, "--drill", "12", "--drill-nodes", "3", "--drill-inner", "0.3", *DRILL)
-    wait_until(lambda: len(drill_log(swarm, "node0")) >= 3, timeout=120, what="three drill steps")
+    names = start_drill(swarm, 12)
     swarm.children.signal("bootstrap", signal.SIGKILL)
-    for name in names:
-        assert swarm.children.wait(name, timeout=180) == 0, swarm.log(name)
-    logs = {name: drill_log(swarm, name) for name in names}
+    logs = finish(swarm, names)
     assert all(len(log) == 12 for log in logs.values())
     assert_agreement(logs, range(12))
     assert all(len(entry["members"]) == 3 for log in logs.values() for entry in log)
 
 
 def test_a_node_stopped_with_sigterm_is_dropped_without_waiting_for_its_timeout(swarm: LocalSwarm):
-    swarm.start_bootstrap()
-    names = ["node0", "node1", "node2"]
-    for name in names:
-        swarm.start_node(name, None, "--drill", "12", "--drill-nodes", "3", "--drill-inner", "0.3", *DRILL)
-    wait_until(lambda: len(drill_log(swarm, "node0")) >= 3, timeout=120, what="three drill steps")
+    names = start_drill(swarm, 12)
     swarm.children.signal("node2", signal.SIGTERM)
     assert swarm.children.wait("node2", timeout=5) == 0
     assert "deathrattle sent" in swarm.log("node2")
-    for name in names[:2]:
-        assert swarm.children.wait(name, timeout=180) == 0, swarm.log(name)
-    logs = {name: drill_log(swarm, name) for name in names[:2]}
+    logs = finish(swarm, names[:2])
     assert_agreement(logs, range(12))
     assert len(logs["node0"][-1]["members"]) == 2
     # no step waited for the heartbeat timeout (6 s): the deathrattle removed node2 at once
