@@ -14,7 +14,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -65,7 +65,6 @@ class RingStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     frames: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 def membership_digest(step: int, members: Sequence[RingMember]) -> bytes:

@@ -116,7 +116,7 @@ class _AllReduce:
         self.arrived: dict[int, int] = {}
         self.locks: dict[int, asyncio.Lock] = {}
         self.frames_queued = dict.fromkeys(self.out_peers(), 0)
-        self.stats = RingStats(extra={"butterfly": float(self.topology == "butterfly")})
+        self.stats = RingStats()
         self.compressor = zstandard.ZstdCompressor(level=1) if settings.zstd else None
         self.decompressor = zstandard.ZstdDecompressor() if settings.zstd else None
 
