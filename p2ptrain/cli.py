@@ -114,6 +114,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--drill-inner", type=float, default=2.0, metavar="S", help="drill inner phase: up to S s"
     )
     join.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        metavar="N",
+        help="trainer ranks on this node (default: one per visible GPU, one on a CPU-only machine)",
+    )
+    join.add_argument(
+        "--observe",
+        action="store_true",
+        help="train nothing: keep a heartbeat and print the swarm table (an extra DHT peer, a watcher)",
+    )
+    join.add_argument(
         "--table-every",
         type=float,
         default=10.0,
@@ -220,8 +232,6 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 
 
 def cmd_join(args: argparse.Namespace) -> int:
-    from p2ptrain.node import run_node, start_node_dht
-
     base = resolve_config(args)
     peers = _peers(args, base)
     config = resolve_config(
@@ -232,10 +242,55 @@ def cmd_join(args: argparse.Namespace) -> int:
             "node.identity": args.identity,
             "node.listen": _validate_listen(args.listen),
             "node.announce": _validate_listen(args.announce),
+            "node.nproc": args.nproc,
         },
     )
     if args.drill < 0 or args.drill_size < 1 or args.drill_inner < 0:
         raise UserError("--drill, --drill-size and --drill-inner must not be negative (size at least 1)")
+    if args.nproc is not None and not 1 <= args.nproc <= 64:
+        raise UserError(f"--nproc must be between 1 and 64 (got {args.nproc})")
+    if args.drill or args.observe:
+        return _join_without_training(args, config, peers)
+    from p2ptrain.identity import load_or_create_identity
+    from p2ptrain.node import identity_dir, start_node_dht
+    from p2ptrain.train.agent import TrainingNode
+
+    _check_trainable(config)
+    if not peers:
+        print("no --peer or PEER given: training alone (no network)", flush=True)
+        identity = load_or_create_identity(identity_dir(config))
+        _run_until_signal(
+            lambda stop: TrainingNode(config, identity, None, stop, sys.stdout, config.node.nproc).run(),
+            on_force=lambda: None,
+        )
+        return 0
+    identity, dht = start_node_dht(config)
+    with dht:
+        if args.address_file:
+            _write_atomic(Path(args.address_file), "\n".join(dht.visible_maddrs()) + "\n")
+        _run_until_signal(
+            lambda stop: TrainingNode(config, identity, dht, stop, sys.stdout, config.node.nproc).run(),
+            on_force=dht.shutdown,
+        )
+    return 0
+
+
+def _check_trainable(config: Config) -> None:
+    """Refuse a config whose model or data cannot work, before any process starts."""
+    from p2ptrain.train.data import list_files, load_tokenizer
+    from p2ptrain.train.model import validate_shape
+
+    try:
+        validate_shape(config.model)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    load_tokenizer(config.data, config.model.vocab_size)
+    list_files(config.data)
+
+
+def _join_without_training(args: argparse.Namespace, config: Config, peers: list[str]) -> int:
+    from p2ptrain.node import run_node, start_node_dht
+
     if not peers:
         print("no --peer or PEER given: running alone (no bootstrap peer to find others through)", flush=True)
     identity, dht = start_node_dht(config)

@@ -57,6 +57,8 @@ class NodeConfig(Section):
     """TCP port of the data plane; 0 picks a free one."""
     data_announce: str = ""
     """host:port others dial for the data plane; default: data_host (127.0.0.1 for 0.0.0.0) and the port."""
+    nproc: int = Field(0, ge=0, le=64)
+    """Trainer ranks on this node; 0: one per visible GPU, one on a CPU-only machine."""
 
 
 class SwarmConfig(Section):
@@ -73,6 +75,8 @@ class SwarmConfig(Section):
     straggler_deadline: float = Field(10.0, ge=0, le=3600)
     """Seconds after a node first sees a ready(N) record before step N goes on without the late ones."""
     election_timeout: float = Field(120.0, gt=0, le=86400)
+    wait_nodes: int = Field(1, ge=1, le=10000)
+    """A node starts training once this many live nodes (itself included) are in the swarm table."""
     sync_retries: int = Field(20, ge=1, le=1000)
     """Elections and all-reduces tried for one step before the node gives the step up."""
 
@@ -104,6 +108,43 @@ class TrainConfig(Section):
     grad_clip: float = Field(1.0, gt=0)
     seed: int = 0
     precision: Literal["fp32", "bf16"] = "fp32"
+    """bf16 autocast on GPU; CPU ranks always compute in fp32."""
+    activation_checkpointing: bool = False
+    compile: bool = False
+    """torch.compile each block (GPU runs; compile time dwarfs a CPU debug run)."""
+    time_box: float = Field(0.0, ge=0)
+    """Seconds after which an outer step starts even if fewer than inner_steps were done (0: off)."""
+
+
+class DataConfig(Section):
+    paths: list[str] = []
+    """Text (.txt, .md, .py, …), .jsonl or .parquet files or folders; empty: the embedded corpus
+    (the Python standard library's own .py sources on this machine)."""
+    tokenizer: str = "bytes"
+    """"bytes" (256 token ids, one per byte) or the path of a Hugging Face tokenizer.json."""
+    text_field: str = "text"
+    """Field holding the text in .jsonl records and .parquet columns."""
+    num_shards: int = Field(64, ge=1, le=1 << 20)
+    shard: int | None = Field(None, ge=0)
+    """This node's first shard; default: derived from the node key (stable across restarts)."""
+    eos_id: int | None = Field(None, ge=0)
+    """Token id put between documents; default: 0 for bytes, the tokenizer's end-of-text token."""
+
+
+class CheckpointConfig(Section):
+    interval: int = Field(1, ge=0)
+    """Save every this many outer steps (0: only at the end)."""
+    keep: int = Field(3, ge=1)
+    """Checkpoints kept on disk; older ones are removed."""
+    dir: str = ""
+    """Where checkpoints go; default: <work_dir>/checkpoints."""
+
+
+class MetricsConfig(Section):
+    tensorboard: bool = False
+    """Also log to TensorBoard (under <work_dir>/tensorboard) when the package is installed."""
+    wandb_project: str = ""
+    """Also log to this Weights & Biases project when wandb is installed and logged in."""
 
 
 class OuterConfig(Section):
@@ -132,6 +173,9 @@ class Config(Section):
     train: TrainConfig = TrainConfig()
     outer: OuterConfig = OuterConfig()
     comm: CommConfig = CommConfig()
+    data: DataConfig = DataConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     def digest(self) -> str:
         """sha256 of what every member of a run must share (model, training and outer settings)."""

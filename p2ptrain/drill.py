@@ -21,10 +21,9 @@ import numpy as np
 
 from p2ptrain.comm.dataplane import DataPlaneServer
 from p2ptrain.config import Config
-from p2ptrain.errors import UserError
 from p2ptrain.identity import NodeIdentity, short_id
 from p2ptrain.swarm.dht import SwarmDHT
-from p2ptrain.swarm.membership import HeartbeatPublisher, live, read_heartbeats
+from p2ptrain.swarm.membership import HeartbeatPublisher, wait_for_nodes
 from p2ptrain.swarm.records import NodeState
 from p2ptrain.sync import OuterSync, StepGivenUp, data_address, ring_settings
 
@@ -35,21 +34,6 @@ async def _keep_alive(publisher: HeartbeatPublisher, interval: float, stop: asyn
             await asyncio.wait_for(stop.wait(), interval)
         if not stop.is_set():
             await publisher.publish()
-
-
-async def _wait_for_nodes(
-    config: Config, dht: SwarmDHT, stop: asyncio.Event, out: TextIO, count: int
-) -> None:
-    """Hold step 0 until `count` live nodes are in the swarm table (bounded by election_timeout)."""
-    if count <= 1:
-        return
-    print(f"drill: waiting for {count} nodes", file=out, flush=True)
-    deadline = time.monotonic() + config.swarm.election_timeout
-    while len(live(await read_heartbeats(dht, config.run.id))) < count and not stop.is_set():
-        if time.monotonic() > deadline:
-            raise UserError(f"fewer than {count} nodes joined within {config.swarm.election_timeout:.0f} s")
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), config.swarm.heartbeat_interval / 2)
 
 
 async def run_drill(
@@ -81,7 +65,7 @@ async def run_drill(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     print(f"drill: {steps} outer steps of {size} values, data plane on port {port}", file=out, flush=True)
     try:
-        await _wait_for_nodes(config, dht, stop, out, min_nodes)
+        await wait_for_nodes(config, dht, stop, out, min_nodes)
         with log_path.open("a") as log_file:
             for step in range(steps):
                 if stop.is_set():

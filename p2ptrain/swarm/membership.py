@@ -7,13 +7,17 @@ grow by one per record, so they keep growing across restarts of the same node.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import replace
-from typing import Any
+from typing import Any, TextIO
 
 from hivemind.utils import get_dht_time
 
+from p2ptrain.config import Config
+from p2ptrain.errors import UserError
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.swarm.dht import SwarmDHT
 from p2ptrain.swarm.records import Heartbeat, NodeState, RecordError, decode_heartbeat, heartbeat_key
@@ -92,3 +96,16 @@ async def read_heartbeats(dht: SwarmDHT, run_id: str) -> list[Heartbeat]:
 def live(heartbeats: list[Heartbeat]) -> list[Heartbeat]:
     """Nodes that have not sent a deathrattle (expired records are already gone from the DHT)."""
     return [beat for beat in heartbeats if beat.state is not NodeState.DEAD]
+
+
+async def wait_for_nodes(config: Config, dht: SwarmDHT, stop: asyncio.Event, out: TextIO, count: int) -> None:
+    """Return once `count` live nodes are in the swarm table (UserError after election_timeout)."""
+    if count <= 1:
+        return
+    print(f"waiting for {count} nodes to join", file=out, flush=True)
+    deadline = time.monotonic() + config.swarm.election_timeout
+    while len(live(await read_heartbeats(dht, config.run.id))) < count and not stop.is_set():
+        if time.monotonic() > deadline:
+            raise UserError(f"fewer than {count} nodes joined within {config.swarm.election_timeout:.0f} s")
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), config.swarm.heartbeat_interval / 2)

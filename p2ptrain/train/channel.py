@@ -1,0 +1,160 @@
+"""The local channel between the node agent and its rank 0: typed messages over a socketpair.
+
+The big vector never goes through the socket: rank 0 and the agent map the same file (in /dev/shm
+where it exists) and the messages only say whose turn it is.
+
+    rank 0 → agent   Hello (layout), Progress (every inner step), Ready (pseudo-gradient written),
+                     StepDone (outer step applied), Finished (max_steps reached)
+    agent → rank 0   Averaged (the buffer now holds the swarm's average, or the step went solo), Stop
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from dataclasses import asdict, dataclass, fields
+from typing import ClassVar
+
+import msgpack
+
+from p2ptrain.untrusted import unpack_untrusted
+
+_LENGTH = struct.Struct("!I")
+MAX_MESSAGE = 1 << 20
+
+
+@dataclass
+class Hello:
+    numel: int
+    layout_digest: str
+    buffer_path: str
+    world_size: int
+    parameters: int
+    start_step: int
+    kind: ClassVar[str] = "hello"
+
+
+@dataclass
+class Progress:
+    outer_step: int
+    inner_step: int
+    loss: float
+    tokens: int
+    tokens_per_s: float
+    kind: ClassVar[str] = "progress"
+
+
+@dataclass
+class Ready:
+    outer_step: int
+    tokens: int
+    finite: bool
+    kind: ClassVar[str] = "ready"
+
+
+@dataclass
+class Averaged:
+    outer_step: int
+    members: int
+    """0 when no all-reduce completed: rank 0 then applies its own pseudo-gradient alone."""
+    kind: ClassVar[str] = "averaged"
+
+
+@dataclass
+class StepDone:
+    outer_step: int
+    params_hash: str
+    loss: float
+    checkpoint: str
+    kind: ClassVar[str] = "step_done"
+
+
+@dataclass
+class Finished:
+    outer_step: int
+    kind: ClassVar[str] = "finished"
+
+
+@dataclass
+class Stop:
+    reason: str
+    kind: ClassVar[str] = "stop"
+
+
+Message = Hello | Progress | Ready | Averaged | StepDone | Finished | Stop
+_KINDS: dict[str, type] = {
+    cls.kind: cls for cls in (Hello, Progress, Ready, Averaged, StepDone, Finished, Stop)
+}
+
+
+class ChannelError(RuntimeError):
+    """The other side closed the channel or sent something that is not a message."""
+
+
+def encode(message: Message) -> bytes:
+    body = msgpack.packb([message.kind, asdict(message)], use_bin_type=True)
+    return _LENGTH.pack(len(body)) + body
+
+
+def decode(body: bytes) -> Message:
+    try:
+        kind, values = unpack_untrusted(body, MAX_MESSAGE)
+        cls = _KINDS[kind]
+        return cls(**{f.name: values[f.name] for f in fields(cls)})
+    except Exception as exc:
+        raise ChannelError(f"not a channel message ({exc})") from None
+
+
+class RankChannel:
+    """Rank 0's blocking end."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+
+    def send(self, message: Message) -> None:
+        self.sock.sendall(encode(message))
+
+    def _read_exactly(self, size: int) -> bytes:
+        data = bytearray()
+        while len(data) < size:
+            piece = self.sock.recv(size - len(data))
+            if not piece:
+                raise ChannelError("the node agent closed the channel")
+            data += piece
+        return bytes(data)
+
+    def receive(self) -> Message:
+        (size,) = _LENGTH.unpack(self._read_exactly(_LENGTH.size))
+        if size > MAX_MESSAGE:
+            raise ChannelError(f"message of {size} bytes")
+        return decode(self._read_exactly(size))
+
+
+class AgentChannel:
+    """The agent's asyncio end."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.reader = reader
+        self.writer = writer
+
+    @classmethod
+    async def open(cls, sock: socket.socket) -> AgentChannel:
+        reader, writer = await asyncio.open_connection(sock=sock)
+        return cls(reader, writer)
+
+    async def send(self, message: Message) -> None:
+        self.writer.write(encode(message))
+        await self.writer.drain()
+
+    async def receive(self) -> Message:
+        try:
+            (size,) = _LENGTH.unpack(await self.reader.readexactly(_LENGTH.size))
+            if size > MAX_MESSAGE:
+                raise ChannelError(f"message of {size} bytes")
+            return decode(await self.reader.readexactly(size))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            raise ChannelError("rank 0 closed the channel") from None
+
+    def close(self) -> None:
+        self.writer.close()

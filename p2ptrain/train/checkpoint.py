@@ -1,0 +1,74 @@
+"""Checkpoint files: the outer parameters by canonical name (safetensors) and a small manifest.
+
+A checkpoint is a directory written under a temporary name and renamed into place, so a reader
+never sees half of one. `meta.json` says which model and step it holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from p2ptrain.config import ModelConfig
+from p2ptrain.errors import UserError
+from p2ptrain.train.layout import CanonicalLayout
+
+PARAMS_FILE = "params.safetensors"
+META_FILE = "meta.json"
+
+
+class CheckpointError(UserError):
+    """A checkpoint that is missing, incomplete or of another model."""
+
+
+def checkpoint_name(outer_step: int) -> str:
+    return f"step-{outer_step:08d}"
+
+
+def save_params(
+    directory: Path, layout: CanonicalLayout, flat: torch.Tensor, model: ModelConfig, meta: dict[str, Any]
+) -> Path:
+    """Write `flat` (outer params) as directory/step-N atomically; returns the final path."""
+    final = directory / checkpoint_name(int(meta["outer_step"]))
+    staging = directory / f".{final.name}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    tensors = {name: view.clone() for name, view in layout.views(flat).items()}
+    save_file(tensors, str(staging / PARAMS_FILE))
+    record = {**meta, "model": model.model_dump(), "layout_digest": layout.digest()}
+    (staging / META_FILE).write_text(json.dumps(record, indent=1, sort_keys=True))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(staging, final)
+    return final
+
+
+def latest_checkpoint(directory: Path) -> Path | None:
+    found = sorted(path for path in directory.glob("step-*") if (path / META_FILE).exists())
+    return found[-1] if found else None
+
+
+def prune(directory: Path, keep: int) -> None:
+    """Remove all but the newest `keep` checkpoints."""
+    found = sorted(path for path in directory.glob("step-*") if path.is_dir())
+    for old in found[: max(0, len(found) - keep)]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_params(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors by canonical name, meta) of a checkpoint directory; CheckpointError when unusable."""
+    if not (path / META_FILE).is_file() or not (path / PARAMS_FILE).is_file():
+        raise CheckpointError(f"{path}: not a p2ptrain checkpoint (no {META_FILE} and {PARAMS_FILE})")
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+        tensors = load_file(str(path / PARAMS_FILE))
+    except Exception as exc:
+        raise CheckpointError(f"{path}: unreadable checkpoint ({exc})") from None
+    if not isinstance(meta, dict) or "model" not in meta:
+        raise CheckpointError(f"{path}/{META_FILE}: no model section")
+    return tensors, meta

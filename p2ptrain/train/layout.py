@@ -1,0 +1,89 @@
+"""The canonical layout: every parameter of the model, in one order, in one flat fp32 vector.
+
+A 1-rank volunteer and an 8-rank node shard the model differently, but both describe it with the
+same (name, shape) list — the order of `named_parameters()` of the unsharded model, tied weights
+once — so their pseudo-gradients are the same vector, element for element, and can be averaged.
+`gather` builds that vector from FSDP2 shards; `scatter` writes one back into them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count
+
+
+class CanonicalLayout:
+    def __init__(self, entries: list[Entry]):
+        self.entries = entries
+        self.numel = sum(entry.numel for entry in entries)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> CanonicalLayout:
+        """The layout of `model`, sharded or not (FSDP2 keeps names and global shapes)."""
+        entries, offset = [], 0
+        for name, param in model.named_parameters():
+            entry = Entry(name, tuple(param.shape), offset)
+            entries.append(entry)
+            offset += entry.numel
+        return cls(entries)
+
+    def digest(self) -> str:
+        text = ";".join(f"{entry.name}:{'x'.join(map(str, entry.shape))}" for entry in self.entries)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-parameter views into `flat` (no copies), by name."""
+        return {e.name: flat[e.offset : e.offset + e.numel].view(e.shape) for e in self.entries}
+
+    def new_flat(self) -> torch.Tensor:
+        return torch.empty(self.numel, dtype=torch.float32)
+
+    @torch.no_grad()
+    def gather(self, model: nn.Module, out: torch.Tensor | None) -> None:
+        """Copy the full parameters into `out` (fp32, CPU) — a collective: every local rank calls it,
+        only the one passing a buffer (rank 0) receives."""
+        params = dict(model.named_parameters())
+        for entry in self.entries:
+            param = params[entry.name]
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            if out is not None:
+                out[entry.offset : entry.offset + entry.numel].copy_(full.detach().reshape(-1))
+
+    @torch.no_grad()
+    def scatter(self, model: nn.Module, flat: torch.Tensor) -> None:
+        """Write `flat` (present on every local rank) into this rank's parameters or shards."""
+        params = dict(model.named_parameters())
+        for entry in self.entries:
+            param = params[entry.name]
+            full = flat[entry.offset : entry.offset + entry.numel].view(entry.shape)
+            if isinstance(param, DTensor):
+                # src_data_rank=None: each rank cuts its own shard out of its copy, no communication
+                shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+                param.to_local().copy_(shard.to_local())
+            else:
+                param.copy_(full)
+
+
+def broadcast_flat(flat: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """Send rank 0's `flat` to every local rank (no-op without a process group)."""
+    if group is not None:
+        dist.broadcast(flat, src=0, group=group)

@@ -1,0 +1,56 @@
+"""Per-node metrics: one JSON line per inner and outer step, and TensorBoard when asked for."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from p2ptrain.config import MetricsConfig
+
+log = logging.getLogger(__name__)
+
+
+class MetricsWriter:
+    """Appends {"kind": "inner"|"outer", "time": …, …} lines to `path`; flushes every line."""
+
+    def __init__(self, path: Path, config: MetricsConfig | None = None, tensorboard_dir: Path | None = None):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("a")
+        self._tensorboard = None
+        if config is not None and config.tensorboard and tensorboard_dir is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tensorboard = SummaryWriter(str(tensorboard_dir))
+            except ImportError:
+                log.warning("metrics.tensorboard is set but tensorboard is not installed; JSONL only")
+
+    def write(self, kind: str, step: int, **values: Any) -> None:
+        record = {"kind": kind, "step": step, "time": round(time.time(), 3), **values}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tensorboard is not None:
+            for name, value in values.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tensorboard.add_scalar(f"{kind}/{name}", value, step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Every complete line of a metrics file (a line being written is skipped)."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records

@@ -1,0 +1,62 @@
+"""What a training node prints: a live progress bar on a terminal, one line per outer step always."""
+
+from __future__ import annotations
+
+from typing import TextIO
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from p2ptrain.train.channel import Progress as InnerProgress
+from p2ptrain.train.channel import StepDone
+
+
+class ProgressView:
+    def __init__(self, out: TextIO, max_steps: int):
+        self.out = out
+        self.console = Console(file=out, highlight=False)
+        self.bar: Progress | None = None
+        self.notes: dict[int, tuple[int, str]] = {}
+        if self.console.is_terminal:
+            self.bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]}"),
+                TextColumn("{task.fields[rate]} tok/s"),
+                TimeRemainingColumn(),
+                console=self.console,
+            )
+            self.task = self.bar.add_task("inner steps", total=max_steps, loss="-", rate="-")
+            self.bar.start()
+
+    def say(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.console.print(text)
+        else:
+            print(text, file=self.out, flush=True)
+
+    def inner(self, progress: InnerProgress) -> None:
+        if self.bar is not None:
+            self.bar.update(
+                self.task,
+                completed=progress.inner_step,
+                description=f"outer step {progress.outer_step}",
+                loss=f"{progress.loss:.3f}",
+                rate=f"{progress.tokens_per_s:,.0f}",
+            )
+
+    def note(self, outer_step: int, members: int, note: str) -> None:
+        self.notes[outer_step] = (members, note)
+
+    def outer(self, done: StepDone) -> None:
+        members, note = self.notes.pop(done.outer_step, (0, ""))
+        self.say(
+            f"outer step {done.outer_step}: loss {done.loss:.4f}, {members} member(s), {note}, "
+            f"params {done.params_hash[:12]}"
+        )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None

@@ -1,0 +1,113 @@
+"""Entry point of one trainer rank (`python -m p2ptrain.train.rank`), started by the node agent.
+
+torchrun-style environment: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; plus
+P2PTRAIN_RANK_SPEC (a JSON file: resolved config, node key, work dir, shared buffer path),
+P2PTRAIN_AGENT_PID (the rank dies with the agent) and, for rank 0, P2PTRAIN_CHANNEL_FD.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from p2ptrain.config import Config
+from p2ptrain.procs import set_parent_death_signal
+from p2ptrain.train.channel import (
+    Averaged,
+    ChannelError,
+    Finished,
+    Hello,
+    Progress,
+    RankChannel,
+    Ready,
+    StepDone,
+    Stop,
+)
+from p2ptrain.train.trainer import RankContext, Trainer
+
+
+class ChannelLink:
+    """Rank 0's AgentLink to the node agent: messages on the socket, the vector in a shared file."""
+
+    def __init__(self, channel: RankChannel, buffer_path: Path):
+        self.channel = channel
+        self.buffer_path = buffer_path
+
+    def buffer(self, numel: int) -> torch.Tensor:
+        with self.buffer_path.open("wb") as handle:
+            handle.truncate(numel * 4)
+        return torch.from_file(str(self.buffer_path), shared=True, size=numel, dtype=torch.float32)
+
+    def started(self, hello: Hello) -> None:
+        hello.buffer_path = str(self.buffer_path)
+        self.channel.send(hello)
+
+    def progress(self, progress: Progress) -> None:
+        self.channel.send(progress)
+
+    def average(self, ready: Ready, buffer: torch.Tensor) -> int:
+        self.channel.send(ready)
+        while True:
+            reply = self.channel.receive()
+            if isinstance(reply, Stop):
+                raise SystemExit(0)
+            if isinstance(reply, Averaged) and reply.outer_step == ready.outer_step:
+                return reply.members
+
+    def step_done(self, done: StepDone) -> None:
+        self.channel.send(done)
+
+    def finished(self, outer_step: int) -> None:
+        self.channel.send(Finished(outer_step))
+
+
+def _context(rank: int, world_size: int) -> RankContext:
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    cpu_group = None
+    if world_size > 1:
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(minutes=10))
+        cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
+    return RankContext(rank, world_size, device, cpu_group)
+
+
+def main() -> int:
+    set_parent_death_signal(signal.SIGKILL)
+    if os.getppid() != int(os.environ.get("P2PTRAIN_AGENT_PID", os.getppid())):
+        return 1  # the agent died before the death signal was armed
+    spec = json.loads(Path(os.environ["P2PTRAIN_RANK_SPEC"]).read_text())
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(int(spec["threads"]))
+    config = Config.model_validate(spec["config"])
+    ctx = _context(rank, world_size)
+    link = None
+    if rank == 0:
+        sock = socket.socket(fileno=int(os.environ["P2PTRAIN_CHANNEL_FD"]))
+        link = ChannelLink(RankChannel(sock), Path(spec["buffer_path"]))
+    try:
+        Trainer(config, bytes.fromhex(spec["node_key"]), Path(spec["work_dir"]), ctx, link).run()
+    except ChannelError as exc:
+        print(f"rank {rank}: {exc}; stopping", file=sys.stderr)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

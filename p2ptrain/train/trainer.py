@@ -1,0 +1,304 @@
+"""One local rank's training loop: H inner AdamW steps under FSDP2, then the DiLoCo outer step.
+
+Every rank of a node runs a Trainer; rank 0 also holds the outer parameters and momentum (host
+memory, canonical layout) and talks to the node agent through an `AgentLink`:
+
+    inner phase   H steps (or `time_box` seconds) of AdamW on the node's own data shard
+    outer step    gather θ (all ranks) → rank 0: Δ = θ_outer − θ → agent averages Δ with the swarm
+                  → rank 0: Nesterov step on θ_outer → broadcast → every rank loads its shards
+
+AdamW's state is kept across outer steps (as in DiLoCo). All nodes start from the same θ: the
+model is initialised on the CPU from `train.seed` before it is sharded or moved.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from p2ptrain.config import Config
+from p2ptrain.train.channel import Hello, Progress, Ready, StepDone
+from p2ptrain.train.checkpoint import prune, save_params
+from p2ptrain.train.data import node_batches
+from p2ptrain.train.layout import CanonicalLayout, broadcast_flat
+from p2ptrain.train.metrics import MetricsWriter
+from p2ptrain.train.model import Transformer, parameter_count
+from p2ptrain.train.optim import build_inner_optimizer
+from p2ptrain.train.outer import OuterNesterov
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RankContext:
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    cpu_group: dist.ProcessGroup | None = None
+    """A gloo group over the local ranks for host-memory broadcasts (None with one rank)."""
+
+
+class AgentLink(Protocol):
+    """What rank 0 needs from the node agent (a channel to the agent process, or an in-process stub)."""
+
+    def buffer(self, numel: int) -> torch.Tensor: ...
+    def started(self, hello: Hello) -> None: ...
+    def progress(self, progress: Progress) -> None: ...
+    def average(self, ready: Ready, buffer: torch.Tensor) -> int: ...
+    def step_done(self, done: StepDone) -> None: ...
+    def finished(self, outer_step: int) -> None: ...
+
+
+class SoloLink:
+    """No swarm: the average of one pseudo-gradient is itself (the single-node DiLoCo baseline)."""
+
+    def buffer(self, numel: int) -> torch.Tensor:
+        return torch.empty(numel, dtype=torch.float32)
+
+    def started(self, hello: Hello) -> None:
+        pass
+
+    def progress(self, progress: Progress) -> None:
+        pass
+
+    def average(self, ready: Ready, buffer: torch.Tensor) -> int:
+        return 1
+
+    def step_done(self, done: StepDone) -> None:
+        pass
+
+    def finished(self, outer_step: int) -> None:
+        pass
+
+
+def build_model(config: Config, ctx: RankContext) -> Transformer:
+    """The same initial weights on every node and rank, then sharded over the local ranks."""
+    torch.manual_seed(config.train.seed)
+    model = Transformer(config.model, activation_checkpointing=config.train.activation_checkpointing)
+    model.to(ctx.device)
+    if ctx.world_size > 1:
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    if config.train.compile:
+        for layer in model.layers:
+            layer.compile()
+    return model
+
+
+class Trainer:
+    def __init__(
+        self, config: Config, node_key: bytes, work_dir: Path, ctx: RankContext, link: AgentLink | None = None
+    ):
+        self.config = config
+        self.ctx = ctx
+        self.work_dir = work_dir
+        self.is_leader = ctx.rank == 0
+        self.link = link or SoloLink()
+        self.model = build_model(config, ctx)
+        self.layout = CanonicalLayout.of(self.model)
+        self.flat = self.layout.new_flat()
+        self.layout.gather(self.model, self.flat if self.is_leader else None)
+        self.outer = (
+            OuterNesterov(self.flat, config.outer.lr, config.outer.momentum, config.outer.nesterov)
+            if self.is_leader
+            else None
+        )
+        self.buffer = self.link.buffer(self.layout.numel) if self.is_leader else None
+        self.optimizer, self.schedule = build_inner_optimizer(self.model, config.train)
+        self.batches = node_batches(
+            config.data,
+            config.model.vocab_size,
+            node_key,
+            config.train.batch_size,
+            config.model.seq_len,
+            ctx.rank,
+            ctx.world_size,
+        )
+        self.inner_step = 0
+        self.outer_step = 0
+        self.last_loss = math.nan
+        self.metrics = (
+            MetricsWriter(work_dir / "metrics.jsonl", config.metrics, work_dir / "tensorboard")
+            if self.is_leader
+            else None
+        )
+        self.checkpoint_dir = (
+            Path(config.checkpoint.dir).expanduser() if config.checkpoint.dir else work_dir / "checkpoints"
+        )
+        self.tokens_per_step = config.train.batch_size * config.model.seq_len
+        self.flops_per_token = (
+            6 * parameter_count(config.model)
+            + 12 * config.model.n_layers * config.model.dim * config.model.seq_len
+        )
+
+    # -- inner phase -------------------------------------------------------------------------
+
+    def _autocast(self) -> torch.autocast:
+        enabled = self.ctx.device.type == "cuda" and self.config.train.precision == "bf16"
+        return torch.autocast(self.ctx.device.type, dtype=torch.bfloat16, enabled=enabled)
+
+    def inner_step_once(self) -> float:
+        inputs, targets = self.batches.next()
+        inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)
+        with self._autocast():
+            loss = self.model(inputs, targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.train.grad_clip)
+        self.optimizer.step()
+        self.schedule.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        value = loss.detach().float().reshape(1).cpu()
+        if self.ctx.cpu_group is not None:
+            dist.all_reduce(value, group=self.ctx.cpu_group)
+            value /= self.ctx.world_size
+        self.inner_step += 1
+        return float(value)
+
+    def _time_is_up(self, started: float) -> bool:
+        """Rank 0's clock decides for all local ranks, so they leave the phase at the same step."""
+        box = self.config.train.time_box
+        if box <= 0:
+            return False
+        flag = torch.tensor([float(time.monotonic() - started >= box)])
+        if self.ctx.cpu_group is not None:
+            dist.broadcast(flag, src=0, group=self.ctx.cpu_group)
+        return bool(flag.item())
+
+    def inner_phase(self) -> tuple[int, float]:
+        """Up to H inner steps; returns (tokens processed, mean loss)."""
+        started = time.monotonic()
+        losses: list[float] = []
+        while len(losses) < self.config.train.inner_steps and self.inner_step < self.config.train.max_steps:
+            if losses and self._time_is_up(started):
+                break
+            step_started = time.monotonic()
+            loss = self.inner_step_once()
+            losses.append(loss)
+            elapsed = time.monotonic() - step_started
+            tokens_per_s = self.tokens_per_step / max(elapsed, 1e-9)
+            if self.is_leader:
+                mfu = self._mfu(tokens_per_s)
+                self.metrics.write(
+                    "inner",
+                    self.inner_step,
+                    outer_step=self.outer_step,
+                    loss=round(loss, 5),
+                    lr=self.schedule.get_last_lr()[0],
+                    tokens_per_s=round(tokens_per_s, 1),
+                    **({"mfu": round(mfu, 4)} if mfu is not None else {}),
+                )
+                self.link.progress(
+                    Progress(
+                        self.outer_step,
+                        self.inner_step,
+                        loss,
+                        self.inner_step * self.tokens_per_step,
+                        tokens_per_s,
+                    )
+                )
+        self.last_loss = sum(losses) / len(losses) if losses else math.nan
+        return len(losses) * self.tokens_per_step, self.last_loss
+
+    def _mfu(self, tokens_per_s: float) -> float | None:
+        if self.ctx.device.type != "cuda":
+            return None
+        peak = peak_flops(self.ctx.device)
+        return tokens_per_s * self.flops_per_token / (peak * self.ctx.world_size) if peak else None
+
+    # -- outer step --------------------------------------------------------------------------
+
+    def outer_step_once(self, tokens: int) -> str:
+        """Average Δ with the swarm, take the Nesterov step, load it into every rank; returns θ's hash."""
+        self.layout.gather(self.model, self.flat if self.is_leader else None)
+        params_hash = ""
+        if self.is_leader:
+            started = time.monotonic()
+            self.outer.pseudo_gradient(self.flat, out=self.buffer)
+            finite = bool(torch.isfinite(self.buffer).all())
+            if not finite:
+                # never send NaN/Inf: contribute nothing (weight 0) and take the others' average
+                log.error("outer step %d: pseudo-gradient holds NaN/Inf; contributing zero", self.outer_step)
+                self.buffer.zero_()
+            members = self.link.average(Ready(self.outer_step, tokens if finite else 0, finite), self.buffer)
+            self.outer.step(self.buffer)
+            self.flat.copy_(self.outer.params)
+            params_hash = self.outer.params_hash()
+            self.metrics.write(
+                "outer",
+                self.outer_step,
+                loss=round(self.last_loss, 5),
+                members=members,
+                finite=finite,
+                params_hash=params_hash,
+                seconds=round(time.monotonic() - started, 3),
+            )
+        broadcast_flat(self.flat, self.ctx.cpu_group)
+        self.layout.scatter(self.model, self.flat)
+        self.outer_step += 1
+        return params_hash
+
+    def save_checkpoint(self) -> str:
+        if not self.is_leader:
+            return ""
+        meta = {
+            "outer_step": self.outer_step,
+            "inner_step": self.inner_step,
+            "config_digest": self.config.digest(),
+            "data_position": self.batches.stream.position.to_dict(),
+        }
+        path = save_params(self.checkpoint_dir, self.layout, self.outer.params, self.config.model, meta)
+        prune(self.checkpoint_dir, self.config.checkpoint.keep)
+        return str(path)
+
+    def run(self) -> None:
+        if self.is_leader:
+            self.link.started(
+                Hello(
+                    self.layout.numel,
+                    self.layout.digest(),
+                    "",
+                    self.ctx.world_size,
+                    parameter_count(self.config.model),
+                    self.outer_step,
+                )
+            )
+        interval = self.config.checkpoint.interval
+        while self.inner_step < self.config.train.max_steps:
+            tokens, loss = self.inner_phase()
+            params_hash = self.outer_step_once(tokens)
+            done = self.inner_step >= self.config.train.max_steps
+            checkpoint = ""
+            if done or (interval and self.outer_step % interval == 0):
+                checkpoint = self.save_checkpoint()
+            if self.is_leader:
+                self.link.step_done(StepDone(self.outer_step - 1, params_hash, loss, checkpoint))
+        if self.is_leader:
+            self.link.finished(self.outer_step)
+            self.metrics.close()
+
+
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "4090": 165e12,
+    "A6000": 155e12,
+}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak of the GPU (for MFU), from its name; None when unknown."""
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
