@@ -152,6 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
     ident.add_argument("--identity", required=True, metavar="DIR", help="identity directory")
     ident.set_defaults(handler=cmd_identity)
 
+    exp = commands.add_parser("export", help="write a checkpoint as a Hugging Face Llama model")
+    exp.add_argument("checkpoint", metavar="CKPT", help="checkpoint folder, checkpoints folder or node work dir")
+    exp.add_argument("out_dir", metavar="OUT_DIR", help="folder for config.json and model.safetensors")
+    exp.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (default %(default)s)")
+    exp.set_defaults(handler=cmd_export)
+
     demo = commands.add_parser("demo", help="run a local swarm on 127.0.0.1 (bootstrap peer + nodes)")
     demo.add_argument("--nodes", type=int, default=3, help="number of nodes (default %(default)s)")
     demo.add_argument(
@@ -347,6 +353,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         print(f"run {config.run.id!r}")
         print(format_table(heartbeats))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from p2ptrain.export import export
+
+    out = export(Path(args.checkpoint).expanduser(), Path(args.out_dir).expanduser(), args.dtype)
+    print(f"exported to {out} (config.json, model.safetensors): load with LlamaForCausalLM.from_pretrained")
     return 0
 
 

@@ -54,6 +54,8 @@ RANK_STOP_TIMEOUT = 10.0
 class TrainingFailed(UserError):
     """A trainer rank died or the agent lost its channel to rank 0."""
 
+    exit_code = 1
+
 
 class Interrupted(Exception):
     """The node was asked to stop, or a rank died, while the agent waited for something else."""

@@ -1,0 +1,63 @@
+"""Worker processes for the FSDP2 tests: real gloo process groups of 1 to 3 local ranks on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from p2ptrain.config import load_config
+from p2ptrain.train.layout import CanonicalLayout
+from p2ptrain.train.trainer import RankContext, Trainer, build_model
+from tests.helpers import free_port
+
+TINY = [
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=160",
+    "model.seq_len=32",
+    "train.batch_size=6",
+    "train.warmup_steps=2",
+]
+
+
+def _worker(rank: int, world: int, port: int, mode: str, out: str, overrides: list[str]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    group = None
+    if world > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        group = dist.group.WORLD
+    ctx = RankContext(rank, world, torch.device("cpu"), group)
+    config = load_config("debug", overrides=TINY + overrides)
+    try:
+        if mode == "layout":
+            model = build_model(config, ctx)
+            layout = CanonicalLayout.of(model)
+            initial = layout.new_flat() if rank == 0 else None
+            layout.gather(model, initial)
+            target = torch.randn(layout.numel, generator=torch.Generator().manual_seed(7))
+            layout.scatter(model, target)
+            again = layout.new_flat() if rank == 0 else None
+            layout.gather(model, again)
+            result = {"initial": initial, "target": target, "again": again, "digest": layout.digest()}
+        else:
+            trainer = Trainer(config, b"k" * 32, Path(out).parent / f"work-{world}", ctx)
+            trainer.run()
+            result = {"params": trainer.outer.params if rank == 0 else None, "loss": trainer.last_loss}
+        if rank == 0:
+            torch.save(result, out)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(world: int, mode: str, out: Path, overrides: list[str] = ()) -> dict:  # type: ignore[assignment]
+    """Run `mode` ("layout" or "train") on `world` local ranks; returns rank 0's result."""
+    mp.spawn(_worker, args=(world, free_port(), mode, str(out), list(overrides)), nprocs=world, join=True)
+    return torch.load(out, weights_only=False)

@@ -1,0 +1,80 @@
+"""The Llama-style model: shapes, parameter counts, the configs, and that it learns."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from p2ptrain.config import CONFIG_DIR, load_config
+from p2ptrain.train.model import Transformer, parameter_count, validate_shape
+from p2ptrain.train.optim import lr_factor
+from p2ptrain.train.trainer import RankContext, Trainer
+
+
+def test_forward_shapes_and_causality() -> None:
+    config = load_config("debug").model
+    model = Transformer(config)
+    tokens = torch.randint(0, config.vocab_size, (2, 16))
+    logits = model(tokens)
+    assert logits.shape == (2, 16, config.vocab_size)
+    # changing the last token must not change the logits of earlier positions
+    changed = tokens.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % config.vocab_size
+    torch.testing.assert_close(model(changed)[:, :-1], logits[:, :-1])
+    targets = torch.randint(0, config.vocab_size, (2, 16))
+    loss = float(model(tokens, targets).detach())
+    assert abs(loss - math.log(config.vocab_size)) < 1.0  # near-uniform at initialisation
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_parameter_count_formula_matches_the_model(tied: bool) -> None:
+    config = load_config("debug", overrides=[f"model.tie_embeddings={str(tied).lower()}"]).model
+    assert parameter_count(config) == sum(p.numel() for p in Transformer(config).parameters())
+
+
+@pytest.mark.parametrize(
+    ("name", "low", "high"),
+    [("debug", 0.5e6, 1.5e6), ("20m", 15e6, 30e6), ("150m", 100e6, 200e6), ("1b", 0.9e9, 1.3e9),
+     ("7b", 6e9, 7.5e9), ("10b", 9.5e9, 11e9)],
+)  # fmt: skip
+def test_bundled_configs_have_their_size(name: str, low: float, high: float) -> None:
+    config = load_config(CONFIG_DIR / f"{name}.toml")
+    validate_shape(config.model)
+    assert low <= parameter_count(config.model) <= high
+
+
+def test_bad_shapes_name_the_field() -> None:
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        validate_shape(load_config("debug", overrides=["model.n_kv_heads=3"]).model)
+    with pytest.raises(ValueError, match=r"model\.dim"):
+        validate_shape(load_config("debug", overrides=["model.dim=130"]).model)
+
+
+def test_same_seed_same_initial_model() -> None:
+    config = load_config("debug").model
+    torch.manual_seed(3)
+    first = torch.cat([p.flatten() for p in Transformer(config).parameters()])
+    torch.manual_seed(3)
+    second = torch.cat([p.flatten() for p in Transformer(config).parameters()])
+    assert torch.equal(first, second)
+
+
+def test_schedule_warms_up_then_decays() -> None:
+    assert lr_factor(0, 10, 100) == pytest.approx(0.1)
+    assert lr_factor(9, 10, 100) == pytest.approx(1.0)
+    assert lr_factor(55, 10, 100) == pytest.approx(0.55)
+    assert lr_factor(100, 10, 100) == pytest.approx(0.1)
+
+
+@pytest.mark.slow
+def test_loss_decreases_on_the_debug_config(tmp_path: Path) -> None:
+    torch.set_num_threads(2)
+    config = load_config("debug", overrides=["train.max_steps=40"])
+    trainer = Trainer(config, b"n" * 32, tmp_path, RankContext())
+    first, _ = trainer.inner_step_once(), None
+    trainer.run()
+    assert trainer.outer_step == 4
+    assert trainer.last_loss < first - 1.0, (first, trainer.last_loss)

@@ -1,0 +1,132 @@
+"""Training nodes as real processes: agent + trainer ranks, solo and in a swarm on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from p2ptrain.procs import command_line, descendants, is_alive
+from p2ptrain.train.metrics import read_metrics
+from tests.helpers import LocalSwarm, assert_one_line_error, cli, wait_until
+
+SHORT = ["--set", "train.max_steps=30"]  # 3 outer steps of H=10 on the debug config
+
+
+def outer_records(work_dir: Path) -> list[dict]:
+    return [record for record in read_metrics(work_dir / "metrics.jsonl") if record["kind"] == "outer"]
+
+
+def rank_pids(agent_pid: int) -> dict[int, int]:
+    """{rank: pid} of the trainer ranks below `agent_pid`."""
+    found = {}
+    for pid in descendants(agent_pid):
+        if "p2ptrain.train.rank" in command_line(pid):
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            rank = next(int(item[5:]) for item in environ if item.startswith(b"RANK="))
+            found[rank] = pid
+    return found
+
+
+@pytest.mark.slow
+def test_two_nodes_of_two_ranks_hold_the_same_params_after_every_outer_step(swarm: LocalSwarm) -> None:
+    swarm.start_bootstrap()
+    for name in ("a", "b"):
+        swarm.start_node(name, None, "--nproc", "2", *SHORT, "--set", "swarm.wait_nodes=2")
+    for name in ("a", "b"):
+        assert swarm.children.wait(name, 240) == 0, swarm.log(name)
+    a, b = outer_records(swarm.root / "a"), outer_records(swarm.root / "b")
+    assert [r["step"] for r in a] == [0, 1, 2] == [r["step"] for r in b]
+    for mine, theirs in zip(a, b, strict=True):
+        assert mine["members"] == theirs["members"] == 2
+        assert mine["params_hash"] == theirs["params_hash"]
+    assert a[0]["loss"] != b[0]["loss"]  # the nodes read different shards of the corpus
+    assert "deathrattle sent" in swarm.log("a")
+
+
+@pytest.mark.slow
+def test_alone_then_export_to_hugging_face(tmp_path: Path) -> None:
+    work = tmp_path / "node"
+    result = cli("join", "--config", "debug", "--work-dir", str(work), *SHORT, timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert "training alone" in result.stdout
+    assert "finished after 3 outer steps" in result.stdout
+    assert [r["members"] for r in outer_records(work)] == [1, 1, 1]
+    checkpoints = sorted((work / "checkpoints").glob("step-*"))
+    assert [path.name for path in checkpoints] == ["step-00000001", "step-00000002", "step-00000003"]
+
+    exported = cli("export", str(work), str(tmp_path / "hf"))
+    assert exported.returncode == 0, exported.stderr
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["num_key_value_heads"] == 2
+    transformers = pytest.importorskip("transformers", reason="install 'p2ptrain[hf]' to check loading")
+    from p2ptrain.config import load_config
+    from p2ptrain.train.checkpoint import load_params
+    from p2ptrain.train.model import Transformer
+
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    ours = Transformer(load_config("debug").model)
+    ours.load_state_dict(load_params(checkpoints[-1])[0])
+    tokens = torch.randint(0, 256, (2, 48))
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(tokens).logits, ours(tokens), rtol=1e-4, atol=1e-4)
+
+    assert_one_line_error(cli("export", str(tmp_path), str(tmp_path / "x")), "no checkpoint there")
+    assert_one_line_error(cli("export", str(work), str(tmp_path / "y"), "--dtype", "int3"), "--dtype")
+
+
+@pytest.mark.slow
+def test_a_dead_rank_sends_the_deathrattle_and_stops_the_node(swarm: LocalSwarm) -> None:
+    swarm.start_bootstrap()
+    swarm.start_node("a", None, "--nproc", "2")
+    node = swarm.children.children["a"]
+    wait_until(lambda: any(r["kind"] == "inner" for r in read_metrics(swarm.root / "a" / "metrics.jsonl")),
+               120, what="the first inner step")  # fmt: skip
+    ranks = rank_pids(node.pid)
+    assert sorted(ranks) == [0, 1]
+    os.kill(ranks[1], signal.SIGKILL)
+    assert swarm.children.wait("a", 30) == 1
+    assert "p2ptrain: error: trainer rank 1 was killed by signal 9" in swarm.log("a")
+    assert "deathrattle sent" in swarm.log("a")
+    assert not is_alive(ranks[0])
+    # the record still exists (it expires 6 s after the last heartbeat) and says dead
+    states = {n["state"] for n in swarm.status()["nodes"]}
+    assert states == {"dead"}
+
+
+@pytest.mark.slow
+def test_a_killed_agent_takes_its_ranks_along(tmp_path: Path) -> None:
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "p2ptrain", "join", "--config", "debug", "--work-dir", str(tmp_path), "--nproc", "2"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_until(lambda: len(rank_pids(agent.pid)) == 2, 60, what="two ranks")
+        ranks = rank_pids(agent.pid)
+        agent.kill()
+        agent.wait()
+        wait_until(lambda: not any(is_alive(pid) for pid in ranks.values()), 20, what="the ranks to die")
+    finally:
+        agent.kill()
+        agent.wait()
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--set", "model.n_kv_heads=3"], "n_kv_heads"),
+        (["--set", 'data.paths=["/nonexistent/corpus"]'], "/nonexistent/corpus does not exist"),
+        (["--set", "data.tokenizer=missing.json"], "data.tokenizer"),
+        (["--nproc", "0"], "--nproc"),
+    ],
+)
+def test_bad_training_settings_fail_with_one_line(tmp_path: Path, args: list[str], needle: str) -> None:
+    result = cli("join", "--config", "debug", "--work-dir", str(tmp_path), *args, timeout=60)
+    assert_one_line_error(result, needle)
