@@ -121,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="trainer ranks on this node (default: one per visible GPU, one on a CPU-only machine)",
     )
     join.add_argument(
+        "--resume",
+        metavar="PATH|latest",
+        help="continue exactly from a checkpoint folder, or the newest one in the checkpoint dir",
+    )
+    join.add_argument(
         "--observe",
         action="store_true",
         help="train nothing: keep a heartbeat and print the swarm table (an extra DHT peer, a watcher)",
@@ -153,7 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     ident.set_defaults(handler=cmd_identity)
 
     exp = commands.add_parser("export", help="write a checkpoint as a Hugging Face Llama model")
-    exp.add_argument("checkpoint", metavar="CKPT", help="checkpoint folder, checkpoints folder or node work dir")
+    exp.add_argument(
+        "checkpoint", metavar="CKPT", help="checkpoint folder, checkpoints folder or node work dir"
+    )
     exp.add_argument("out_dir", metavar="OUT_DIR", help="folder for config.json and model.safetensors")
     exp.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (default %(default)s)")
     exp.set_defaults(handler=cmd_export)
@@ -262,11 +269,14 @@ def cmd_join(args: argparse.Namespace) -> int:
     from p2ptrain.train.agent import TrainingNode
 
     _check_trainable(config)
+    resume = _resume_path(args.resume, config)
     if not peers:
         print("no --peer or PEER given: training alone (no network)", flush=True)
         identity = load_or_create_identity(identity_dir(config))
         _run_until_signal(
-            lambda stop: TrainingNode(config, identity, None, stop, sys.stdout, config.node.nproc).run(),
+            lambda stop: TrainingNode(
+                config, identity, None, stop, sys.stdout, config.node.nproc, resume
+            ).run(),
             on_force=lambda: None,
         )
         return 0
@@ -275,7 +285,9 @@ def cmd_join(args: argparse.Namespace) -> int:
         if args.address_file:
             _write_atomic(Path(args.address_file), "\n".join(dht.visible_maddrs()) + "\n")
         _run_until_signal(
-            lambda stop: TrainingNode(config, identity, dht, stop, sys.stdout, config.node.nproc).run(),
+            lambda stop: TrainingNode(
+                config, identity, dht, stop, sys.stdout, config.node.nproc, resume
+            ).run(),
             on_force=dht.shutdown,
         )
     return 0
@@ -292,6 +304,24 @@ def _check_trainable(config: Config) -> None:
         raise UserError(str(exc)) from None
     load_tokenizer(config.data, config.model.vocab_size)
     list_files(config.data)
+
+
+def _resume_path(resume: str | None, config: Config) -> Path | None:
+    """The checkpoint folder `--resume` names, checked to be resumable before any process starts."""
+    if resume is None:
+        return None
+    from p2ptrain.train.checkpoint import META_FILE, STATE_FILE, latest_checkpoint
+
+    if resume == "latest":
+        folder = Path(config.checkpoint.dir or Path(config.node.work_dir) / "checkpoints").expanduser()
+        found = latest_checkpoint(folder) if folder.is_dir() else None
+        if found is None:
+            raise UserError(f"--resume latest: no checkpoint in {folder}")
+        return found
+    path = Path(resume).expanduser()
+    if not (path / META_FILE).is_file() or not (path / STATE_FILE).is_file():
+        raise UserError(f"--resume {resume}: not a checkpoint folder (needs {META_FILE} and {STATE_FILE})")
+    return path
 
 
 def _join_without_training(args: argparse.Namespace, config: Config, peers: list[str]) -> int:

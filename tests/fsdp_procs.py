@@ -26,7 +26,9 @@ TINY = [
 ]
 
 
-def _worker(rank: int, world: int, port: int, mode: str, out: str, overrides: list[str]) -> None:
+def _worker(
+    rank: int, world: int, port: int, mode: str, out: str, overrides: list[str], resume: str | None
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     group = None
@@ -47,7 +49,8 @@ def _worker(rank: int, world: int, port: int, mode: str, out: str, overrides: li
             layout.gather(model, again)
             result = {"initial": initial, "target": target, "again": again, "digest": layout.digest()}
         else:
-            trainer = Trainer(config, b"k" * 32, Path(out).parent / f"work-{world}", ctx)
+            work = Path(out).parent / f"work-{world}{'-resumed' if resume else ''}"
+            trainer = Trainer(config, b"k" * 32, work, ctx, resume=Path(resume) if resume else None)
             trainer.run()
             result = {"params": trainer.outer.params if rank == 0 else None, "loss": trainer.last_loss}
         if rank == 0:
@@ -57,7 +60,14 @@ def _worker(rank: int, world: int, port: int, mode: str, out: str, overrides: li
             dist.destroy_process_group()
 
 
-def run_world(world: int, mode: str, out: Path, overrides: list[str] = ()) -> dict:  # type: ignore[assignment]
+def run_world(
+    world: int,
+    mode: str,
+    out: Path,
+    overrides: list[str] = (),  # type: ignore[assignment]
+    resume: Path | None = None,
+) -> dict:
     """Run `mode` ("layout" or "train") on `world` local ranks; returns rank 0's result."""
-    mp.spawn(_worker, args=(world, free_port(), mode, str(out), list(overrides)), nprocs=world, join=True)
+    args = (world, free_port(), mode, str(out), list(overrides), str(resume) if resume else None)
+    mp.spawn(_worker, args=args, nprocs=world, join=True)
     return torch.load(out, weights_only=False)

@@ -97,17 +97,19 @@ def test_bad_corpus_and_tokenizer_settings_are_named(tmp_path: Path) -> None:
     (tmp_path / "blank.txt").write_text("")
     stream = TokenStream([tmp_path / "blank.txt"], ByteTokenizer(eos_id=None))
     stream.take(3)  # an empty document still yields its end-of-text token
-    with pytest.raises(DataError, match="model.vocab_size is 100"):
+    with pytest.raises(DataError, match=r"model\.vocab_size is 100"):
         load_tokenizer(DataConfig(), vocab_size=100)
     with pytest.raises(DataError, match="not a file"):
         load_tokenizer(DataConfig(tokenizer=str(tmp_path / "nope.json")), vocab_size=256)
     (tmp_path / "bad.json").write_text("{}")
-    with pytest.raises(DataError, match="not a usable tokenizer.json"):
+    with pytest.raises(DataError, match=r"not a usable tokenizer\.json"):
         load_tokenizer(DataConfig(tokenizer=str(tmp_path / "bad.json")), vocab_size=256)
 
 
 def test_hugging_face_tokenizer_file(tmp_path: Path) -> None:
-    tokenizers = pytest.importorskip("tokenizers", reason="the optional 'tokenizers' package is not installed")
+    tokenizers = pytest.importorskip(
+        "tokenizers", reason="the optional 'tokenizers' package is not installed"
+    )
     vocab = {"<unk>": 0, "</s>": 1, "hello": 2, "world": 3}
     tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()

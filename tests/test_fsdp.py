@@ -32,3 +32,12 @@ def test_two_rank_fsdp_training_matches_one_rank(tmp_path: Path) -> None:
     assert one["params"].shape == two["params"].shape
     torch.testing.assert_close(two["params"], one["params"], rtol=1e-4, atol=2e-5)
     assert abs(one["loss"] - two["loss"]) < 1e-3
+
+
+@pytest.mark.slow
+def test_a_two_rank_checkpoint_resumes_on_one_rank(tmp_path: Path) -> None:
+    overrides = ["train.inner_steps=2", "train.max_steps=6"]
+    two = run_world(2, "train", tmp_path / "two.pt", overrides)
+    middle = tmp_path / "work-2" / "checkpoints" / "step-00000001"
+    one = run_world(1, "train", tmp_path / "one.pt", overrides, resume=middle)
+    torch.testing.assert_close(one["params"], two["params"], rtol=1e-4, atol=2e-5)

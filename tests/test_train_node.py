@@ -60,6 +60,20 @@ def test_alone_then_export_to_hugging_face(tmp_path: Path) -> None:
     assert [r["members"] for r in outer_records(work)] == [1, 1, 1]
     checkpoints = sorted((work / "checkpoints").glob("step-*"))
     assert [path.name for path in checkpoints] == ["step-00000001", "step-00000002", "step-00000003"]
+    assert_one_line_error(
+        cli("join", "--config", "debug", "--work-dir", str(tmp_path / "empty"), "--resume", "latest"),
+        "no checkpoint in",
+    )
+    assert_one_line_error(
+        cli("join", "--config", "debug", "--work-dir", str(work), "--resume", str(tmp_path)),
+        "not a checkpoint folder",
+    )
+
+    resumed = cli("join", "--config", "debug", "--work-dir", str(work), "--resume", "latest",
+                  "--set", "train.max_steps=40", timeout=180)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed at outer step 3" in resumed.stdout and "finished after 4 outer steps" in resumed.stdout
+    checkpoints = sorted((work / "checkpoints").glob("step-*"))
 
     exported = cli("export", str(work), str(tmp_path / "hf"))
     assert exported.returncode == 0, exported.stderr
@@ -103,7 +117,18 @@ def test_a_dead_rank_sends_the_deathrattle_and_stops_the_node(swarm: LocalSwarm)
 @pytest.mark.slow
 def test_a_killed_agent_takes_its_ranks_along(tmp_path: Path) -> None:
     agent = subprocess.Popen(
-        [sys.executable, "-m", "p2ptrain", "join", "--config", "debug", "--work-dir", str(tmp_path), "--nproc", "2"],
+        [
+            sys.executable,
+            "-m",
+            "p2ptrain",
+            "join",
+            "--config",
+            "debug",
+            "--work-dir",
+            str(tmp_path),
+            "--nproc",
+            "2",
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

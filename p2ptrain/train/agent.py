@@ -75,8 +75,17 @@ def buffer_path(identity: NodeIdentity, work_dir: Path) -> Path:
 class RankGroup:
     """The node's trainer processes, started torchrun-style, watched and stopped by PID."""
 
-    def __init__(self, config: Config, identity: NodeIdentity, work_dir: Path, nproc: int, shared: Path):
+    def __init__(
+        self,
+        config: Config,
+        identity: NodeIdentity,
+        work_dir: Path,
+        nproc: int,
+        shared: Path,
+        resume: Path | None = None,
+    ):
         self.config = config
+        self.resume = resume
         self.identity = identity
         self.work_dir = work_dir
         self.nproc = nproc
@@ -94,6 +103,7 @@ class RankGroup:
             "work_dir": str(self.work_dir),
             "buffer_path": str(self.shared),
             "threads": threads,
+            "resume": str(self.resume) if self.resume else None,
         }
         spec_path = self.work_dir / "rank-spec.json"
         spec_path.write_text(json.dumps(spec))
@@ -247,6 +257,7 @@ class TrainingNode:
         stop: asyncio.Event,
         out: TextIO,
         nproc: int = 0,
+        resume: Path | None = None,
     ):
         self.config = config
         self.identity = identity
@@ -255,7 +266,7 @@ class TrainingNode:
         self.work_dir = Path(config.node.work_dir).expanduser()
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.shared = buffer_path(identity, self.work_dir)
-        self.ranks = RankGroup(config, identity, self.work_dir, nproc or default_nproc(), self.shared)
+        self.ranks = RankGroup(config, identity, self.work_dir, nproc or default_nproc(), self.shared, resume)
         self.swarm = SwarmSide(config, identity, dht)
         self.view = ProgressView(out, config.train.max_steps)
         self.vector: np.ndarray | None = None
@@ -290,9 +301,10 @@ class TrainingNode:
     async def _handle(self, message: Message, channel: AgentChannel) -> None:
         if isinstance(message, Hello):
             self.vector = np.memmap(message.buffer_path, dtype=np.float32, mode="r+", shape=(message.numel,))
+            resumed = f", resumed at outer step {message.start_step}" if message.start_step else ""
             self.say(
                 f"{message.parameters / 1e6:.2f}M parameters on {message.world_size} rank(s), "
-                f"run {self.config.run.id!r}"
+                f"run {self.config.run.id!r}{resumed}"
             )
             await self.swarm.training(message.start_step)
         elif isinstance(message, Progress):

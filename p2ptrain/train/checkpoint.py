@@ -1,7 +1,12 @@
-"""Checkpoint files: the outer parameters by canonical name (safetensors) and a small manifest.
+"""Checkpoint files: everything a node needs to continue bit for bit, in world-size-free form.
 
-A checkpoint is a directory written under a temporary name and renamed into place, so a reader
-never sees half of one. `meta.json` says which model and step it holds.
+    params.safetensors   θ_outer by canonical parameter name (what `p2ptrain export` reads)
+    state.safetensors    flat canonical vectors: outer momentum, AdamW's exp_avg and exp_avg_sq
+    meta.json            outer/inner step, data position, config and layout digests, model shape
+
+Taken at an outer-step boundary, where every rank's parameters equal θ_outer, so the inner model
+needs no file of its own. A checkpoint is a directory written under a temporary name and renamed
+into place, so a reader never sees half of one.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from p2ptrain.errors import UserError
 from p2ptrain.train.layout import CanonicalLayout
 
 PARAMS_FILE = "params.safetensors"
+STATE_FILE = "state.safetensors"
 META_FILE = "meta.json"
 
 
@@ -31,16 +37,23 @@ def checkpoint_name(outer_step: int) -> str:
     return f"step-{outer_step:08d}"
 
 
-def save_params(
-    directory: Path, layout: CanonicalLayout, flat: torch.Tensor, model: ModelConfig, meta: dict[str, Any]
+def save_checkpoint(
+    directory: Path,
+    layout: CanonicalLayout,
+    flat: torch.Tensor,
+    model: ModelConfig,
+    meta: dict[str, Any],
+    state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write `flat` (outer params) as directory/step-N atomically; returns the final path."""
+    """Write `flat` (outer params) and `state` (flat vectors) as directory/step-N atomically."""
     final = directory / checkpoint_name(int(meta["outer_step"]))
     staging = directory / f".{final.name}.partial"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     tensors = {name: view.clone() for name, view in layout.views(flat).items()}
     save_file(tensors, str(staging / PARAMS_FILE))
+    if state:
+        save_file({name: value.contiguous() for name, value in state.items()}, str(staging / STATE_FILE))
     record = {**meta, "model": model.model_dump(), "layout_digest": layout.digest()}
     (staging / META_FILE).write_text(json.dumps(record, indent=1, sort_keys=True))
     shutil.rmtree(final, ignore_errors=True)
@@ -72,3 +85,24 @@ def load_params(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     if not isinstance(meta, dict) or "model" not in meta:
         raise CheckpointError(f"{path}/{META_FILE}: no model section")
     return tensors, meta
+
+
+def load_state(
+    path: Path, layout: CanonicalLayout
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
+    """(θ_outer as a flat vector, the state vectors, meta) for resuming a node of `layout`'s model."""
+    tensors, meta = load_params(path)
+    if meta.get("layout_digest") != layout.digest():
+        raise CheckpointError(f"{path}: holds another model (layout differs from this config's)")
+    if not (path / STATE_FILE).is_file():
+        raise CheckpointError(f"{path}: no {STATE_FILE}; it can be exported but not resumed")
+    flat = layout.new_flat()
+    for name, view in layout.views(flat).items():
+        view.copy_(tensors[name])
+    try:
+        state = load_file(str(path / STATE_FILE))
+    except Exception as exc:
+        raise CheckpointError(f"{path}/{STATE_FILE}: unreadable ({exc})") from None
+    if any(value.shape != (layout.numel,) for value in state.values()):
+        raise CheckpointError(f"{path}/{STATE_FILE}: vectors of the wrong size")
+    return flat, state, meta

@@ -61,26 +61,33 @@ class CanonicalLayout:
     def gather(self, model: nn.Module, out: torch.Tensor | None) -> None:
         """Copy the full parameters into `out` (fp32, CPU) — a collective: every local rank calls it,
         only the one passing a buffer (rank 0) receives."""
-        params = dict(model.named_parameters())
-        for entry in self.entries:
-            param = params[entry.name]
-            full = param.full_tensor() if isinstance(param, DTensor) else param
-            if out is not None:
-                out[entry.offset : entry.offset + entry.numel].copy_(full.detach().reshape(-1))
+        self.gather_tensors(dict(model.named_parameters()), out)
 
     @torch.no_grad()
     def scatter(self, model: nn.Module, flat: torch.Tensor) -> None:
         """Write `flat` (present on every local rank) into this rank's parameters or shards."""
-        params = dict(model.named_parameters())
+        self.scatter_tensors(dict(model.named_parameters()), flat)
+
+    @torch.no_grad()
+    def gather_tensors(self, tensors: dict[str, torch.Tensor], out: torch.Tensor | None) -> None:
+        """`gather` for any tensors shaped and sharded like the parameters (e.g. AdamW's moments)."""
         for entry in self.entries:
-            param = params[entry.name]
+            tensor = tensors[entry.name]
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            if out is not None:
+                out[entry.offset : entry.offset + entry.numel].copy_(full.detach().reshape(-1))
+
+    @torch.no_grad()
+    def scatter_tensors(self, tensors: dict[str, torch.Tensor], flat: torch.Tensor) -> None:
+        for entry in self.entries:
+            tensor = tensors[entry.name]
             full = flat[entry.offset : entry.offset + entry.numel].view(entry.shape)
-            if isinstance(param, DTensor):
+            if isinstance(tensor, DTensor):
                 # src_data_rank=None: each rank cuts its own shard out of its copy, no communication
-                shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-                param.to_local().copy_(shard.to_local())
+                shard = distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None)
+                tensor.to_local().copy_(shard.to_local())
             else:
-                param.copy_(full)
+                tensor.copy_(full)
 
 
 def broadcast_flat(flat: torch.Tensor, group: dist.ProcessGroup | None) -> None:

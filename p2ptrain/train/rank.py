@@ -31,6 +31,7 @@ from p2ptrain.train.channel import (
     StepDone,
     Stop,
 )
+from p2ptrain.train.checkpoint import CheckpointError
 from p2ptrain.train.trainer import RankContext, Trainer
 
 
@@ -99,9 +100,13 @@ def main() -> int:
         sock = socket.socket(fileno=int(os.environ["P2PTRAIN_CHANNEL_FD"]))
         link = ChannelLink(RankChannel(sock), Path(spec["buffer_path"]))
     try:
-        Trainer(config, bytes.fromhex(spec["node_key"]), Path(spec["work_dir"]), ctx, link).run()
+        resume = Path(spec["resume"]) if spec.get("resume") else None
+        Trainer(config, bytes.fromhex(spec["node_key"]), Path(spec["work_dir"]), ctx, link, resume).run()
     except ChannelError as exc:
         print(f"rank {rank}: {exc}; stopping", file=sys.stderr)
+        return 1
+    except CheckpointError as exc:
+        print(f"rank {rank}: error: {exc}", file=sys.stderr)
         return 1
     finally:
         if dist.is_initialized():

@@ -27,8 +27,8 @@ from torch.distributed.fsdp import fully_shard
 
 from p2ptrain.config import Config
 from p2ptrain.train.channel import Hello, Progress, Ready, StepDone
-from p2ptrain.train.checkpoint import prune, save_params
-from p2ptrain.train.data import node_batches
+from p2ptrain.train.checkpoint import load_state, prune, save_checkpoint
+from p2ptrain.train.data import StreamPosition, node_batches
 from p2ptrain.train.layout import CanonicalLayout, broadcast_flat
 from p2ptrain.train.metrics import MetricsWriter
 from p2ptrain.train.model import Transformer, parameter_count
@@ -98,7 +98,13 @@ def build_model(config: Config, ctx: RankContext) -> Transformer:
 
 class Trainer:
     def __init__(
-        self, config: Config, node_key: bytes, work_dir: Path, ctx: RankContext, link: AgentLink | None = None
+        self,
+        config: Config,
+        node_key: bytes,
+        work_dir: Path,
+        ctx: RankContext,
+        link: AgentLink | None = None,
+        resume: Path | None = None,
     ):
         self.config = config
         self.ctx = ctx
@@ -137,6 +143,8 @@ class Trainer:
             Path(config.checkpoint.dir).expanduser() if config.checkpoint.dir else work_dir / "checkpoints"
         )
         self.tokens_per_step = config.train.batch_size * config.model.seq_len
+        if resume is not None:
+            self.resume(resume)
         self.flops_per_token = (
             6 * parameter_count(config.model)
             + 12 * config.model.n_layers * config.model.dim * config.model.seq_len
@@ -218,19 +226,23 @@ class Trainer:
 
     # -- outer step --------------------------------------------------------------------------
 
-    def outer_step_once(self, tokens: int) -> str:
-        """Average Δ with the swarm, take the Nesterov step, load it into every rank; returns θ's hash."""
+    def prepare_outer(self, tokens: int) -> Ready | None:
+        """Gather θ and, on rank 0, write Δ = θ_outer − θ into the buffer; returns rank 0's Ready."""
         self.layout.gather(self.model, self.flat if self.is_leader else None)
+        if not self.is_leader:
+            return None
+        self.outer.pseudo_gradient(self.flat, out=self.buffer)
+        finite = bool(torch.isfinite(self.buffer).all())
+        if not finite:
+            # never send NaN/Inf: contribute nothing (weight 0) and take the others' average
+            log.error("outer step %d: pseudo-gradient holds NaN/Inf; contributing zero", self.outer_step)
+            self.buffer.zero_()
+        return Ready(self.outer_step, tokens if finite else 0, finite)
+
+    def apply_outer(self, ready: Ready | None, members: int, seconds: float = 0.0) -> str:
+        """Nesterov step with the (averaged) buffer on rank 0, then every rank loads θ_outer."""
         params_hash = ""
         if self.is_leader:
-            started = time.monotonic()
-            self.outer.pseudo_gradient(self.flat, out=self.buffer)
-            finite = bool(torch.isfinite(self.buffer).all())
-            if not finite:
-                # never send NaN/Inf: contribute nothing (weight 0) and take the others' average
-                log.error("outer step %d: pseudo-gradient holds NaN/Inf; contributing zero", self.outer_step)
-                self.buffer.zero_()
-            members = self.link.average(Ready(self.outer_step, tokens if finite else 0, finite), self.buffer)
             self.outer.step(self.buffer)
             self.flat.copy_(self.outer.params)
             params_hash = self.outer.params_hash()
@@ -239,27 +251,75 @@ class Trainer:
                 self.outer_step,
                 loss=round(self.last_loss, 5),
                 members=members,
-                finite=finite,
+                finite=ready.finite if ready else True,
                 params_hash=params_hash,
-                seconds=round(time.monotonic() - started, 3),
+                seconds=round(seconds, 3),
             )
         broadcast_flat(self.flat, self.ctx.cpu_group)
         self.layout.scatter(self.model, self.flat)
         self.outer_step += 1
         return params_hash
 
+    def outer_step_once(self, tokens: int) -> str:
+        """Average Δ with the swarm, take the Nesterov step, load it into every rank; returns θ's hash."""
+        started = time.monotonic()
+        ready = self.prepare_outer(tokens)
+        members = self.link.average(ready, self.buffer) if ready is not None else 0
+        return self.apply_outer(ready, members, time.monotonic() - started)
+
+    def _adam_moments(self, create: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+        """AdamW's exp_avg / exp_avg_sq of every parameter by canonical name (created if asked)."""
+        moments: dict[str, dict[str, torch.Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}
+        for name, param in self.model.named_parameters():
+            state = self.optimizer.state[param]
+            if create or "exp_avg" not in state:
+                state["step"] = torch.tensor(float(self.inner_step))
+                state["exp_avg"] = torch.zeros_like(param)
+                state["exp_avg_sq"] = torch.zeros_like(param)
+            for key in moments:
+                moments[key][name] = state[key]
+        return moments
+
     def save_checkpoint(self) -> str:
+        """Gather the full state into canonical vectors (all ranks) and write it (rank 0)."""
+        vectors: dict[str, torch.Tensor] = {}
+        for key, tensors in self._adam_moments().items():
+            out = self.layout.new_flat() if self.is_leader else None
+            self.layout.gather_tensors(tensors, out)
+            if out is not None:
+                vectors[f"adam_{key}"] = out
         if not self.is_leader:
             return ""
+        vectors["outer_momentum"] = self.outer.momentum_buffer
         meta = {
             "outer_step": self.outer_step,
             "inner_step": self.inner_step,
             "config_digest": self.config.digest(),
             "data_position": self.batches.stream.position.to_dict(),
         }
-        path = save_params(self.checkpoint_dir, self.layout, self.outer.params, self.config.model, meta)
+        path = save_checkpoint(
+            self.checkpoint_dir, self.layout, self.outer.params, self.config.model, meta, vectors
+        )
         prune(self.checkpoint_dir, self.config.checkpoint.keep)
         return str(path)
+
+    def resume(self, path: Path) -> None:
+        """Continue from a checkpoint exactly where it was taken (every rank reads the files)."""
+        flat, state, meta = load_state(path, self.layout)
+        if meta.get("config_digest") != self.config.digest():
+            log.warning("resuming %s, saved under other training settings", path)
+        self.inner_step = int(meta["inner_step"])
+        self.outer_step = int(meta["outer_step"])
+        self.flat.copy_(flat)
+        self.layout.scatter(self.model, flat)
+        if self.is_leader:
+            self.outer.load_state_dict({"params": flat, "momentum": state["outer_momentum"]})
+        for key, tensors in self._adam_moments(create=True).items():
+            self.layout.scatter_tensors(tensors, state[f"adam_{key}"])
+        self.schedule.last_epoch = self.inner_step
+        for group, base in zip(self.optimizer.param_groups, self.schedule.base_lrs, strict=True):
+            group["lr"] = base * self.schedule.lr_lambdas[0](self.inner_step)
+        self.batches.stream.seek(StreamPosition.from_dict(meta["data_position"]))
 
     def run(self) -> None:
         if self.is_leader:

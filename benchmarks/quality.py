@@ -1,0 +1,171 @@
+"""Does DiLoCo with int8 sync train as well as fp32 sync, and better than one node alone?
+
+    python -m benchmarks.quality --json [--steps 300] [--out DIR]
+
+On the `debug` config over the embedded corpus, three runs of the same number of inner steps per
+node: (a) 2 nodes averaging pseudo-gradients through the real int8 all-reduce (two data-plane
+servers on 127.0.0.1 in this process), (a') the same 2 nodes averaging in exact fp32, (b) 1 node
+alone (DiLoCo's outer step with itself). The loss that counts is measured on held-out batches
+(another shard of the corpus) with the outer parameters every node agrees on.
+
+Reports int8_vs_fp32_loss_ratio (target within 2 % of 1) and diloco_vs_single_loss_ratio (< 1);
+writes quality.csv and, with matplotlib installed, quality.png into --out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import math
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import parser, report
+from p2ptrain.comm.dataplane import DataPlaneServer, RingMember, RingSettings
+from p2ptrain.comm.ring import ring_all_reduce
+from p2ptrain.config import Config, load_config
+from p2ptrain.identity import load_or_create_identity
+from p2ptrain.train.data import node_batches
+from p2ptrain.train.trainer import RankContext, Trainer
+
+EVAL_BATCHES = 8
+Averager = Callable[[list[torch.Tensor], list[int], int], None]
+
+
+def held_out(config: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches from a shard no node starts in (data.shard pinned past the nodes' own)."""
+    eval_data = config.data.model_copy(update={"shard": config.data.num_shards - 1})
+    batches = node_batches(eval_data, config.model.vocab_size, b"eval", 8, config.model.seq_len, 0, 1)
+    return [batches.next() for _ in range(EVAL_BATCHES)]
+
+
+@torch.no_grad()
+def eval_loss(trainer: Trainer, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    trainer.model.eval()
+    losses = [float(trainer.model(inputs, targets)) for inputs, targets in batches]
+    trainer.model.train()
+    return sum(losses) / len(losses)
+
+
+def exact_mean(buffers: list[torch.Tensor], weights: list[int], step: int) -> None:
+    total = sum(weights)
+    mean = sum(buf.double() * (w / total) for buf, w in zip(buffers, weights, strict=True)).float()
+    for buf in buffers:
+        buf.copy_(mean)
+
+
+class Int8Ring:
+    """The real int8 all-reduce between in-process members, each with its own server and key."""
+
+    def __init__(self, count: int, root: Path):
+        self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.loop)
+        self.identities = [load_or_create_identity(root / f"id{i}") for i in range(count)]
+        self.servers = [DataPlaneServer(identity, RingSettings()) for identity in self.identities]
+        self.ports = [self.loop.run_until_complete(s.start("127.0.0.1", 0))[1] for s in self.servers]
+
+    def __call__(self, buffers: list[torch.Tensor], weights: list[int], step: int) -> None:
+        members = [
+            RingMember(identity.public_key, "127.0.0.1", port, float(weight))
+            for identity, port, weight in zip(self.identities, self.ports, weights, strict=True)
+        ]
+        runs = [
+            ring_all_reduce(server, step, members, buf.numpy())
+            for server, buf in zip(self.servers, buffers, strict=True)
+        ]
+        self.loop.run_until_complete(asyncio.gather(*runs))
+
+    def close(self) -> None:
+        for server in self.servers:
+            self.loop.run_until_complete(server.close())
+        self.loop.close()
+
+
+def run(name: str, config: Config, nodes: int, average: Averager, work: Path, writer: csv.writer) -> float:
+    """Train `nodes` in lock-step; returns the final held-out loss of the shared outer params."""
+    trainers = [Trainer(config, bytes([i]) * 32, work / f"{name}-{i}", RankContext()) for i in range(nodes)]
+    evaluation = held_out(config)
+    loss = math.nan
+    while trainers[0].inner_step < config.train.max_steps:
+        phases = [trainer.inner_phase() for trainer in trainers]
+        readies = [
+            trainer.prepare_outer(tokens) for trainer, (tokens, _) in zip(trainers, phases, strict=True)
+        ]
+        average([t.buffer for t in trainers], [r.tokens for r in readies], trainers[0].outer_step)
+        hashes = {t.apply_outer(r, nodes) for t, r in zip(trainers, readies, strict=True)}
+        assert len(hashes) == 1, f"{name}: nodes diverged"
+        loss = eval_loss(trainers[0], evaluation)
+        train_loss = sum(p[1] for p in phases) / nodes
+        writer.writerow(
+            [name, trainers[0].outer_step, trainers[0].inner_step, round(train_loss, 4), round(loss, 4)]
+        )
+        print(f"{name}: outer step {trainers[0].outer_step}, held-out loss {loss:.4f}", flush=True)
+    return loss
+
+
+def plot(csv_path: Path, png_path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    curves: dict[str, list[tuple[int, float]]] = {}
+    with csv_path.open() as handle:
+        for row in csv.DictReader(handle):
+            curves.setdefault(row["run"], []).append((int(row["inner_step"]), float(row["eval_loss"])))
+    figure, axes = plt.subplots(figsize=(7, 4))
+    for name, points in curves.items():
+        axes.plot(*zip(*points, strict=True), label=name)
+    axes.set_xlabel("inner steps per node")
+    axes.set_ylabel("held-out loss")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(png_path, dpi=100)
+    return True
+
+
+def main() -> None:
+    cli = parser(__doc__)
+    cli.add_argument("--steps", type=int, default=300, help="inner steps per node (default %(default)s)")
+    cli.add_argument("--out", default=".bench/quality", help="folder for quality.csv and quality.png")
+    args = cli.parse_args()
+    torch.set_num_threads(2)
+    config = load_config("debug", overrides=[f"train.max_steps={args.steps}", "checkpoint.interval=0"])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp, (out / "quality.csv").open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["run", "outer_step", "inner_step", "train_loss", "eval_loss"])
+        ring = Int8Ring(2, Path(tmp))
+        try:
+            int8 = run("2 nodes int8", config, 2, ring, Path(tmp), writer)
+        finally:
+            ring.close()
+        fp32 = run("2 nodes fp32", config, 2, exact_mean, Path(tmp), writer)
+        single = run("1 node", config, 1, lambda buffers, weights, step: None, Path(tmp), writer)
+    plotted = plot(out / "quality.csv", out / "quality.png")
+    report(
+        {
+            "inner_steps": args.steps,
+            "loss_int8": round(int8, 4),
+            "loss_fp32": round(fp32, 4),
+            "loss_single": round(single, 4),
+            "int8_vs_fp32_loss_ratio": round(int8 / fp32, 4),
+            "diloco_vs_single_loss_ratio": round(int8 / single, 4),
+            "csv": str(out / "quality.csv"),
+            "png": str(out / "quality.png") if plotted else None,
+            "seconds": round(time.monotonic() - started, 1),
+        },
+        args.json,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Checkpoints: exact resume, atomic writes, pruning, and refusal of unusable folders."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from p2ptrain.config import load_config
+from p2ptrain.train.checkpoint import STATE_FILE, CheckpointError, latest_checkpoint, load_state
+from p2ptrain.train.trainer import RankContext, Trainer
+
+
+@pytest.mark.slow
+def test_n_steps_straight_equal_half_then_resume_then_half(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    config = load_config("debug", overrides=["train.max_steps=40", "checkpoint.keep=3"])
+    straight = Trainer(config, b"k" * 32, tmp_path / "straight", RankContext())
+    straight.run()
+    folder = tmp_path / "straight" / "checkpoints"
+    # every outer step saved, the newest 3 kept, nothing half-written left behind
+    assert sorted(p.name for p in folder.iterdir()) == ["step-00000002", "step-00000003", "step-00000004"]
+    assert latest_checkpoint(folder) == folder / "step-00000004"
+
+    resumed = Trainer(config, b"k" * 32, tmp_path / "resumed", RankContext(), resume=folder / "step-00000002")
+    assert (resumed.outer_step, resumed.inner_step) == (2, 20)
+    resumed.run()
+    assert resumed.outer.params_hash() == straight.outer.params_hash()
+    assert torch.equal(resumed.outer.momentum_buffer, straight.outer.momentum_buffer)
+    meta = json.loads((folder / "step-00000004" / "meta.json").read_text())
+    assert meta["outer_step"] == 4 and meta["inner_step"] == 40 and meta["data_position"]["files_done"] >= 0
+
+
+def test_unusable_checkpoints_are_refused(tmp_path: Path) -> None:
+    config = load_config("debug", overrides=["train.max_steps=1", "train.inner_steps=1"])
+    trainer = Trainer(config, b"k" * 32, tmp_path / "node", RankContext())
+    trainer.run()
+    saved = latest_checkpoint(tmp_path / "node" / "checkpoints")
+    assert saved is not None
+    other = Trainer(
+        load_config("debug", overrides=["model.n_layers=2"]), b"k" * 32, tmp_path / "o", RankContext()
+    )
+    with pytest.raises(CheckpointError, match="another model"):
+        load_state(saved, other.layout)
+    (saved / STATE_FILE).write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="unreadable"):
+        load_state(saved, trainer.layout)
+    (saved / STATE_FILE).unlink()
+    with pytest.raises(CheckpointError, match="can be exported but not resumed"):
+        load_state(saved, trainer.layout)
+    with pytest.raises(CheckpointError, match="not a p2ptrain checkpoint"):
+        load_state(tmp_path, trainer.layout)
