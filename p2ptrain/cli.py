@@ -310,7 +310,7 @@ def _resume_path(resume: str | None, config: Config) -> Path | None:
     """The checkpoint folder `--resume` names, checked to be resumable before any process starts."""
     if resume is None:
         return None
-    from p2ptrain.train.checkpoint import META_FILE, STATE_FILE, latest_checkpoint
+    from p2ptrain.train.checkpoint import INNER_FILE, META_FILE, latest_checkpoint
 
     if resume == "latest":
         folder = Path(config.checkpoint.dir or Path(config.node.work_dir) / "checkpoints").expanduser()
@@ -319,8 +319,8 @@ def _resume_path(resume: str | None, config: Config) -> Path | None:
             raise UserError(f"--resume latest: no checkpoint in {folder}")
         return found
     path = Path(resume).expanduser()
-    if not (path / META_FILE).is_file() or not (path / STATE_FILE).is_file():
-        raise UserError(f"--resume {resume}: not a checkpoint folder (needs {META_FILE} and {STATE_FILE})")
+    if not (path / META_FILE).is_file() or not (path / INNER_FILE).is_file():
+        raise UserError(f"--resume {resume}: not a checkpoint folder (needs {META_FILE} and {INNER_FILE})")
     return path
 
 

@@ -57,6 +57,10 @@ class NodeConfig(Section):
     """TCP port of the data plane; 0 picks a free one."""
     data_announce: str = ""
     """host:port others dial for the data plane; default: data_host (127.0.0.1 for 0.0.0.0) and the port."""
+    ckpt_port: int = Field(0, ge=0, lt=65536)
+    """TCP port of the checkpoint sidecar (HTTP, on data_host); 0 picks a free one."""
+    ckpt_announce: str = ""
+    """URL others fetch checkpoints from; default: http://<data-plane host>:<ckpt_port>."""
     nproc: int = Field(0, ge=0, le=64)
     """Trainer ranks on this node; 0: one per visible GPU, one on a CPU-only machine."""
 
@@ -138,6 +142,8 @@ class CheckpointConfig(Section):
     """Checkpoints kept on disk; older ones are removed."""
     dir: str = ""
     """Where checkpoints go; default: <work_dir>/checkpoints."""
+    fetch_timeout: float = Field(10.0, gt=0, le=600)
+    """A peer that sends nothing for this long during a checkpoint download is left for another."""
 
 
 class MetricsConfig(Section):

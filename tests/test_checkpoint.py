@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from p2ptrain.config import load_config
-from p2ptrain.train.checkpoint import STATE_FILE, CheckpointError, latest_checkpoint, load_state
+from p2ptrain.train.checkpoint import INNER_FILE, CheckpointError, latest_checkpoint, load_state
 from p2ptrain.train.trainer import RankContext, Trainer
 
 
@@ -44,10 +44,10 @@ def test_unusable_checkpoints_are_refused(tmp_path: Path) -> None:
     )
     with pytest.raises(CheckpointError, match="another model"):
         load_state(saved, other.layout)
-    (saved / STATE_FILE).write_bytes(b"garbage")
-    with pytest.raises(CheckpointError, match="unreadable"):
+    (saved / INNER_FILE).write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="unreadable state file"):
         load_state(saved, trainer.layout)
-    (saved / STATE_FILE).unlink()
+    (saved / INNER_FILE).unlink()
     with pytest.raises(CheckpointError, match="can be exported but not resumed"):
         load_state(saved, trainer.layout)
     with pytest.raises(CheckpointError, match="not a p2ptrain checkpoint"):

@@ -78,3 +78,13 @@ def test_loss_decreases_on_the_debug_config(tmp_path: Path) -> None:
     trainer.run()
     assert trainer.outer_step == 4
     assert trainer.last_loss < first - 1.0, (first, trainer.last_loss)
+
+
+def test_time_box_ends_the_inner_phase_early(tmp_path: Path) -> None:
+    config = load_config(
+        "debug", overrides=["train.inner_steps=1000", "train.max_steps=1000", "train.time_box=0.3"]
+    )
+    trainer = Trainer(config, b"t" * 32, tmp_path, RankContext())
+    tokens, _ = trainer.inner_phase()
+    steps = tokens // trainer.tokens_per_step
+    assert 1 <= steps < 1000 and steps == trainer.inner_step

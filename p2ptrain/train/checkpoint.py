@@ -1,8 +1,12 @@
 """Checkpoint files: everything a node needs to continue bit for bit, in world-size-free form.
 
     params.safetensors   θ_outer by canonical parameter name (what `p2ptrain export` reads)
-    state.safetensors    flat canonical vectors: outer momentum, AdamW's exp_avg and exp_avg_sq
+    outer.safetensors    the outer momentum, a flat canonical vector
+    inner.safetensors    this node's AdamW exp_avg and exp_avg_sq, flat canonical vectors
     meta.json            outer/inner step, data position, config and layout digests, model shape
+
+The first two are the same bytes on every member of a step (the swarm's shared state); the last
+two are the node's own.
 
 Taken at an outer-step boundary, where every rank's parameters equal θ_outer, so the inner model
 needs no file of its own. A checkpoint is a directory written under a temporary name and renamed
@@ -25,7 +29,9 @@ from p2ptrain.errors import UserError
 from p2ptrain.train.layout import CanonicalLayout
 
 PARAMS_FILE = "params.safetensors"
-STATE_FILE = "state.safetensors"
+OUTER_FILE = "outer.safetensors"
+INNER_FILE = "inner.safetensors"
+SHARED_FILES = (PARAMS_FILE, OUTER_FILE)
 META_FILE = "meta.json"
 
 
@@ -43,17 +49,20 @@ def save_checkpoint(
     flat: torch.Tensor,
     model: ModelConfig,
     meta: dict[str, Any],
-    state: dict[str, torch.Tensor] | None = None,
+    momentum: torch.Tensor | None = None,
+    inner: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write `flat` (outer params) and `state` (flat vectors) as directory/step-N atomically."""
+    """Write θ_outer, the momentum and the inner state as directory/step-N, atomically."""
     final = directory / checkpoint_name(int(meta["outer_step"]))
     staging = directory / f".{final.name}.partial"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     tensors = {name: view.clone() for name, view in layout.views(flat).items()}
     save_file(tensors, str(staging / PARAMS_FILE))
-    if state:
-        save_file({name: value.contiguous() for name, value in state.items()}, str(staging / STATE_FILE))
+    if momentum is not None:
+        save_file({"momentum": momentum.contiguous()}, str(staging / OUTER_FILE))
+    if inner:
+        save_file({name: value.contiguous() for name, value in inner.items()}, str(staging / INNER_FILE))
     record = {**meta, "model": model.model_dump(), "layout_digest": layout.digest()}
     (staging / META_FILE).write_text(json.dumps(record, indent=1, sort_keys=True))
     shutil.rmtree(final, ignore_errors=True)
@@ -94,15 +103,18 @@ def load_state(
     tensors, meta = load_params(path)
     if meta.get("layout_digest") != layout.digest():
         raise CheckpointError(f"{path}: holds another model (layout differs from this config's)")
-    if not (path / STATE_FILE).is_file():
-        raise CheckpointError(f"{path}: no {STATE_FILE}; it can be exported but not resumed")
+    for name in (OUTER_FILE, INNER_FILE):
+        if not (path / name).is_file():
+            raise CheckpointError(f"{path}: no {name}; it can be exported but not resumed")
     flat = layout.new_flat()
     for name, view in layout.views(flat).items():
         view.copy_(tensors[name])
     try:
-        state = load_file(str(path / STATE_FILE))
+        state = {**load_file(str(path / OUTER_FILE)), **load_file(str(path / INNER_FILE))}
     except Exception as exc:
-        raise CheckpointError(f"{path}/{STATE_FILE}: unreadable ({exc})") from None
-    if any(value.shape != (layout.numel,) for value in state.values()):
-        raise CheckpointError(f"{path}/{STATE_FILE}: vectors of the wrong size")
+        raise CheckpointError(f"{path}: unreadable state file ({exc})") from None
+    if set(state) != {"momentum", "adam_exp_avg", "adam_exp_avg_sq"} or any(
+        value.shape != (layout.numel,) for value in state.values()
+    ):
+        raise CheckpointError(f"{path}: state vectors missing or of the wrong size")
     return flat, state, meta

@@ -16,10 +16,24 @@ log = logging.getLogger(__name__)
 class MetricsWriter:
     """Appends {"kind": "inner"|"outer", "time": …, …} lines to `path`; flushes every line."""
 
-    def __init__(self, path: Path, config: MetricsConfig | None = None, tensorboard_dir: Path | None = None):
+    def __init__(
+        self,
+        path: Path,
+        config: MetricsConfig | None = None,
+        tensorboard_dir: Path | None = None,
+        run_name: str = "",
+    ):
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = path.open("a")
         self._tensorboard = None
+        self._wandb = None
+        if config is not None and config.wandb_project:
+            try:
+                import wandb
+
+                self._wandb = wandb.init(project=config.wandb_project, name=run_name or None)
+            except ImportError:
+                log.warning("metrics.wandb_project is set but wandb is not installed; JSONL only")
         if config is not None and config.tensorboard and tensorboard_dir is not None:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -32,15 +46,23 @@ class MetricsWriter:
         record = {"kind": kind, "step": step, "time": round(time.time(), 3), **values}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        numbers = {
+            f"{kind}/{name}": value
+            for name, value in values.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)
+        }
         if self._tensorboard is not None:
-            for name, value in values.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tensorboard.add_scalar(f"{kind}/{name}", value, step)
+            for name, value in numbers.items():
+                self._tensorboard.add_scalar(name, value, step)
+        if self._wandb is not None:
+            self._wandb.log(numbers)
 
     def close(self) -> None:
         self._file.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TextIO
 
 from rich.console import Console
@@ -51,8 +52,9 @@ class ProgressView:
 
     def outer(self, done: StepDone) -> None:
         members, note = self.notes.pop(done.outer_step, (0, ""))
+        loss = "no inner steps (catching up)" if math.isnan(done.loss) else f"loss {done.loss:.4f}"
         self.say(
-            f"outer step {done.outer_step}: loss {done.loss:.4f}, {members} member(s), {note}, "
+            f"outer step {done.outer_step}: {loss}, {members} member(s), {note}, "
             f"params {done.params_hash[:12]}"
         )
 

@@ -101,7 +101,16 @@ def main() -> int:
         link = ChannelLink(RankChannel(sock), Path(spec["buffer_path"]))
     try:
         resume = Path(spec["resume"]) if spec.get("resume") else None
-        Trainer(config, bytes.fromhex(spec["node_key"]), Path(spec["work_dir"]), ctx, link, resume).run()
+        trainer = Trainer(
+            config,
+            bytes.fromhex(spec["node_key"]),
+            Path(spec["work_dir"]),
+            ctx,
+            link,
+            resume,
+            own_data=not spec.get("skip_first_inner"),
+        )
+        trainer.run(skip_first_inner=bool(spec.get("skip_first_inner")))
     except ChannelError as exc:
         print(f"rank {rank}: {exc}; stopping", file=sys.stderr)
         return 1

@@ -105,6 +105,7 @@ class Trainer:
         ctx: RankContext,
         link: AgentLink | None = None,
         resume: Path | None = None,
+        own_data: bool = True,
     ):
         self.config = config
         self.ctx = ctx
@@ -135,7 +136,9 @@ class Trainer:
         self.outer_step = 0
         self.last_loss = math.nan
         self.metrics = (
-            MetricsWriter(work_dir / "metrics.jsonl", config.metrics, work_dir / "tensorboard")
+            MetricsWriter(
+                work_dir / "metrics.jsonl", config.metrics, work_dir / "tensorboard", node_key.hex()[:12]
+            )
             if self.is_leader
             else None
         )
@@ -144,7 +147,7 @@ class Trainer:
         )
         self.tokens_per_step = config.train.batch_size * config.model.seq_len
         if resume is not None:
-            self.resume(resume)
+            self.resume(resume, own_data)
         self.flops_per_token = (
             6 * parameter_count(config.model)
             + 12 * config.model.n_layers * config.model.dim * config.model.seq_len
@@ -290,7 +293,6 @@ class Trainer:
                 vectors[f"adam_{key}"] = out
         if not self.is_leader:
             return ""
-        vectors["outer_momentum"] = self.outer.momentum_buffer
         meta = {
             "outer_step": self.outer_step,
             "inner_step": self.inner_step,
@@ -298,13 +300,34 @@ class Trainer:
             "data_position": self.batches.stream.position.to_dict(),
         }
         path = save_checkpoint(
-            self.checkpoint_dir, self.layout, self.outer.params, self.config.model, meta, vectors
+            self.checkpoint_dir,
+            self.layout,
+            self.outer.params,
+            self.config.model,
+            meta,
+            momentum=self.outer.momentum_buffer,
+            inner=vectors,
         )
         prune(self.checkpoint_dir, self.config.checkpoint.keep)
         return str(path)
 
-    def resume(self, path: Path) -> None:
-        """Continue from a checkpoint exactly where it was taken (every rank reads the files)."""
+    def _set_schedule(self) -> None:
+        """Put the LR schedule at `inner_step` (as if it had stepped that many times)."""
+        self.schedule.last_epoch = self.inner_step
+        for group, base in zip(self.optimizer.param_groups, self.schedule.base_lrs, strict=True):
+            group["lr"] = base * self.schedule.lr_lambdas[0](self.inner_step)
+
+    def _skip_inner_steps(self, count: int) -> None:
+        """Count the inner steps the others did in the step this node catches up in, so the step
+        counters and the LR schedule stay in line with theirs."""
+        self.inner_step = min(self.config.train.max_steps, self.inner_step + count)
+        self._set_schedule()
+
+    def resume(self, path: Path, own_data: bool = True) -> None:
+        """Continue from a checkpoint exactly where it was taken (every rank reads the files).
+
+        A checkpoint fetched from a peer carries the peer's data position: with `own_data` False
+        the node keeps reading its own shard from where it is instead."""
         flat, state, meta = load_state(path, self.layout)
         if meta.get("config_digest") != self.config.digest():
             log.warning("resuming %s, saved under other training settings", path)
@@ -313,15 +336,16 @@ class Trainer:
         self.flat.copy_(flat)
         self.layout.scatter(self.model, flat)
         if self.is_leader:
-            self.outer.load_state_dict({"params": flat, "momentum": state["outer_momentum"]})
+            self.outer.load_state_dict({"params": flat, "momentum": state["momentum"]})
         for key, tensors in self._adam_moments(create=True).items():
             self.layout.scatter_tensors(tensors, state[f"adam_{key}"])
-        self.schedule.last_epoch = self.inner_step
-        for group, base in zip(self.optimizer.param_groups, self.schedule.base_lrs, strict=True):
-            group["lr"] = base * self.schedule.lr_lambdas[0](self.inner_step)
-        self.batches.stream.seek(StreamPosition.from_dict(meta["data_position"]))
+        self._set_schedule()
+        if own_data:
+            self.batches.stream.seek(StreamPosition.from_dict(meta["data_position"]))
 
-    def run(self) -> None:
+    def run(self, skip_first_inner: bool = False) -> None:
+        """Train to max_steps. `skip_first_inner`: a node that just caught up takes part in its first
+        outer step with a zero pseudo-gradient and weight 0, so the others need not wait for it."""
         if self.is_leader:
             self.link.started(
                 Hello(
@@ -335,7 +359,12 @@ class Trainer:
             )
         interval = self.config.checkpoint.interval
         while self.inner_step < self.config.train.max_steps:
-            tokens, loss = self.inner_phase()
+            if skip_first_inner:
+                skip_first_inner = False
+                self._skip_inner_steps(self.config.train.inner_steps)
+                tokens, loss = 0, math.nan
+            else:
+                tokens, loss = self.inner_phase()
             params_hash = self.outer_step_once(tokens)
             done = self.inner_step >= self.config.train.max_steps
             checkpoint = ""

@@ -1,0 +1,1 @@
+"""Sharing checkpoints between nodes: manifests, the HTTP sidecar, and live recovery."""

@@ -1,0 +1,138 @@
+"""Live recovery: a joining node downloads the swarm's current checkpoint from its peers.
+
+1. From the signed heartbeats, take the checkpoint digest announced by a majority of the live
+   members of the run (one peer alone cannot feed a poisoned state).
+2. Fetch the manifest from a peer announcing that digest, and check it hashes to that digest.
+3. Download the files in parallel, each from a different peer where there are several; a stalled
+   peer, a dropped connection or a wrong hash moves that file on to the next peer, resuming from the
+   bytes already there (HTTP Range). Every file's sha256 is checked; the shared files (θ_outer, the
+   momentum) are thereby covered by the majority's digest.
+4. Rename the finished folder into the checkpoint directory, so it is never seen half-written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+import aiohttp
+
+from p2ptrain.ckpt.manifest import MANIFEST_FILE, Manifest, ManifestError, file_sha256, parse_manifest
+from p2ptrain.errors import NetworkError
+from p2ptrain.swarm.records import Heartbeat, NodeState
+from p2ptrain.train.checkpoint import SHARED_FILES, checkpoint_name
+
+log = logging.getLogger(__name__)
+CHUNK = 1 << 20
+ACTIVE = (NodeState.TRAINING, NodeState.READY, NodeState.SYNCING)
+
+
+class RecoveryError(NetworkError):
+    """No peer could provide a verified copy of the swarm's checkpoint."""
+
+
+def majority_checkpoint(
+    heartbeats: Sequence[Heartbeat], me: bytes, config_digest: str
+) -> tuple[str, list[Heartbeat]] | None:
+    """(digest, the peers announcing it) when more than half of the live members announce one digest."""
+    members = [
+        b for b in heartbeats if b.node_key != me and b.state in ACTIVE and b.config_digest == config_digest
+    ]
+    announced = [b for b in members if b.ckpt_digest and b.ckpt_addr]
+    if not announced:
+        return None
+    digest, count = Counter(b.ckpt_digest for b in announced).most_common(1)[0]
+    if 2 * count <= len(members):
+        return None
+    return digest, [b for b in announced if b.ckpt_digest == digest]
+
+
+async def _get_manifest(session: aiohttp.ClientSession, url: str, digest: str) -> Manifest | None:
+    try:
+        async with session.get(f"{url}/manifest") as response:
+            if response.status != 200:
+                log.warning("recovery: %s answered %d for its manifest", url, response.status)
+                return None
+            manifest = parse_manifest(await response.content.read(1 << 16))
+    except (aiohttp.ClientError, asyncio.TimeoutError, ManifestError) as exc:
+        log.warning("recovery: no usable manifest from %s (%s)", url, exc)
+        return None
+    if manifest.digest != digest:
+        log.warning("recovery: %s serves step %d, not the majority's checkpoint", url, manifest.outer_step)
+        return None
+    return manifest
+
+
+async def _download(
+    session: aiohttp.ClientSession, url: str, manifest: Manifest, digest: str, name: str, target: Path
+) -> None:
+    """Fetch (the rest of) one file into `target`; raises on any problem with this peer."""
+    expected = manifest.files[name]
+    offset = target.stat().st_size if target.exists() else 0
+    if offset > expected.size:
+        target.unlink()
+        offset = 0
+    headers = {"Range": f"bytes={offset}-"} if 0 < offset < expected.size else {}
+    if offset < expected.size:
+        async with session.get(f"{url}/ckpt/{manifest.outer_step}/{name}", headers=headers) as response:
+            if response.status not in (200, 206):
+                raise RecoveryError(f"HTTP {response.status}")
+            if response.headers.get("X-Checkpoint-Digest") != digest:
+                raise RecoveryError("serves another checkpoint now")
+            if response.status == 200:
+                offset = 0  # the peer ignored the range: start over
+            with target.open("r+b" if offset else "wb") as handle:
+                handle.seek(offset)
+                async for block in response.content.iter_chunked(CHUNK):
+                    offset += len(block)
+                    if offset > expected.size:
+                        raise RecoveryError("sent more bytes than the manifest says")
+                    handle.write(block)
+    if offset != expected.size:
+        raise RecoveryError(f"stopped at {offset} of {expected.size} bytes")
+    if await asyncio.to_thread(file_sha256, target) != expected.sha256:
+        target.unlink()
+        raise RecoveryError("sha256 mismatch")
+
+
+async def fetch_checkpoint(digest: str, holders: Sequence[Heartbeat], dest_dir: Path, timeout: float) -> Path:
+    """Download the checkpoint with `digest` from `holders` into dest_dir/step-N; returns its path."""
+    client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
+    urls = [holder.ckpt_addr.rstrip("/") for holder in holders]
+    async with aiohttp.ClientSession(timeout=client_timeout) as session:
+        manifest, source = None, ""
+        for url in urls:
+            manifest = await _get_manifest(session, url, digest)
+            if manifest is not None:
+                source = url
+                break
+        if manifest is None:
+            raise RecoveryError(f"none of {len(urls)} peers served the majority's checkpoint manifest")
+        staging = dest_dir / f".{checkpoint_name(manifest.outer_step)}.download"
+        staging.mkdir(parents=True, exist_ok=True)
+
+        async def fetch_one(index: int, name: str) -> None:
+            # θ_outer and the momentum are the same bytes on every holder; the rest (AdamW state,
+            # meta) is the manifest's own node's, so only that node can serve it
+            sources = urls if name in SHARED_FILES else [source]
+            problems = []
+            for attempt in range(2 * len(sources)):  # every peer, twice: a second try resumes the bytes
+                url = sources[(index + attempt) % len(sources)]
+                try:
+                    await _download(session, url, manifest, digest, name, staging / name)
+                    return
+                except (aiohttp.ClientError, asyncio.TimeoutError, RecoveryError, OSError) as exc:
+                    log.warning("recovery: %s from %s failed (%s); trying the next peer", name, url, exc)
+                    problems.append(f"{url}: {exc}")
+            raise RecoveryError(f"{name}: no peer delivered a verified copy ({problems[-1]})")
+
+        await asyncio.gather(*(fetch_one(i, name) for i, name in enumerate(sorted(manifest.files))))
+    (staging / MANIFEST_FILE).write_text(manifest.to_json())
+    final = dest_dir / checkpoint_name(manifest.outer_step)
+    shutil.rmtree(final, ignore_errors=True)
+    staging.rename(final)
+    return final

@@ -1,0 +1,69 @@
+"""The checkpoint sidecar: each node serves its latest checkpoints over HTTP (aiohttp).
+
+    GET /manifest              the manifest of the newest checkpoint (404 before the first one)
+    GET /ckpt/{step}/{name}    one file of checkpoint step-N; Range requests work, so a download
+                               can resume and be split across peers
+
+Only files listed in that checkpoint's own manifest.json are served, and only from inside its
+folder: a request for anything else (`../`, another name) gets 404 and a log line.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from aiohttp import web
+
+from p2ptrain.ckpt.manifest import MANIFEST_FILE, Manifest, ManifestError, parse_manifest
+from p2ptrain.train.checkpoint import checkpoint_name
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointSidecar:
+    def __init__(self, checkpoint_dir: Path):
+        self.checkpoint_dir = checkpoint_dir
+        self.latest: Manifest | None = None
+        self._runner: web.AppRunner | None = None
+        app = web.Application()
+        app.router.add_get("/manifest", self._manifest)
+        app.router.add_get("/ckpt/{step}/{name}", self._file)
+        self._app = app
+
+    async def start(self, host: str, port: int) -> int:
+        self._runner = web.AppRunner(self._app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        return site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def announce(self, manifest: Manifest) -> None:
+        self.latest = manifest
+
+    async def _manifest(self, request: web.Request) -> web.Response:
+        if self.latest is None:
+            raise web.HTTPNotFound(text="no checkpoint yet")
+        return web.Response(text=self.latest.to_json(), content_type="application/json")
+
+    async def _file(self, request: web.Request) -> web.StreamResponse:
+        step, name = request.match_info["step"], request.match_info["name"]
+        if not step.isdigit() or len(step) > 12:
+            return self._refuse(request, "bad step")
+        folder = self.checkpoint_dir / checkpoint_name(int(step))
+        try:
+            manifest = parse_manifest((folder / MANIFEST_FILE).read_bytes())
+        except (OSError, ManifestError):
+            return self._refuse(request, f"no checkpoint for step {step}")
+        path = (folder / name).resolve()
+        if name not in manifest.files or path.parent != folder.resolve() or not path.is_file():
+            return self._refuse(request, f"{name!r} is not a file of checkpoint {step}")
+        return web.FileResponse(path, headers={"X-Checkpoint-Digest": manifest.digest})
+
+    def _refuse(self, request: web.Request, reason: str) -> web.Response:
+        log.warning("checkpoint sidecar: refused %s from %s: %s", request.path, request.remote, reason)
+        return web.Response(status=404, text=reason)

@@ -1,0 +1,135 @@
+"""The trainer ranks of one node: started torchrun-style by the agent, watched and stopped by PID."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import torch
+
+from p2ptrain.config import Config
+from p2ptrain.identity import NodeIdentity
+
+RANK_STOP_TIMEOUT = 10.0
+
+
+def default_nproc() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+
+
+def buffer_path(identity: NodeIdentity, work_dir: Path) -> Path:
+    """The shared pseudo-gradient file: RAM-backed /dev/shm where it exists."""
+    shm = Path("/dev/shm")
+    folder = shm if shm.is_dir() and os.access(shm, os.W_OK) else work_dir
+    return folder / f"p2ptrain-{identity.short_id}-{os.getpid()}.grad"
+
+
+class RankGroup:
+    """The node's trainer processes, started torchrun-style, watched and stopped by PID."""
+
+    def __init__(
+        self,
+        config: Config,
+        identity: NodeIdentity,
+        work_dir: Path,
+        nproc: int,
+        shared: Path,
+    ):
+        self.config = config
+        self.identity = identity
+        self.work_dir = work_dir
+        self.nproc = nproc
+        self.shared = shared
+        self.procs: list[asyncio.subprocess.Process] = []
+        self.log_dir = work_dir / "logs"
+
+    async def start(self, resume: Path | None = None, skip_first_inner: bool = False) -> socket.socket:
+        """Start the ranks (resuming from `resume`); returns the agent's end of rank 0's channel."""
+        self.procs = []
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        threads = int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, (os.cpu_count() or 1) // self.nproc)
+        spec = {
+            "config": self.config.model_dump(),
+            "node_key": self.identity.public_key.hex(),
+            "work_dir": str(self.work_dir),
+            "buffer_path": str(self.shared),
+            "threads": threads,
+            "resume": str(resume) if resume else None,
+            "skip_first_inner": skip_first_inner,
+        }
+        spec_path = self.work_dir / "rank-spec.json"
+        spec_path.write_text(json.dumps(spec))
+        agent_end, rank_end = socket.socketpair()
+        port = _free_port()
+        for rank in range(self.nproc):
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(self.nproc),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "P2PTRAIN_RANK_SPEC": str(spec_path),
+                "P2PTRAIN_AGENT_PID": str(os.getpid()),
+            }
+            pass_fds: tuple[int, ...] = ()
+            if rank == 0:
+                env["P2PTRAIN_CHANNEL_FD"] = str(rank_end.fileno())
+                pass_fds = (rank_end.fileno(),)
+            with (self.log_dir / f"rank-{rank}.log").open("ab") as log_file:
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-m",
+                    "p2ptrain.train.rank",
+                    env=env,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=asyncio.subprocess.STDOUT,
+                    pass_fds=pass_fds,
+                    start_new_session=True,  # Ctrl+C reaches the agent only; it stops the ranks
+                )
+            self.procs.append(proc)
+        rank_end.close()
+        return agent_end
+
+    def describe_exit(self, rank: int) -> str:
+        code = self.procs[rank].returncode
+        last = _last_line(self.log_dir / f"rank-{rank}.log")
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        return (
+            f"trainer rank {rank} {how}"
+            + (f" ({last})" if last else "")
+            + f"; log: {self.log_dir}/rank-{rank}.log"
+        )
+
+    async def stop(self, timeout: float = RANK_STOP_TIMEOUT) -> None:
+        running = [proc for proc in self.procs if proc.returncode is None]
+        for proc in running:
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+        for proc in running:
+            try:
+                await asyncio.wait_for(proc.wait(), timeout)
+            except asyncio.TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _last_line(path: Path) -> str:
+    with contextlib.suppress(OSError):
+        lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+        if lines:
+            return lines[-1][:200]
+    return ""

@@ -1,0 +1,178 @@
+"""The agent's side of the swarm: heartbeats, outer sync, the checkpoint sidecar and recovery.
+
+`SwarmLink` is what a training node needs from the network; `SoloSwarm` stands in for it when the
+node trains alone. Recovery happens when a node joins a run in progress, and whenever a node finds
+itself off the swarm's track at an outer step: behind it (the others are past that step) or
+diverged from it (the params hash a majority of the step's members published differs from its own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+from p2ptrain.ckpt.fetch import ACTIVE, fetch_checkpoint, majority_checkpoint
+from p2ptrain.ckpt.manifest import build_manifest
+from p2ptrain.ckpt.sidecar import CheckpointSidecar
+from p2ptrain.comm.dataplane import DataPlaneServer
+from p2ptrain.config import Config
+from p2ptrain.identity import NodeIdentity
+from p2ptrain.swarm.dht import SwarmDHT
+from p2ptrain.swarm.membership import HeartbeatPublisher, live, read_heartbeats, wait_for_nodes
+from p2ptrain.swarm.records import Heartbeat, NodeState
+from p2ptrain.sync import OuterSync, StepGivenUp, data_address, ring_settings
+
+log = logging.getLogger(__name__)
+
+
+class SoloSwarm:
+    """No network: every average is the node's own pseudo-gradient."""
+
+    networked = False
+
+    async def start(self, stop: asyncio.Event, out: TextIO) -> None:
+        pass
+
+    async def training(self, outer_step: int, **fields: Any) -> None:
+        pass
+
+    async def average(self, step: int, vector: np.ndarray, tokens: int) -> tuple[int, str]:
+        return 1, "solo"
+
+    async def checkpoint_saved(self, folder: Path, outer_step: int) -> None:
+        pass
+
+    async def off_track(self, step: int, params_hash: str) -> str | None:
+        return None
+
+    async def recover(self, stop: asyncio.Event, dest: Path, wait: bool) -> Path | None:
+        return None
+
+    async def close(self, out: TextIO, short_id: str) -> None:
+        pass
+
+
+class SwarmLink(SoloSwarm):
+    networked = True
+
+    def __init__(self, config: Config, identity: NodeIdentity, dht: SwarmDHT, checkpoint_dir: Path):
+        self.config = config
+        self.identity = identity
+        self.dht = dht
+        self.server = DataPlaneServer(identity, ring_settings(config))
+        self.sidecar = CheckpointSidecar(checkpoint_dir)
+        self.publisher: HeartbeatPublisher | None = None
+        self.sync: OuterSync | None = None
+        self._keeper: asyncio.Task[None] | None = None
+
+    async def start(self, stop: asyncio.Event, out: TextIO) -> None:
+        node = self.config.node
+        _, port = await self.server.start(node.data_host, node.data_port)
+        ckpt_port = await self.sidecar.start(node.data_host, node.ckpt_port)
+        host = data_address(self.config, port).rpartition(":")[0]
+        self.publisher = HeartbeatPublisher(
+            self.dht,
+            self.identity,
+            self.config.run.id,
+            ttl=self.config.swarm.heartbeat_timeout,
+            config_digest=self.config.digest(),
+            data_addr=data_address(self.config, port),
+            ckpt_addr=node.ckpt_announce or f"http://{host}:{ckpt_port}",
+        )
+        await self.publisher.publish(state=NodeState.JOINING)
+        self.sync = OuterSync(self.config, self.dht, self.publisher, self.server)
+        self._keeper = asyncio.create_task(self._keep_alive(stop))
+        await wait_for_nodes(self.config, self.dht, stop, out, self.config.swarm.wait_nodes)
+
+    async def _keep_alive(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.config.swarm.heartbeat_interval)
+            if not stop.is_set() and self.publisher is not None and not await self.publisher.publish():
+                log.warning("heartbeat not stored by any DHT peer; retrying")
+
+    async def _peers(self) -> list[Heartbeat]:
+        """Live, active members of this run with this config, other than this node."""
+        me, digest = self.identity.public_key, self.config.digest()
+        beats = live(await read_heartbeats(self.dht, self.config.run.id))
+        return [b for b in beats if b.node_key != me and b.state in ACTIVE and b.config_digest == digest]
+
+    async def training(self, outer_step: int, **fields: Any) -> None:
+        assert self.publisher is not None
+        await self.publisher.publish(state=NodeState.TRAINING, outer_step=outer_step, **fields)
+
+    async def average(self, step: int, vector: np.ndarray, tokens: int) -> tuple[int, str]:
+        """(members, note) — vector averaged in place when members > 0, unchanged otherwise."""
+        assert self.sync is not None
+        started = time.monotonic()
+        try:
+            result = await self.sync.sync(step, vector, tokens)
+        except StepGivenUp as exc:
+            log.warning("outer step %d given up: %s", step, exc)
+            return 0, f"given up: {exc}"
+        megabytes = result.stats.bytes_sent / 1e6
+        return len(
+            result.election.members
+        ), f"sync {time.monotonic() - started:.2f} s, {megabytes:.2f} MB sent"
+
+    async def checkpoint_saved(self, folder: Path, outer_step: int) -> None:
+        """Hash the new checkpoint, serve it, and announce its digest."""
+        manifest = await asyncio.to_thread(build_manifest, folder, outer_step)
+        self.sidecar.announce(manifest)
+        assert self.publisher is not None
+        await self.publisher.publish(ckpt_digest=manifest.digest)
+
+    async def off_track(self, step: int, params_hash: str) -> str | None:
+        """Why this node, about to sync `step`, is off the swarm's track (None when it is on it)."""
+        peers = await self._peers()
+        if not peers:
+            return None
+        at_step = [b for b in peers if b.outer_step == step]
+        if not at_step and all(b.outer_step > step for b in peers):
+            return f"the swarm is past outer step {step} (at {min(b.outer_step for b in peers)})"
+        hashes = Counter(b.params_hash for b in at_step if b.params_hash)
+        if params_hash and hashes:
+            majority, count = hashes.most_common(1)[0]
+            if majority != params_hash and 2 * count > len(at_step):
+                return f"its params differ from the majority's at outer step {step}"
+        return None
+
+    async def recover(self, stop: asyncio.Event, dest: Path, wait: bool) -> Path | None:
+        """Download the majority's checkpoint; None when no live member has one (a fresh run).
+
+        With `wait`, keep re-reading the heartbeats (bounded by election_timeout) until a majority
+        agrees — a node that is off track needs a checkpoint, whatever the moment.
+        """
+        deadline = time.monotonic() + self.config.swarm.election_timeout
+        while not stop.is_set():
+            beats = await self._peers()
+            found = majority_checkpoint(beats, self.identity.public_key, self.config.digest())
+            if found is not None:
+                digest, holders = found
+                return await fetch_checkpoint(digest, holders, dest, self.config.checkpoint.fetch_timeout)
+            if (not wait and not any(b.ckpt_digest for b in beats)) or time.monotonic() > deadline:
+                return None
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.config.swarm.heartbeat_interval / 2)
+        return None
+
+    async def close(self, out: TextIO, short_id: str) -> None:
+        if self._keeper is not None:
+            self._keeper.cancel()
+        await self.server.close()
+        await self.sidecar.close()
+        if self.publisher is not None:
+            try:
+                sent = await self.publisher.deathrattle()
+            except Exception as exc:  # best effort: the others fall back to the heartbeat timeout
+                log.warning("deathrattle not sent: %s", exc)
+                sent = False
+            outcome = "deathrattle sent" if sent else "deathrattle not confirmed; peers will time it out"
+            print(f"node {short_id} left the swarm ({outcome})", file=out, flush=True)
