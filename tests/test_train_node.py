@@ -51,6 +51,25 @@ def test_two_nodes_of_two_ranks_hold_the_same_params_after_every_outer_step(swar
 
 
 @pytest.mark.slow
+def test_a_node_joining_mid_run_recovers_from_peers_and_agrees(swarm: LocalSwarm) -> None:
+    swarm.start_bootstrap()
+    run = ["--set", "train.max_steps=40", "--set", "train.inner_steps=5", "--set", "swarm.straggler_deadline=5"]
+    for name in ("a", "b"):
+        swarm.start_node(name, None, *run, "--set", "swarm.wait_nodes=2")
+    wait_until(lambda: len(outer_records(swarm.root / "a")) >= 2, 180, what="two outer steps")
+    swarm.start_node("c", None, *run)
+    for name in ("a", "b", "c"):
+        assert swarm.children.wait(name, 300) == 0, swarm.log(name)
+    by_step = {r["step"]: r["params_hash"] for r in outer_records(swarm.root / "a")}
+    joined = outer_records(swarm.root / "c")
+    assert joined[0]["members"] == 3 and joined[0]["step"] >= 2  # caught up with weight 0
+    assert all(by_step[r["step"]] == r["params_hash"] for r in joined)
+    assert [r["step"] for r in joined][-1] == 7  # the same last step as the others
+    log = swarm.log("c")
+    assert "joined a run in progress: recovered step-" in log and "join_s=" in log
+
+
+@pytest.mark.slow
 def test_alone_then_export_to_hugging_face(tmp_path: Path) -> None:
     work = tmp_path / "node"
     result = cli("join", "--config", "debug", "--work-dir", str(work), *SHORT, timeout=180)

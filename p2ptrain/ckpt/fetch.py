@@ -77,6 +77,8 @@ async def _download(
         target.unlink()
         offset = 0
     headers = {"Range": f"bytes={offset}-"} if 0 < offset < expected.size else {}
+    if headers:
+        log.info("recovery: resuming %s from %s at byte %d", name, url, offset)
     if offset < expected.size:
         async with session.get(f"{url}/ckpt/{manifest.outer_step}/{name}", headers=headers) as response:
             if response.status not in (200, 206):
@@ -99,40 +101,60 @@ async def _download(
         raise RecoveryError("sha256 mismatch")
 
 
+async def _fetch_set(
+    session: aiohttp.ClientSession,
+    urls: list[str],
+    source: str,
+    manifest: Manifest,
+    digest: str,
+    staging: Path,
+) -> None:
+    """Every file of `manifest` into `staging`, in parallel; raises RecoveryError naming the first loss."""
+
+    async def fetch_one(index: int, name: str) -> None:
+        # θ_outer and the momentum are the same bytes on every holder, so any of them serves them;
+        # the rest (AdamW state, meta) is the manifest's own node's, and only it can serve that
+        sources = urls if name in SHARED_FILES else [source]
+        problems = []
+        for attempt in range(2 * len(sources)):  # every peer, twice: a second try resumes the bytes
+            url = sources[(index + attempt) % len(sources)]
+            try:
+                await _download(session, url, manifest, digest, name, staging / name)
+                return
+            except (aiohttp.ClientError, asyncio.TimeoutError, RecoveryError, OSError) as exc:
+                log.warning("recovery: %s from %s failed (%s); trying the next peer", name, url, exc)
+                problems.append(f"{url}: {exc}")
+        raise RecoveryError(f"{name}: no peer delivered a verified copy ({problems[-1]})")
+
+    await asyncio.gather(*(fetch_one(i, name) for i, name in enumerate(sorted(manifest.files))))
+
+
 async def fetch_checkpoint(digest: str, holders: Sequence[Heartbeat], dest_dir: Path, timeout: float) -> Path:
-    """Download the checkpoint with `digest` from `holders` into dest_dir/step-N; returns its path."""
+    """Download the checkpoint with `digest` from `holders` into dest_dir/step-N; returns its path.
+
+    One holder's manifest (and its node-specific files) at a time; if that holder fails, the next
+    one's, keeping the shared files already verified."""
     client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
     urls = [holder.ckpt_addr.rstrip("/") for holder in holders]
+    last_problem = "no peer served the majority's checkpoint manifest"
     async with aiohttp.ClientSession(timeout=client_timeout) as session:
-        manifest, source = None, ""
-        for url in urls:
-            manifest = await _get_manifest(session, url, digest)
-            if manifest is not None:
-                source = url
-                break
-        if manifest is None:
-            raise RecoveryError(f"none of {len(urls)} peers served the majority's checkpoint manifest")
-        staging = dest_dir / f".{checkpoint_name(manifest.outer_step)}.download"
-        staging.mkdir(parents=True, exist_ok=True)
-
-        async def fetch_one(index: int, name: str) -> None:
-            # θ_outer and the momentum are the same bytes on every holder; the rest (AdamW state,
-            # meta) is the manifest's own node's, so only that node can serve it
-            sources = urls if name in SHARED_FILES else [source]
-            problems = []
-            for attempt in range(2 * len(sources)):  # every peer, twice: a second try resumes the bytes
-                url = sources[(index + attempt) % len(sources)]
-                try:
-                    await _download(session, url, manifest, digest, name, staging / name)
-                    return
-                except (aiohttp.ClientError, asyncio.TimeoutError, RecoveryError, OSError) as exc:
-                    log.warning("recovery: %s from %s failed (%s); trying the next peer", name, url, exc)
-                    problems.append(f"{url}: {exc}")
-            raise RecoveryError(f"{name}: no peer delivered a verified copy ({problems[-1]})")
-
-        await asyncio.gather(*(fetch_one(i, name) for i, name in enumerate(sorted(manifest.files))))
-    (staging / MANIFEST_FILE).write_text(manifest.to_json())
-    final = dest_dir / checkpoint_name(manifest.outer_step)
-    shutil.rmtree(final, ignore_errors=True)
-    staging.rename(final)
-    return final
+        for source in urls:
+            manifest = await _get_manifest(session, source, digest)
+            if manifest is None:
+                continue
+            staging = dest_dir / f".{checkpoint_name(manifest.outer_step)}.download"
+            staging.mkdir(parents=True, exist_ok=True)
+            for stale in staging.iterdir():
+                if stale.name not in SHARED_FILES:
+                    stale.unlink()  # another node's own files: not this manifest's
+            try:
+                await _fetch_set(session, urls, source, manifest, digest, staging)
+            except RecoveryError as exc:
+                last_problem = str(exc)
+                continue
+            (staging / MANIFEST_FILE).write_text(manifest.to_json())
+            final = dest_dir / checkpoint_name(manifest.outer_step)
+            shutil.rmtree(final, ignore_errors=True)
+            staging.rename(final)
+            return final
+    raise RecoveryError(f"checkpoint {digest[:12]} not recovered from {len(urls)} peer(s): {last_problem}")

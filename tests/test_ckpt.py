@@ -1,0 +1,238 @@
+"""Checkpoint sharing over real HTTP on 127.0.0.1: manifests, the sidecar, and majority-checked fetches."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from p2ptrain.ckpt.fetch import RecoveryError, fetch_checkpoint, majority_checkpoint
+from p2ptrain.ckpt.manifest import ManifestError, build_manifest, parse_manifest
+from p2ptrain.ckpt.sidecar import CheckpointSidecar
+from p2ptrain.swarm.records import Heartbeat, NodeState
+from p2ptrain.train.checkpoint import checkpoint_name
+
+STEP = 7
+SHARED = os.urandom(3 << 20)  # θ_outer: the same bytes on every member
+
+
+def make_checkpoint(root: Path, node: int, step: int = STEP) -> Path:
+    folder = root / "checkpoints" / checkpoint_name(step)
+    folder.mkdir(parents=True)
+    (folder / "params.safetensors").write_bytes(SHARED if step == STEP else os.urandom(1000))
+    (folder / "outer.safetensors").write_bytes(SHARED[:1000])
+    (folder / "inner.safetensors").write_bytes(bytes([node]) * 5000)  # each node's own
+    (folder / "meta.json").write_text(json.dumps({"node": node, "outer_step": step}))
+    return folder
+
+
+def heartbeat(
+    node: int, url: str, digest: str, config: str = "c", state: NodeState = NodeState.TRAINING
+) -> Heartbeat:
+    return Heartbeat(
+        run_id="r", node_key=bytes([node]) * 32, seq=1, timestamp=0.0, expiration=0.0, state=state,
+        outer_step=STEP, ckpt_addr=url, ckpt_digest=digest, config_digest=config,
+    )  # fmt: skip
+
+
+class Peers:
+    """Nodes' sidecars on 127.0.0.1, each serving its own checkpoints folder."""
+
+    def __init__(self) -> None:
+        self.sidecars: list[CheckpointSidecar] = []
+        self.urls: list[str] = []
+
+    async def add(self, root: Path, node: int, step: int = STEP) -> tuple[str, str]:
+        folder = make_checkpoint(root, node, step)
+        manifest = build_manifest(folder, step)
+        sidecar = CheckpointSidecar(root / "checkpoints")
+        sidecar.announce(manifest)
+        port = await sidecar.start("127.0.0.1", 0)
+        self.sidecars.append(sidecar)
+        self.urls.append(f"http://127.0.0.1:{port}")
+        return self.urls[-1], manifest.digest
+
+    async def close(self) -> None:
+        for sidecar in self.sidecars:
+            await sidecar.close()
+
+
+def run(coroutine):  # a tiny wrapper for the async tests
+    return asyncio.run(coroutine)
+
+
+def test_manifest_parsing_refuses_bad_input(tmp_path: Path) -> None:
+    good = build_manifest(make_checkpoint(tmp_path, 1), STEP)
+    assert parse_manifest(good.to_json().encode()) == good
+    raw = json.loads(good.to_json())
+    entry = raw["files"]["params.safetensors"]
+    bad_cases = {
+        "not JSON": b"{nope",
+        "traversal": json.dumps({**raw, "files": {"../../etc/passwd": entry}}).encode(),
+        "a folder": json.dumps({**raw, "files": {"a/b": entry}}).encode(),
+        "hidden": json.dumps({**raw, "files": {".bashrc": entry}}).encode(),
+        "negative size": json.dumps({**raw, "files": {"x": {**entry, "size": -1}}}).encode(),
+        "bad sha": json.dumps({**raw, "files": {"x": {**entry, "sha256": "zz"}}}).encode(),
+        "wrong digest": json.dumps({**raw, "digest": "0" * 64}).encode(),
+        "step is bool": json.dumps({**raw, "outer_step": True}).encode(),
+        "huge": b" " * (1 << 17),
+    }
+    for what, data in bad_cases.items():
+        with pytest.raises(ManifestError):
+            parse_manifest(data)
+            pytest.fail(what)
+
+
+def test_sidecar_serves_ranges_and_only_manifest_files(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "secret.txt").write_text("not for you")
+
+    async def scenario() -> None:
+        peers = Peers()
+        empty = CheckpointSidecar(tmp_path / "nothing")
+        port = await empty.start("127.0.0.1", 0)
+        try:
+            url, _ = await peers.add(tmp_path, 1)
+            async with aiohttp.ClientSession() as session:
+                async with session.get(f"http://127.0.0.1:{port}/manifest") as response:
+                    assert response.status == 404
+                async with session.get(f"{url}/manifest") as response:
+                    assert parse_manifest(await response.read()).outer_step == STEP
+                headers = {"Range": "bytes=1000-1999"}
+                async with session.get(f"{url}/ckpt/{STEP}/params.safetensors", headers=headers) as response:
+                    assert response.status == 206
+                    assert await response.read() == SHARED[1000:2000]
+                refused = [f"/ckpt/{STEP}/..%2Fsecret.txt", f"/ckpt/{STEP}/manifest.json", f"/ckpt/{STEP}/x"]
+                for path in [*refused, "/ckpt/3/params.safetensors", "/ckpt/-1/params.safetensors"]:
+                    async with session.get(url + path) as response:
+                        assert response.status == 404, path
+                        assert "not for you" not in await response.text()
+        finally:
+            await peers.close()
+            await empty.close()
+
+    with caplog.at_level(logging.WARNING, logger="p2ptrain.ckpt.sidecar"):
+        run(scenario())
+    assert sum("refused" in record.message for record in caplog.records) >= 4
+
+
+def test_majority_of_live_members_decides() -> None:
+    beats = [heartbeat(1, "u1", "D1"), heartbeat(2, "u2", "D1"), heartbeat(3, "u3", "D2")]
+    digest, holders = majority_checkpoint(beats, me=bytes([9]) * 32, config_digest="c")
+    assert digest == "D1" and [h.ckpt_addr for h in holders] == ["u1", "u2"]
+    assert majority_checkpoint(beats[1:], me=bytes([9]) * 32, config_digest="c") is None  # 1 vs 1
+    # a member without a checkpoint yet still counts against a minority digest
+    assert majority_checkpoint([*beats[:1], heartbeat(4, "", "")], bytes([9]) * 32, "c") is None
+    others = [heartbeat(5, "u5", "D3", config="other"), heartbeat(6, "u6", "D3", state=NodeState.DEAD)]
+    assert majority_checkpoint(others, bytes([9]) * 32, "c") is None
+    assert majority_checkpoint([heartbeat(9, "u9", "D9")], bytes([9]) * 32, "c") is None  # not from myself
+
+
+def test_tampered_copy_is_refused_and_fetched_elsewhere(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def scenario() -> Path:
+        peers = Peers()
+        try:
+            for node in (1, 2, 3):
+                _, digest = await peers.add(tmp_path / f"peer{node}", node)
+            tampered = tmp_path / "peer1" / "checkpoints" / checkpoint_name(STEP) / "params.safetensors"
+            tampered.write_bytes(b"\xff" + SHARED[1:])  # same size, one byte changed
+            holders = [heartbeat(n, url, digest) for n, url in zip((1, 2, 3), peers.urls, strict=True)]
+            return await fetch_checkpoint(digest, holders, tmp_path / "joiner", timeout=5)
+        finally:
+            await peers.close()
+
+    with caplog.at_level(logging.WARNING, logger="p2ptrain.ckpt.fetch"):
+        folder = run(scenario())
+    assert folder == tmp_path / "joiner" / checkpoint_name(STEP)
+    assert (folder / "params.safetensors").read_bytes() == SHARED
+    assert (folder / "inner.safetensors").read_bytes() == bytes([1]) * 5000  # the manifest's node's own
+    assert any("sha256 mismatch" in record.message for record in caplog.records)
+    assert not list((tmp_path / "joiner").glob(".*"))  # no staging folder left behind
+
+
+def test_download_resumes_elsewhere_after_a_peer_stalls_halfway(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A peer that stops sending in the middle of the file: the rest comes from another, by Range."""
+
+    async def scenario() -> Path:
+        peers = Peers()
+        released = asyncio.Event()
+        _, digest = await peers.add(tmp_path / "good", 1)
+        good_url = peers.urls[0]
+        manifest_json = (
+            tmp_path / "good" / "checkpoints" / checkpoint_name(STEP) / "manifest.json"
+        ).read_text()
+
+        async def stall_manifest(request: web.Request) -> web.Response:
+            return web.Response(text=manifest_json, content_type="application/json")
+
+        async def stall_file(request: web.Request) -> web.StreamResponse:
+            name = request.match_info["name"]
+            data = (tmp_path / "good" / "checkpoints" / checkpoint_name(STEP) / name).read_bytes()
+            response = web.StreamResponse(headers={"X-Checkpoint-Digest": digest})
+            response.content_length = len(data)
+            await response.prepare(request)
+            await response.write(data[: len(data) // 2])
+            await released.wait()  # then nothing, until the test ends
+            return response
+
+        stalling = web.Application()
+        stalling.router.add_get("/manifest", stall_manifest)
+        stalling.router.add_get("/ckpt/{step}/{name}", stall_file)
+        runner = web.AppRunner(stalling)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        stall_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        try:
+            holders = [heartbeat(2, stall_url, digest), heartbeat(1, good_url, digest)]
+            return await fetch_checkpoint(digest, holders, tmp_path / "joiner", timeout=1.0)
+        finally:
+            released.set()
+            await runner.cleanup()
+            await peers.close()
+
+    with caplog.at_level(logging.INFO, logger="p2ptrain.ckpt.fetch"):
+        folder = run(scenario())
+    assert (folder / "params.safetensors").read_bytes() == SHARED
+    assert (folder / "outer.safetensors").read_bytes() == SHARED[:1000]
+    assert (folder / "inner.safetensors").read_bytes() == bytes([1]) * 5000  # the good node's set
+    resumed = [r.message for r in caplog.records if "resuming" in r.message]
+    assert any("at byte" in message and not message.endswith(" 0") for message in resumed), resumed
+
+
+def test_a_peer_serving_an_older_step_is_skipped(tmp_path: Path) -> None:
+    async def scenario() -> Path:
+        peers = Peers()
+        try:
+            old_url, _ = await peers.add(tmp_path / "old", 1, step=STEP - 1)
+            new_url, digest = await peers.add(tmp_path / "new", 2)
+            holders = [heartbeat(1, old_url, digest), heartbeat(2, new_url, digest)]
+            return await fetch_checkpoint(digest, holders, tmp_path / "joiner", timeout=5)
+        finally:
+            await peers.close()
+
+    folder = run(scenario())
+    assert json.loads((folder / "meta.json").read_text())["node"] == 2
+
+    async def nobody() -> None:
+        peers = Peers()
+        try:
+            url, _ = await peers.add(tmp_path / "other", 3, step=STEP - 1)
+            await fetch_checkpoint("0" * 64, [heartbeat(3, url, "0" * 64)], tmp_path / "j2", timeout=5)
+        finally:
+            await peers.close()
+
+    with pytest.raises(RecoveryError, match="not recovered"):
+        run(nobody())
