@@ -96,8 +96,11 @@ class LocalSwarm:
         self.bootstrap_addr = read_address(address_file)
         return self.bootstrap_addr
 
-    def start_node(self, name: str, peer: str | None = None, *extra: str) -> Path:
+    def start_node(self, name: str, peer: str | None = None, *extra: str, train: bool = False) -> Path:
+        """A node agent; heartbeat-only (`--observe`) unless `train` (or a `--drill` in `extra`)."""
         address_file = self.root / f"{name}.addr"
+        if not train:
+            extra = ("--observe", *extra)
         self.children.spawn(
             name,
             [

@@ -38,7 +38,7 @@ def rank_pids(agent_pid: int) -> dict[int, int]:
 def test_two_nodes_of_two_ranks_hold_the_same_params_after_every_outer_step(swarm: LocalSwarm) -> None:
     swarm.start_bootstrap()
     for name in ("a", "b"):
-        swarm.start_node(name, None, "--nproc", "2", *SHORT, "--set", "swarm.wait_nodes=2")
+        swarm.start_node(name, None, "--nproc", "2", *SHORT, "--set", "swarm.wait_nodes=2", train=True)
     for name in ("a", "b"):
         assert swarm.children.wait(name, 240) == 0, swarm.log(name)
     a, b = outer_records(swarm.root / "a"), outer_records(swarm.root / "b")
@@ -53,11 +53,18 @@ def test_two_nodes_of_two_ranks_hold_the_same_params_after_every_outer_step(swar
 @pytest.mark.slow
 def test_a_node_joining_mid_run_recovers_from_peers_and_agrees(swarm: LocalSwarm) -> None:
     swarm.start_bootstrap()
-    run = ["--set", "train.max_steps=40", "--set", "train.inner_steps=5", "--set", "swarm.straggler_deadline=5"]
+    run = [
+        "--set",
+        "train.max_steps=40",
+        "--set",
+        "train.inner_steps=5",
+        "--set",
+        "swarm.straggler_deadline=5",
+    ]
     for name in ("a", "b"):
-        swarm.start_node(name, None, *run, "--set", "swarm.wait_nodes=2")
+        swarm.start_node(name, None, *run, "--set", "swarm.wait_nodes=2", train=True)
     wait_until(lambda: len(outer_records(swarm.root / "a")) >= 2, 180, what="two outer steps")
-    swarm.start_node("c", None, *run)
+    swarm.start_node("c", None, *run, train=True)
     for name in ("a", "b", "c"):
         assert swarm.children.wait(name, 300) == 0, swarm.log(name)
     by_step = {r["step"]: r["params_hash"] for r in outer_records(swarm.root / "a")}
@@ -117,7 +124,7 @@ def test_alone_then_export_to_hugging_face(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_dead_rank_sends_the_deathrattle_and_stops_the_node(swarm: LocalSwarm) -> None:
     swarm.start_bootstrap()
-    swarm.start_node("a", None, "--nproc", "2")
+    swarm.start_node("a", None, "--nproc", "2", train=True)
     node = swarm.children.children["a"]
     wait_until(lambda: any(r["kind"] == "inner" for r in read_metrics(swarm.root / "a" / "metrics.jsonl")),
                120, what="the first inner step")  # fmt: skip
@@ -131,6 +138,41 @@ def test_a_dead_rank_sends_the_deathrattle_and_stops_the_node(swarm: LocalSwarm)
     # the record still exists (it expires 6 s after the last heartbeat) and says dead
     states = {n["state"] for n in swarm.status()["nodes"]}
     assert states == {"dead"}
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_training_node_cleanly(tmp_path: Path) -> None:
+    agent = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "p2ptrain",
+            "join",
+            "--config",
+            "debug",
+            "--work-dir",
+            str(tmp_path),
+            "--nproc",
+            "2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_until(lambda: any(r["kind"] == "inner" for r in read_metrics(tmp_path / "metrics.jsonl")),
+                   120, what="the first inner step")  # fmt: skip
+        ranks = rank_pids(agent.pid)
+        shared = list(Path("/dev/shm").glob(f"p2ptrain-*-{agent.pid}.grad"))
+        assert len(shared) == 1
+        agent.send_signal(signal.SIGTERM)
+        _, stderr = agent.communicate(timeout=15)
+        assert agent.returncode == 0 and "Traceback" not in stderr, stderr
+        assert not any(is_alive(pid) for pid in ranks.values())
+        assert not shared[0].exists()
+    finally:
+        agent.kill()
+        agent.communicate()
 
 
 @pytest.mark.slow

@@ -63,6 +63,7 @@ class Interrupted(Exception):
 class Outcome(enum.Enum):
     FINISHED = "finished"
     RECOVER = "recover"
+    STOPPED = "stopped"
 
 
 class TrainingNode:
@@ -192,13 +193,13 @@ class TrainingNode:
         """Run the ranks until they finish or the node must recover; raises TrainingFailed."""
         channel = await AgentChannel.open(await self.ranks.start(self.resume, skip_first_inner=self.joining))
         failure: str | None = None
-        outcome = Outcome.FINISHED
+        outcome = Outcome.STOPPED
         try:
             while True:
                 try:
                     outcome_now = await self._handle(await self._guarded(channel.receive()), channel)
                 except Interrupted:
-                    failure = self._rank_failure()
+                    failure = None if self.stop.is_set() else self._rank_failure()
                     break
                 except ChannelError:
                     # rank 0 is probably dying: give its exit code a moment to arrive
@@ -227,7 +228,7 @@ class TrainingNode:
             if self.swarm.networked and self.resume is None:
                 self.resume = await self._recover("joined a run in progress", wait=False)
             while not self.stop.is_set():
-                if await self._run_ranks() is Outcome.FINISHED:
+                if await self._run_ranks() is not Outcome.RECOVER:
                     break
         except Interrupted:
             pass

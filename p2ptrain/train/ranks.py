@@ -14,6 +14,7 @@ import torch
 
 from p2ptrain.config import Config
 from p2ptrain.identity import NodeIdentity
+from p2ptrain.procs import is_alive
 
 RANK_STOP_TIMEOUT = 10.0
 
@@ -23,9 +24,15 @@ def default_nproc() -> int:
 
 
 def buffer_path(identity: NodeIdentity, work_dir: Path) -> Path:
-    """The shared pseudo-gradient file: RAM-backed /dev/shm where it exists."""
+    """The shared pseudo-gradient file: RAM-backed /dev/shm where it exists.
+
+    Files that SIGKILLed agents of this node left behind (their PID is gone) are removed here."""
     shm = Path("/dev/shm")
     folder = shm if shm.is_dir() and os.access(shm, os.W_OK) else work_dir
+    for stale in folder.glob(f"p2ptrain-{identity.short_id}-*.grad"):
+        pid = stale.stem.rpartition("-")[2]
+        if pid.isdigit() and not is_alive(int(pid)):
+            stale.unlink(missing_ok=True)
     return folder / f"p2ptrain-{identity.short_id}-{os.getpid()}.grad"
 
 
