@@ -29,6 +29,7 @@ from p2ptrain.comm.dataplane import DataPlaneServer, RingMember, RingSettings
 from p2ptrain.comm.ring import ring_all_reduce
 from p2ptrain.config import Config, load_config
 from p2ptrain.identity import load_or_create_identity
+from p2ptrain.train.channel import Averaged
 from p2ptrain.train.data import node_batches
 from p2ptrain.train.trainer import RankContext, Trainer
 
@@ -96,7 +97,9 @@ def run(name: str, config: Config, nodes: int, average: Averager, work: Path, wr
             trainer.prepare_outer(tokens) for trainer, (tokens, _) in zip(trainers, phases, strict=True)
         ]
         average([t.buffer for t in trainers], [r.tokens for r in readies], trainers[0].outer_step)
-        hashes = {t.apply_outer(r, nodes) for t, r in zip(trainers, readies, strict=True)}
+        hashes = {
+            t.apply_outer(r, Averaged(r.outer_step, nodes)) for t, r in zip(trainers, readies, strict=True)
+        }
         assert len(hashes) == 1, f"{name}: nodes diverged"
         loss = eval_loss(trainers[0], evaluation)
         train_loss = sum(p[1] for p in phases) / nodes

@@ -165,13 +165,18 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (default %(default)s)")
     exp.set_defaults(handler=cmd_export)
 
-    demo = commands.add_parser("demo", help="run a local swarm on 127.0.0.1 (bootstrap peer + nodes)")
+    demo = commands.add_parser(
+        "demo", help="train a local swarm on 127.0.0.1: kill a node, take in a new one (about 2 minutes)"
+    )
     demo.add_argument("--nodes", type=int, default=3, help="number of nodes (default %(default)s)")
     demo.add_argument(
-        "--work-dir", default=".p2ptrain-demo", metavar="DIR", help="where identities and logs go"
+        "--work-dir", default=".p2ptrain-demo", metavar="DIR", help="where identities, checkpoints, logs go"
     )
-    demo.add_argument("--steps", type=int, default=5, help="outer steps to run (default %(default)s)")
-    demo.add_argument("--timeout", type=float, default=60.0, metavar="S", help="give up after S seconds")
+    demo.add_argument("--steps", type=int, default=12, help="outer steps to run (default %(default)s)")
+    demo.add_argument(
+        "--kill-at", type=int, default=4, metavar="N", help="SIGKILL a node after outer step N (0: never)"
+    )
+    demo.add_argument("--timeout", type=float, default=600.0, metavar="S", help="give up after S seconds")
     demo.add_argument(
         "--json", action="store_true", help="print the summary as one JSON object on the last line"
     )
@@ -397,10 +402,15 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from p2ptrain.demo import run_demo
 
-    if args.nodes < 1 or args.steps < 1:
-        raise UserError("--nodes and --steps must be at least 1")
+    if args.nodes < 1 or args.steps < 1 or args.kill_at < 0 or args.timeout <= 0:
+        raise UserError("--nodes and --steps must be at least 1, --kill-at and --timeout not negative")
     summary = run_demo(
-        Path(args.work_dir), nodes=args.nodes, steps=args.steps, timeout=args.timeout, quiet=args.json
+        Path(args.work_dir),
+        nodes=args.nodes,
+        steps=args.steps,
+        kill_at=args.kill_at,
+        timeout=args.timeout,
+        quiet=args.json,
     )
     if args.json:
         print(json.dumps(summary))

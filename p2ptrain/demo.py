@@ -1,34 +1,30 @@
-"""`p2ptrain demo`: a whole swarm on 127.0.0.1, started, watched and stopped by one command.
+"""`p2ptrain demo`: a swarm that trains, loses a node, takes in a new one, on 127.0.0.1.
 
-A bootstrap peer and N nodes find each other through the DHT; then the nodes run outer steps with
-synthetic pseudo-gradients (`join --drill`): election from the signed heartbeats and the int8
-all-reduce, for real. The demo follows each step, checks that every node ends it with the same
-bytes, prints a summary and stops every process, leaving none behind. Until the trainer lands,
-this is the main job; identities, logs and per-node step logs stay in the work directory.
+A bootstrap peer and N nodes train the `debug` model on the embedded corpus with DiLoCo and int8
+sync. Partway through, one node is killed with SIGKILL and a new one starts: it recovers the
+swarm's checkpoint from its peers and joins. The demo follows every outer step (members, ring
+order, loss, all-reduce time and bytes), checks that every node that did a step holds the same
+params hash after it, prints a summary and stops every process by PID, leaving none behind.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
+import os
+import re
 import shutil
+import signal
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from p2ptrain.config import load_config
 from p2ptrain.errors import UserError
-from p2ptrain.identity import short_id
-from p2ptrain.node import dht_settings
 from p2ptrain.procs import ChildProcesses
-from p2ptrain.swarm.dht import SwarmDHT
-from p2ptrain.swarm.membership import live, read_heartbeats
-from p2ptrain.swarm.status import format_table
+from p2ptrain.train.metrics import read_metrics
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
-DRILL_VALUES = 1 << 20  # 4 MiB of fp32 per node and step
+INNER_STEPS = 10
 
 
 def p2ptrain_command(*args: str) -> list[str]:
@@ -47,182 +43,189 @@ def wait_for_file(path: Path, child_alive: Any, timeout: float) -> str:
     raise UserError(f"{path} did not appear within {timeout:.0f} s")
 
 
-def read_steps(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 class _Demo:
-    def __init__(self, work_dir: Path, nodes: int, steps: int, timeout: float, quiet: bool):
+    def __init__(self, work_dir: Path, nodes: int, steps: int, kill_at: int, timeout: float, quiet: bool):
         self.work_dir = work_dir.resolve()
         self.logs = self.work_dir / "logs"
         self.nodes = nodes
         self.steps = steps
+        self.kill_at = kill_at
         self.timeout = timeout
         self.quiet = quiet
         self.children = ChildProcesses()
         self.names = [f"node{index}" for index in range(nodes)]
+        self.victim = self.names[-1] if nodes > 1 and 0 < kill_at < steps else None
+        self.joiner = f"node{nodes}" if self.victim else None
         self.started = time.monotonic()
+        self.peer = ""
 
     def say(self, message: str) -> None:
         if not self.quiet:
-            print(f"[demo] {message}", flush=True)
+            print(f"[demo {time.monotonic() - self.started:5.1f} s] {message}", flush=True)
 
-    def start(self) -> str:
+    def _fresh(self) -> None:
+        """Every demo starts afresh: no checkpoints, metrics or logs of an earlier one."""
+        for name in [*self.names, f"node{self.nodes}", "logs"]:
+            for sub in ("checkpoints", "metrics.jsonl", "logs"):
+                target = self.work_dir / name / sub
+                if target.is_dir():
+                    shutil.rmtree(target)
+                else:
+                    target.unlink(missing_ok=True)
+        shutil.rmtree(self.logs, ignore_errors=True)
+
+    def start(self) -> None:
+        self._fresh()
         address_file = self.work_dir / "bootstrap.addr"
         address_file.unlink(missing_ok=True)
-        for name in self.names:  # step logs are appended to: start each demo afresh
-            (self.work_dir / name / "drill.jsonl").unlink(missing_ok=True)
-        if self.logs.exists():
-            shutil.rmtree(self.logs)
         self.say("starting the bootstrap peer")
         boot = self.children.spawn(
             "bootstrap",
             p2ptrain_command(
-                "bootstrap",
-                "--listen",
-                LOOPBACK,
-                "--identity",
-                str(self.work_dir / "bootstrap"),
-                "--address-file",
-                str(address_file),
+                "bootstrap", "--listen", LOOPBACK, "--identity", str(self.work_dir / "bootstrap"),
+                "--address-file", str(address_file),
             ),
             self.logs / "bootstrap.log",
-        )
-        peer = wait_for_file(address_file, lambda: boot.poll() is None, self.timeout).split()[0]
-        self.say(f"bootstrap peer up at {peer}")
+        )  # fmt: skip
+        self.peer = wait_for_file(address_file, lambda: boot.poll() is None, self.timeout).split()[0]
+        self.say(f"bootstrap peer up at {self.peer}")
         for name in self.names:
-            self.children.spawn(
-                name,
-                p2ptrain_command(
-                    "join",
-                    "--peer",
-                    peer,
-                    "--config",
-                    "debug",
-                    "--work-dir",
-                    str(self.work_dir / name),
-                    "--listen",
-                    LOOPBACK,
-                    "--set",
-                    'node.data_host="127.0.0.1"',
-                    "--drill",
-                    str(self.steps),
-                    "--drill-nodes",
-                    str(self.nodes),
-                    "--drill-size",
-                    str(DRILL_VALUES),
-                    "--drill-inner",
-                    "1.0",
-                ),
-                self.logs / f"{name}.log",
-            )
-        self.say(f"started {self.nodes} node(s); waiting until they see each other")
-        return peer
+            self.start_node(name, "--set", f"swarm.wait_nodes={self.nodes}")
+        self.say(f"started {self.nodes} nodes: the debug model, {self.steps} outer steps of H={INNER_STEPS}")
+
+    def start_node(self, name: str, *extra: str) -> None:
+        self.children.spawn(
+            name,
+            p2ptrain_command(
+                "join", "--peer", self.peer, "--config", "debug", "--work-dir", str(self.work_dir / name),
+                "--listen", LOOPBACK, "--table-every", "0",
+                "--set", 'node.data_host="127.0.0.1"',
+                "--set", f"train.inner_steps={INNER_STEPS}",
+                "--set", f"train.max_steps={self.steps * INNER_STEPS}",
+                "--set", "swarm.straggler_deadline=5",
+                *extra,
+            ),
+            self.logs / f"{name}.log",
+            env={**os.environ, "OMP_NUM_THREADS": "1"},  # several nodes share this machine's cores
+        )  # fmt: skip
+
+    def outer(self, name: str) -> list[dict[str, Any]]:
+        return [r for r in read_metrics(self.work_dir / name / "metrics.jsonl") if r["kind"] == "outer"]
+
+    def running(self) -> list[str]:
+        return [name for name, child in self.children.children.items() if child.poll() is None]
 
     def check_children(self) -> None:
-        crashed = [name for name in self.names if self.children.children[name].poll() not in (None, 0)]
-        if crashed:
-            raise UserError(f"{', '.join(crashed)} failed; see {self.logs}")
+        for name, child in self.children.children.items():
+            if name != self.victim and child.poll() not in (None, 0):
+                raise UserError(f"{name} failed (exit code {child.returncode}); see {self.logs}/{name}.log")
 
-    def discover(self, peer: str) -> tuple[int, str]:
-        config = load_config("debug")
-        settings = dht_settings(config, p2p_key=None, client_mode=True)
-        settings.peers, settings.listen = [peer], [LOOPBACK]
-        seen = 0
-        with SwarmDHT.start(settings) as observer:
-            deadline = time.monotonic() + self.timeout
-            while time.monotonic() < deadline:
-                heartbeats = live(asyncio.run(read_heartbeats(observer, config.run.id)))
-                if len(heartbeats) != seen:
-                    seen = len(heartbeats)
-                    self.say(
-                        f"{seen}/{self.nodes} nodes in the swarm table "
-                        f"({time.monotonic() - self.started:.1f} s)"
-                    )
-                if seen >= self.nodes:
-                    return seen, format_table(heartbeats)
-                self.check_children()
-                time.sleep(0.5)
-        raise UserError(f"only {seen} of {self.nodes} nodes found each other within {self.timeout:.0f} s")
-
-    def follow_steps(self) -> list[dict[str, Any]]:
-        """Report each outer step once every node logged it; returns one summary per step."""
-        reported: list[dict[str, Any]] = []
-        deadline = time.monotonic() + self.timeout + 10 * self.steps
-        while len(reported) < self.steps and time.monotonic() < deadline:
-            logs = [read_steps(self.work_dir / name / "drill.jsonl") for name in self.names]
-            while all(len(log) > len(reported) for log in logs):
-                step = len(reported)
-                entries = [log[step] for log in logs]
-                summary = _summarize(step, entries)
-                reported.append(summary)
-                if summary["given_up"]:
-                    self.say(f"outer step {step}: given up by {summary['given_up']} node(s)")
-                    continue
+    def follow(self) -> None:
+        """Report each outer step as the first node finishes it; kill and replace a node on the way."""
+        reported = 0
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            self.check_children()
+            lead = max((self.outer(name) for name in self.names), key=len)
+            for record in lead[reported:]:
+                ring = " → ".join(record.get("ring", []))
                 self.say(
-                    f"outer step {step}: {len(summary['members'])} members "
-                    f"({' → '.join(summary['members'])}), "
-                    f"results {'identical' if summary['agree'] else 'DIFFER'}, "
-                    f"{summary['mb_sent']:.1f} MB sent per node, sync {summary['sync_s']:.2f} s"
+                    f"outer step {record['step']}: loss {record['loss']:.3f}, {record['members']} members "
+                    f"({ring}), all-reduce {record.get('sync_s', 0):.2f} s, "
+                    f"{record.get('bytes_sent', 0) / 1e6:.2f} MB sent"
                 )
-            if len(reported) < self.steps:
-                self.check_children()
-                time.sleep(0.3)
-        return reported
+            reported = len(lead)
+            if self.victim and reported >= self.kill_at and self.joiner not in self.children.children:
+                self.say(f"SIGKILL {self.victim}; starting {self.joiner}, which recovers from its peers")
+                self.children.signal(self.victim, signal.SIGKILL)
+                self.start_node(self.joiner)
+            trainers = [n for n in self.running() if n != "bootstrap"]
+            if reported >= self.steps and not trainers:
+                return
+            time.sleep(0.3)
+        raise UserError(f"the swarm did not finish {self.steps} outer steps within {self.timeout:.0f} s")
+
+    def summary(self) -> dict[str, Any]:
+        names = [*self.names, *([self.joiner] if self.joiner else [])]
+        records = {name: self.outer(name) for name in names}
+        by_step: dict[int, set[str]] = {}
+        for name_records in records.values():
+            for record in name_records:
+                by_step.setdefault(record["step"], set()).add(record["params_hash"])
+        first_inner = next(
+            (r for r in read_metrics(self.work_dir / "node0" / "metrics.jsonl") if r["kind"] == "inner"), None
+        )
+        survivors = [name for name in names if name != self.victim and records[name]]
+        last_losses = [records[name][-1]["loss"] for name in survivors]
+        lead = max(records.values(), key=len)
+        join_s = None
+        if self.joiner and (self.logs / f"{self.joiner}.log").exists():
+            found = re.search(r"join_s=([0-9.]+)", (self.logs / f"{self.joiner}.log").read_text())
+            join_s = float(found.group(1)) if found else None
+        return {
+            "outer_steps": len(by_step),
+            "loss_first": round(first_inner["loss"], 4) if first_inner else None,
+            "loss_last": round(statistics.mean(last_losses), 4) if last_losses else None,
+            "nodes_max": max((r["members"] for rs in records.values() for r in rs), default=0),
+            "join_s": join_s,
+            "params_hash_agree": bool(by_step) and all(len(hashes) == 1 for hashes in by_step.values()),
+            "killed": self.victim,
+            "joined": self.joiner,
+            "steps": [_step_view(record) for record in lead],
+            "checkpoints": str(self.work_dir / "node0" / "checkpoints"),
+            "logs": str(self.logs),
+        }
 
 
-def _summarize(step: int, entries: list[dict[str, Any]]) -> dict[str, Any]:
-    done = [entry for entry in entries if "given_up" not in entry]
+def _step_view(record: dict[str, Any]) -> dict[str, Any]:
     return {
-        "step": step,
-        "given_up": len(entries) - len(done),
-        "members": [short_id(bytes.fromhex(key)) for key in done[0]["members"]] if done else [],
-        "agree": len(done) == len(entries) and len({entry["hash"] for entry in done}) == 1,
-        "mb_sent": statistics.median(entry["bytes_sent"] for entry in done) / 1e6 if done else 0.0,
-        "sync_s": statistics.median(entry["sync_s"] for entry in done) if done else 0.0,
+        "step": record["step"],
+        "members": record["members"],
+        "ring": record.get("ring", []),
+        "allreduce_s": record.get("sync_s"),
+        "mb_sent": round(record.get("bytes_sent", 0) / 1e6, 3),
     }
 
 
 def run_demo(
-    work_dir: Path, nodes: int = 3, steps: int = 5, timeout: float = 60.0, quiet: bool = False
+    work_dir: Path,
+    nodes: int = 3,
+    steps: int = 12,
+    kill_at: int = 4,
+    timeout: float = 600.0,
+    quiet: bool = False,
 ) -> dict[str, Any]:
     """Run the local swarm and return the summary (also printed unless `quiet`)."""
-    demo = _Demo(work_dir, nodes, steps, timeout, quiet)
-    seen, discovery_s, step_summaries = 0, 0.0, []
+    demo = _Demo(work_dir, nodes, steps, kill_at, timeout, quiet)
+    summary: dict[str, Any] = {}
+    problem = ""
     try:
-        peer = demo.start()
-        seen, table = demo.discover(peer)
-        discovery_s = time.monotonic() - demo.started
-        demo.say("swarm table, read from the DHT:")
-        if not quiet:
-            print(table, flush=True)
-        demo.say(f"running {steps} outer steps: election + int8 all-reduce of {DRILL_VALUES} values per node")
-        step_summaries = demo.follow_steps()
+        demo.start()
+        demo.follow()
+    except UserError as exc:
+        problem = str(exc)
+    except KeyboardInterrupt:
+        problem = "interrupted"
     finally:
-        demo.say("stopping every process (SIGTERM)")
+        demo.say("stopping every process (SIGTERM, by PID)")
         orphans = demo.children.stop_all()
-    agree = bool(step_summaries) and all(summary["agree"] for summary in step_summaries)
-    summary = {
-        "ok": seen >= nodes and len(step_summaries) == steps and agree and not orphans,
-        "outer_steps": sum(1 for s in step_summaries if not s["given_up"]),
-        "nodes_max": seen,
-        "discovery_s": round(discovery_s, 2),
-        "params_hash_agree": agree,
-        "sync_s_median": round(statistics.median(s["sync_s"] for s in step_summaries), 3)
-        if step_summaries
-        else None,
-        "mb_sent_per_step": round(step_summaries[0]["mb_sent"], 2) if step_summaries else None,
-        "orphans": len(orphans),
-        "work_dir": str(demo.work_dir),
-        "logs": str(demo.logs),
-    }
+    summary = demo.summary()
+    summary["orphans"] = len(orphans)
+    summary["seconds"] = round(time.monotonic() - demo.started, 1)
+    summary["ok"] = (
+        not problem
+        and summary["outer_steps"] == steps
+        and summary["params_hash_agree"]
+        and not orphans
+        and (demo.joiner is None or summary["join_s"] is not None)
+    )
+    if problem:
+        summary["error"] = problem
     demo.say(
-        f"{'done' if summary['ok'] else 'FAILED'}: {seen}/{nodes} nodes found each other "
-        f"in {discovery_s:.1f} s, "
-        f"{summary['outer_steps']}/{steps} outer steps with identical results on every node: {agree}, "
-        f"{len(orphans)} orphan process(es); logs in {demo.logs}, "
-        f"step logs in {demo.work_dir}/node*/drill.jsonl"
+        f"{'done' if summary['ok'] else 'FAILED' + (': ' + problem if problem else '')}: "
+        f"{summary['outer_steps']} outer steps, loss {summary['loss_first']} → {summary['loss_last']}, "
+        f"up to {summary['nodes_max']} members, params identical on every node after every step: "
+        f"{summary['params_hash_agree']}, joiner's join_s {summary['join_s']}, {len(orphans)} orphans; "
+        f"checkpoints in {summary['checkpoints']}, logs in {summary['logs']}"
     )
     return summary

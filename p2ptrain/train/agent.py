@@ -38,8 +38,8 @@ from p2ptrain.train.channel import (
     Progress,
     Ready,
     StepDone,
-    Stop,
 )
+from p2ptrain.train.checkpoint import checkpoint_step
 from p2ptrain.train.progress import ProgressView
 from p2ptrain.train.ranks import RANK_STOP_TIMEOUT, RankGroup, buffer_path, default_nproc
 from p2ptrain.train.swarm_link import SoloSwarm, SwarmLink
@@ -62,7 +62,6 @@ class Interrupted(Exception):
 
 class Outcome(enum.Enum):
     FINISHED = "finished"
-    RECOVER = "recover"
     STOPPED = "stopped"
 
 
@@ -142,6 +141,8 @@ class TrainingNode:
         if path is not None:
             self.say(f"{reason}: recovered {path.name} from peers in {time.monotonic() - started:.1f} s")
             self.joining = True
+            # announce the step at once: the others wait for an expected node (up to the deadline)
+            await self.swarm.training(checkpoint_step(path))
         elif wait:
             raise TrainingFailed(f"{reason}, and no majority of live members announced a checkpoint")
         return path
@@ -161,13 +162,14 @@ class TrainingNode:
             assert self.vector is not None, "Ready before Hello"
             reason = await self._guarded(self.swarm.off_track(message.outer_step, self.params_hash))
             if reason is not None:
-                await channel.send(Stop(reason))
-                await self.ranks.stop()
-                self.resume = await self._recover(f"off track: {reason}", wait=True)
-                return Outcome.RECOVER
-            members, note = await self._guarded(
+                # the ranks stay up and load the checkpoint in place: a restart would cost seconds
+                path = await self._recover(f"off track: {reason}", wait=True)
+                await channel.send(Averaged(message.outer_step, 0, reload=str(path)))
+                return None
+            averaged, note = await self._guarded(
                 self.swarm.average(message.outer_step, self.vector, message.tokens)
             )
+            members = averaged.members
             if self.joining and members > 1:
                 self.joining = False
                 join_s = time.monotonic() - self.started
@@ -175,7 +177,7 @@ class TrainingNode:
                     f"joined: contributing from outer step {message.outer_step + 1}, join_s={join_s:.1f}"
                 )
             self.view.note(message.outer_step, members, note)
-            await channel.send(Averaged(message.outer_step, members))
+            await channel.send(averaged)
         elif isinstance(message, StepDone):
             self.recoveries = 0
             self.params_hash = message.params_hash
@@ -190,7 +192,7 @@ class TrainingNode:
         return None
 
     async def _run_ranks(self) -> Outcome:
-        """Run the ranks until they finish or the node must recover; raises TrainingFailed."""
+        """Run the ranks until they finish or the node is stopped; raises TrainingFailed."""
         channel = await AgentChannel.open(await self.ranks.start(self.resume, skip_first_inner=self.joining))
         failure: str | None = None
         outcome = Outcome.STOPPED
@@ -227,9 +229,8 @@ class TrainingNode:
             await self.swarm.start(self.stop, self.out)
             if self.swarm.networked and self.resume is None:
                 self.resume = await self._recover("joined a run in progress", wait=False)
-            while not self.stop.is_set():
-                if await self._run_ranks() is not Outcome.RECOVER:
-                    break
+            if not self.stop.is_set():
+                await self._run_ranks()
         except Interrupted:
             pass
         finally:

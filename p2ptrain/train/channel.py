@@ -5,7 +5,8 @@ where it exists) and the messages only say whose turn it is.
 
     rank 0 → agent   Hello (layout), Progress (every inner step), Ready (pseudo-gradient written),
                      StepDone (outer step applied), Finished (max_steps reached)
-    agent → rank 0   Averaged (the buffer now holds the swarm's average, or the step went solo), Stop
+    agent → rank 0   Averaged (the buffer now holds the swarm's average, or the step went solo, or
+                     a checkpoint to reload)
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import ClassVar
 
 import msgpack
@@ -58,6 +59,12 @@ class Averaged:
     outer_step: int
     members: int
     """0 when no all-reduce completed: rank 0 then applies its own pseudo-gradient alone."""
+    ring: list[str] = field(default_factory=list)
+    """Short ids of the members in ring order."""
+    sync_s: float = 0.0
+    bytes_sent: int = 0
+    reload: str = ""
+    """A checkpoint folder to load instead of taking this step: the node was off the swarm's track."""
     kind: ClassVar[str] = "averaged"
 
 
@@ -76,16 +83,8 @@ class Finished:
     kind: ClassVar[str] = "finished"
 
 
-@dataclass
-class Stop:
-    reason: str
-    kind: ClassVar[str] = "stop"
-
-
-Message = Hello | Progress | Ready | Averaged | StepDone | Finished | Stop
-_KINDS: dict[str, type] = {
-    cls.kind: cls for cls in (Hello, Progress, Ready, Averaged, StepDone, Finished, Stop)
-}
+Message = Hello | Progress | Ready | Averaged | StepDone | Finished
+_KINDS: dict[str, type] = {cls.kind: cls for cls in (Hello, Progress, Ready, Averaged, StepDone, Finished)}
 
 
 class ChannelError(RuntimeError):

@@ -70,6 +70,11 @@ def save_checkpoint(
     return final
 
 
+def checkpoint_step(path: Path) -> int:
+    """The outer step a checkpoint folder (step-N) continues at."""
+    return int(path.name.rpartition("-")[2])
+
+
 def latest_checkpoint(directory: Path) -> Path | None:
     found = sorted(path for path in directory.glob("step-*") if (path / META_FILE).exists())
     return found[-1] if found else None

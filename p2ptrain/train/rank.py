@@ -29,7 +29,6 @@ from p2ptrain.train.channel import (
     RankChannel,
     Ready,
     StepDone,
-    Stop,
 )
 from p2ptrain.train.checkpoint import CheckpointError
 from p2ptrain.train.trainer import RankContext, Trainer
@@ -54,14 +53,12 @@ class ChannelLink:
     def progress(self, progress: Progress) -> None:
         self.channel.send(progress)
 
-    def average(self, ready: Ready, buffer: torch.Tensor) -> int:
+    def average(self, ready: Ready, buffer: torch.Tensor) -> Averaged:
         self.channel.send(ready)
         while True:
             reply = self.channel.receive()
-            if isinstance(reply, Stop):
-                raise SystemExit(0)
             if isinstance(reply, Averaged) and reply.outer_step == ready.outer_step:
-                return reply.members
+                return reply
 
     def step_done(self, done: StepDone) -> None:
         self.channel.send(done)

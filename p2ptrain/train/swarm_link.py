@@ -24,10 +24,12 @@ from p2ptrain.ckpt.sidecar import CheckpointSidecar
 from p2ptrain.comm.dataplane import DataPlaneServer
 from p2ptrain.config import Config
 from p2ptrain.identity import NodeIdentity
+from p2ptrain.identity import short_id as short_key
 from p2ptrain.swarm.dht import SwarmDHT
 from p2ptrain.swarm.membership import HeartbeatPublisher, live, read_heartbeats, wait_for_nodes
 from p2ptrain.swarm.records import Heartbeat, NodeState
 from p2ptrain.sync import OuterSync, StepGivenUp, data_address, ring_settings
+from p2ptrain.train.channel import Averaged
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +45,8 @@ class SoloSwarm:
     async def training(self, outer_step: int, **fields: Any) -> None:
         pass
 
-    async def average(self, step: int, vector: np.ndarray, tokens: int) -> tuple[int, str]:
-        return 1, "solo"
+    async def average(self, step: int, vector: np.ndarray, tokens: int) -> tuple[Averaged, str]:
+        return Averaged(step, 1), "solo"
 
     async def checkpoint_saved(self, folder: Path, outer_step: int) -> None:
         pass
@@ -108,19 +110,19 @@ class SwarmLink(SoloSwarm):
         assert self.publisher is not None
         await self.publisher.publish(state=NodeState.TRAINING, outer_step=outer_step, **fields)
 
-    async def average(self, step: int, vector: np.ndarray, tokens: int) -> tuple[int, str]:
-        """(members, note) — vector averaged in place when members > 0, unchanged otherwise."""
+    async def average(self, step: int, vector: np.ndarray, tokens: int) -> tuple[Averaged, str]:
+        """(what happened, a note to print) — the vector is averaged in place when members > 0."""
         assert self.sync is not None
         started = time.monotonic()
         try:
             result = await self.sync.sync(step, vector, tokens)
         except StepGivenUp as exc:
             log.warning("outer step %d given up: %s", step, exc)
-            return 0, f"given up: {exc}"
-        megabytes = result.stats.bytes_sent / 1e6
-        return len(
-            result.election.members
-        ), f"sync {time.monotonic() - started:.2f} s, {megabytes:.2f} MB sent"
+            return Averaged(step, 0), f"given up: {exc}"
+        seconds = time.monotonic() - started
+        ring = [short_key(member.key) for member in result.election.members]
+        averaged = Averaged(step, len(ring), ring, seconds, result.stats.bytes_sent)
+        return averaged, f"sync {seconds:.2f} s, {result.stats.bytes_sent / 1e6:.2f} MB sent"
 
     async def checkpoint_saved(self, folder: Path, outer_step: int) -> None:
         """Hash the new checkpoint, serve it, and announce its digest."""

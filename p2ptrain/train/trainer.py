@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from p2ptrain.config import Config
-from p2ptrain.train.channel import Hello, Progress, Ready, StepDone
+from p2ptrain.train.channel import Averaged, Hello, Progress, Ready, StepDone
 from p2ptrain.train.checkpoint import load_state, prune, save_checkpoint
 from p2ptrain.train.data import StreamPosition, node_batches
 from p2ptrain.train.layout import CanonicalLayout, broadcast_flat
@@ -53,7 +53,7 @@ class AgentLink(Protocol):
     def buffer(self, numel: int) -> torch.Tensor: ...
     def started(self, hello: Hello) -> None: ...
     def progress(self, progress: Progress) -> None: ...
-    def average(self, ready: Ready, buffer: torch.Tensor) -> int: ...
+    def average(self, ready: Ready, buffer: torch.Tensor) -> Averaged: ...
     def step_done(self, done: StepDone) -> None: ...
     def finished(self, outer_step: int) -> None: ...
 
@@ -70,8 +70,8 @@ class SoloLink:
     def progress(self, progress: Progress) -> None:
         pass
 
-    def average(self, ready: Ready, buffer: torch.Tensor) -> int:
-        return 1
+    def average(self, ready: Ready, buffer: torch.Tensor) -> Averaged:
+        return Averaged(ready.outer_step, 1)
 
     def step_done(self, done: StepDone) -> None:
         pass
@@ -134,6 +134,7 @@ class Trainer:
         )
         self.inner_step = 0
         self.outer_step = 0
+        self.skip_next_inner = False
         self.last_loss = math.nan
         self.metrics = (
             MetricsWriter(
@@ -242,7 +243,7 @@ class Trainer:
             self.buffer.zero_()
         return Ready(self.outer_step, tokens if finite else 0, finite)
 
-    def apply_outer(self, ready: Ready | None, members: int, seconds: float = 0.0) -> str:
+    def apply_outer(self, ready: Ready | None, averaged: Averaged | None, seconds: float = 0.0) -> str:
         """Nesterov step with the (averaged) buffer on rank 0, then every rank loads θ_outer."""
         params_hash = ""
         if self.is_leader:
@@ -253,7 +254,10 @@ class Trainer:
                 "outer",
                 self.outer_step,
                 loss=round(self.last_loss, 5),
-                members=members,
+                members=averaged.members if averaged else 0,
+                ring=averaged.ring if averaged else [],
+                sync_s=round(averaged.sync_s, 3) if averaged else 0.0,
+                bytes_sent=averaged.bytes_sent if averaged else 0,
                 finite=ready.finite if ready else True,
                 params_hash=params_hash,
                 seconds=round(seconds, 3),
@@ -263,12 +267,28 @@ class Trainer:
         self.outer_step += 1
         return params_hash
 
-    def outer_step_once(self, tokens: int) -> str:
-        """Average Δ with the swarm, take the Nesterov step, load it into every rank; returns θ's hash."""
+    def outer_step_once(self, tokens: int) -> str | None:
+        """Average Δ with the swarm, take the Nesterov step, load it into every rank; returns θ's hash.
+
+        None when the agent found the node off track and answered with a checkpoint to reload
+        instead: every rank then loads it and the next outer step skips its inner phase."""
         started = time.monotonic()
         ready = self.prepare_outer(tokens)
-        members = self.link.average(ready, self.buffer) if ready is not None else 0
-        return self.apply_outer(ready, members, time.monotonic() - started)
+        averaged = self.link.average(ready, self.buffer) if ready is not None else None
+        reload = self._shared_reload_path(averaged.reload if averaged else "")
+        if reload:
+            self.resume(Path(reload), own_data=False)
+            self.skip_next_inner = True
+            return None
+        return self.apply_outer(ready, averaged, time.monotonic() - started)
+
+    def _shared_reload_path(self, path: str) -> str:
+        """Rank 0's reload instruction, made known to every local rank."""
+        if self.ctx.cpu_group is None:
+            return path
+        box = [path]
+        dist.broadcast_object_list(box, src=0, group=self.ctx.cpu_group)
+        return str(box[0])
 
     def _adam_moments(self, create: bool = False) -> dict[str, dict[str, torch.Tensor]]:
         """AdamW's exp_avg / exp_avg_sq of every parameter by canonical name (created if asked)."""
@@ -358,14 +378,17 @@ class Trainer:
                 )
             )
         interval = self.config.checkpoint.interval
+        self.skip_next_inner = skip_first_inner
         while self.inner_step < self.config.train.max_steps:
-            if skip_first_inner:
-                skip_first_inner = False
+            if self.skip_next_inner:
+                self.skip_next_inner = False
                 self._skip_inner_steps(self.config.train.inner_steps)
                 tokens, loss = 0, math.nan
             else:
                 tokens, loss = self.inner_phase()
             params_hash = self.outer_step_once(tokens)
+            if params_hash is None:
+                continue  # reloaded the swarm's checkpoint: catch up in the next outer step
             done = self.inner_step >= self.config.train.max_steps
             checkpoint = ""
             if done or (interval and self.outer_step % interval == 0):
