@@ -274,10 +274,10 @@ def cmd_join(args: argparse.Namespace) -> int:
     from p2ptrain.train.agent import TrainingNode
 
     _check_trainable(config)
-    resume = _resume_path(args.resume, config)
+    identity = load_or_create_identity(identity_dir(config))
+    resume = _resume_path(args.resume, config, identity.short_id)
     if not peers:
         print("no --peer or PEER given: training alone (no network)", flush=True)
-        identity = load_or_create_identity(identity_dir(config))
         _run_until_signal(
             lambda stop: TrainingNode(
                 config, identity, None, stop, sys.stdout, config.node.nproc, resume
@@ -311,17 +311,19 @@ def _check_trainable(config: Config) -> None:
     list_files(config.data)
 
 
-def _resume_path(resume: str | None, config: Config) -> Path | None:
+def _resume_path(resume: str | None, config: Config, node_id: str) -> Path | None:
     """The checkpoint folder `--resume` names, checked to be resumable before any process starts."""
     if resume is None:
         return None
-    from p2ptrain.train.checkpoint import INNER_FILE, META_FILE, latest_checkpoint
+    from p2ptrain.train.checkpoint import INNER_FILE, META_FILE
+    from p2ptrain.train.places import checkpoint_places, flush_leftovers
 
     if resume == "latest":
-        folder = Path(config.checkpoint.dir or Path(config.node.work_dir) / "checkpoints").expanduser()
-        found = latest_checkpoint(folder) if folder.is_dir() else None
+        places = checkpoint_places(config, node_id)
+        flush_leftovers(places, config.checkpoint.keep)  # a killed run's newest may still be in RAM
+        found = places.latest()
         if found is None:
-            raise UserError(f"--resume latest: no checkpoint in {folder}")
+            raise UserError(f"--resume latest: no checkpoint in {places.disk}")
         return found
     path = Path(resume).expanduser()
     if not (path / META_FILE).is_file() or not (path / INNER_FILE).is_file():

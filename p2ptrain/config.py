@@ -142,6 +142,9 @@ class CheckpointConfig(Section):
     """Checkpoints kept on disk; older ones are removed."""
     dir: str = ""
     """Where checkpoints go; default: <work_dir>/checkpoints."""
+    staging: str = "auto"
+    """RAM folder training writes checkpoints to before they are copied to `dir` in the background:
+    "auto" (/dev/shm where writable), "" (off: write to `dir` directly) or a path."""
     fetch_timeout: float = Field(10.0, gt=0, le=600)
     """A peer that sends nothing for this long during a checkpoint download is left for another."""
 

@@ -23,6 +23,7 @@ TINY = [
     "model.seq_len=32",
     "train.batch_size=6",
     "train.warmup_steps=2",
+    'checkpoint.staging=""',
 ]
 
 

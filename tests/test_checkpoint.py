@@ -9,14 +9,18 @@ import pytest
 import torch
 
 from p2ptrain.config import load_config
+from p2ptrain.train import checkpoint as checkpoint_module
 from p2ptrain.train.checkpoint import INNER_FILE, CheckpointError, latest_checkpoint, load_state
+from p2ptrain.train.places import checkpoint_places, flush_leftovers
 from p2ptrain.train.trainer import RankContext, Trainer
 
 
 @pytest.mark.slow
 def test_n_steps_straight_equal_half_then_resume_then_half(tmp_path: Path) -> None:
     torch.set_num_threads(1)
-    config = load_config("debug", overrides=["train.max_steps=40", "checkpoint.keep=3"])
+    config = load_config(
+        "debug", overrides=["train.max_steps=40", "checkpoint.keep=3", 'checkpoint.staging=""']
+    )
     straight = Trainer(config, b"k" * 32, tmp_path / "straight", RankContext())
     straight.run()
     folder = tmp_path / "straight" / "checkpoints"
@@ -34,7 +38,9 @@ def test_n_steps_straight_equal_half_then_resume_then_half(tmp_path: Path) -> No
 
 
 def test_unusable_checkpoints_are_refused(tmp_path: Path) -> None:
-    config = load_config("debug", overrides=["train.max_steps=1", "train.inner_steps=1"])
+    config = load_config(
+        "debug", overrides=["train.max_steps=1", "train.inner_steps=1", 'checkpoint.staging=""']
+    )
     trainer = Trainer(config, b"k" * 32, tmp_path / "node", RankContext())
     trainer.run()
     saved = latest_checkpoint(tmp_path / "node" / "checkpoints")
@@ -52,3 +58,39 @@ def test_unusable_checkpoints_are_refused(tmp_path: Path) -> None:
         load_state(saved, trainer.layout)
     with pytest.raises(CheckpointError, match="not a p2ptrain checkpoint"):
         load_state(tmp_path, trainer.layout)
+
+
+def test_staged_checkpoints_stay_in_ram_until_flushed_to_disk(tmp_path: Path) -> None:
+    ram = tmp_path / "ram" / "checkpoints"
+    overrides = ["train.max_steps=3", "train.inner_steps=1", f'checkpoint.staging="{ram}"']
+    config = load_config("debug", overrides=[*overrides, f'checkpoint.dir="{tmp_path / "disk"}"'])
+    Trainer(config, b"s" * 32, tmp_path / "node", RankContext()).run()
+    places = checkpoint_places(config, "node")
+    assert places.staging == ram
+    assert sorted(p.name for p in ram.iterdir()) == ["step-00000002", "step-00000003"]  # newest two
+    assert not (tmp_path / "disk").exists()  # the agent copies; here nobody did: as after a SIGKILL
+    assert places.latest() == ram / "step-00000003"
+    flush_leftovers(places, keep=3)
+    assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == ["step-00000002", "step-00000003"]
+    assert not ram.exists()
+    assert places.latest() == tmp_path / "disk" / "step-00000003"
+
+
+def test_a_failed_write_never_becomes_the_latest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = load_config(
+        "debug", overrides=["train.max_steps=2", "train.inner_steps=1", 'checkpoint.staging=""']
+    )
+    real_save = checkpoint_module.save_file
+
+    def crash_in_step_2(tensors: dict, path: str, **kwargs: object) -> None:
+        if "step-00000002" in path and path.endswith(INNER_FILE):
+            raise OSError("disk full")
+        real_save(tensors, path, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module, "save_file", crash_in_step_2)
+    trainer = Trainer(config, b"f" * 32, tmp_path, RankContext())
+    with pytest.raises(OSError, match="disk full"):
+        trainer.run()  # the writer thread's error surfaces on the training thread
+    folder = tmp_path / "checkpoints"
+    assert latest_checkpoint(folder) == folder / "step-00000001"
+    assert not (folder / "step-00000002").exists()

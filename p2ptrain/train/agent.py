@@ -32,6 +32,7 @@ from p2ptrain.train.channel import (
     AgentChannel,
     Averaged,
     ChannelError,
+    CheckpointWritten,
     Finished,
     Hello,
     Message,
@@ -40,12 +41,15 @@ from p2ptrain.train.channel import (
     StepDone,
 )
 from p2ptrain.train.checkpoint import checkpoint_step
+from p2ptrain.train.places import checkpoint_places, copy_to_disk, flush_leftovers
 from p2ptrain.train.progress import ProgressView
 from p2ptrain.train.ranks import RANK_STOP_TIMEOUT, RankGroup, buffer_path, default_nproc
 from p2ptrain.train.swarm_link import SoloSwarm, SwarmLink
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+COPY_WAIT = 60.0
+"""Seconds a stopping node waits for its background checkpoint copy before flushing RAM itself."""
 MAX_RECOVERIES = 5
 """Recoveries in a row without a completed outer step in between before the node gives up."""
 
@@ -84,15 +88,12 @@ class TrainingNode:
         self.started = time.monotonic()
         self.work_dir = Path(config.node.work_dir).expanduser()
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        self.checkpoint_dir = (
-            Path(config.checkpoint.dir).expanduser()
-            if config.checkpoint.dir
-            else self.work_dir / "checkpoints"
-        )
+        self.places = checkpoint_places(config, identity.short_id)
+        self.copies: asyncio.Task[None] | None = None
         self.shared = buffer_path(identity, self.work_dir)
         self.ranks = RankGroup(config, identity, self.work_dir, nproc or default_nproc(), self.shared)
         self.swarm: SoloSwarm = (
-            SwarmLink(config, identity, dht, self.checkpoint_dir) if dht is not None else SoloSwarm()
+            SwarmLink(config, identity, dht, self.places.write_dir) if dht is not None else SoloSwarm()
         )
         self.view = ProgressView(out, config.train.max_steps)
         self.vector: np.ndarray | None = None
@@ -137,7 +138,7 @@ class TrainingNode:
         if wait:
             self.say(f"{reason}: fetching the swarm's checkpoint")
         started = time.monotonic()
-        path = await self._guarded(self.swarm.recover(self.stop, self.checkpoint_dir, wait))
+        path = await self._guarded(self.swarm.recover(self.stop, self.places.write_dir, wait))
         if path is not None:
             self.say(f"{reason}: recovered {path.name} from peers in {time.monotonic() - started:.1f} s")
             self.joining = True
@@ -146,6 +147,25 @@ class TrainingNode:
         elif wait:
             raise TrainingFailed(f"{reason}, and no majority of live members announced a checkpoint")
         return path
+
+    def _copy_in_background(self, folder: Path) -> None:
+        """Queue the disk copy of a checkpoint staged in RAM; copies run one after another."""
+        if self.places.staging is None:
+            return
+        previous = self.copies
+
+        async def copy() -> None:
+            if previous is not None:
+                await asyncio.shield(previous)
+            try:
+                seconds = await asyncio.to_thread(
+                    copy_to_disk, self.places, folder, self.config.checkpoint.keep
+                )
+                log.info("copied %s to %s in %.2f s", folder.name, self.places.disk, seconds)
+            except OSError as exc:
+                self.say(f"could not copy {folder.name} to {self.places.disk}: {exc}")
+
+        self.copies = asyncio.ensure_future(copy())
 
     async def _handle(self, message: Message, channel: AgentChannel) -> Outcome | None:
         if isinstance(message, Hello):
@@ -183,8 +203,9 @@ class TrainingNode:
             self.params_hash = message.params_hash
             await self.swarm.training(message.outer_step + 1, params_hash=message.params_hash)
             self.view.outer(message)
-            if message.checkpoint:
-                await self.swarm.checkpoint_saved(Path(message.checkpoint), message.outer_step + 1)
+        elif isinstance(message, CheckpointWritten):
+            await self.swarm.checkpoint_saved(Path(message.path), message.outer_step)
+            self._copy_in_background(Path(message.path))
         elif isinstance(message, Finished):
             self.finished = True
             self.say(f"finished after {message.outer_step} outer steps")
@@ -226,6 +247,7 @@ class TrainingNode:
 
     async def run(self) -> None:
         try:
+            await asyncio.to_thread(flush_leftovers, self.places, self.config.checkpoint.keep)
             await self.swarm.start(self.stop, self.out)
             if self.swarm.networked and self.resume is None:
                 self.resume = await self._recover("joined a run in progress", wait=False)
@@ -238,3 +260,7 @@ class TrainingNode:
             with contextlib.suppress(FileNotFoundError):
                 self.shared.unlink()
             await self.swarm.close(self.out, self.identity.short_id)
+            if self.copies is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.shield(self.copies), COPY_WAIT)
+            await asyncio.to_thread(flush_leftovers, self.places, self.config.checkpoint.keep)

@@ -4,7 +4,8 @@ The big vector never goes through the socket: rank 0 and the agent map the same 
 where it exists) and the messages only say whose turn it is.
 
     rank 0 → agent   Hello (layout), Progress (every inner step), Ready (pseudo-gradient written),
-                     StepDone (outer step applied), Finished (max_steps reached)
+                     StepDone (outer step applied), CheckpointWritten (from the writer thread),
+                     Finished (max_steps reached)
     agent → rank 0   Averaged (the buffer now holds the swarm's average, or the step went solo, or
                      a checkpoint to reload)
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+import threading
 from dataclasses import asdict, dataclass, field, fields
 from typing import ClassVar
 
@@ -73,8 +75,16 @@ class StepDone:
     outer_step: int
     params_hash: str
     loss: float
-    checkpoint: str
     kind: ClassVar[str] = "step_done"
+
+
+@dataclass
+class CheckpointWritten:
+    outer_step: int
+    """The outer step the checkpoint continues at (its folder is step-N)."""
+    path: str
+    write_s: float
+    kind: ClassVar[str] = "checkpoint_written"
 
 
 @dataclass
@@ -83,8 +93,10 @@ class Finished:
     kind: ClassVar[str] = "finished"
 
 
-Message = Hello | Progress | Ready | Averaged | StepDone | Finished
-_KINDS: dict[str, type] = {cls.kind: cls for cls in (Hello, Progress, Ready, Averaged, StepDone, Finished)}
+Message = Hello | Progress | Ready | Averaged | StepDone | CheckpointWritten | Finished
+_KINDS: dict[str, type] = {
+    cls.kind: cls for cls in (Hello, Progress, Ready, Averaged, StepDone, CheckpointWritten, Finished)
+}
 
 
 class ChannelError(RuntimeError):
@@ -106,13 +118,15 @@ def decode(body: bytes) -> Message:
 
 
 class RankChannel:
-    """Rank 0's blocking end."""
+    """Rank 0's blocking end (the training thread and the checkpoint writer both send)."""
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
+        self._send_lock = threading.Lock()
 
     def send(self, message: Message) -> None:
-        self.sock.sendall(encode(message))
+        with self._send_lock:
+            self.sock.sendall(encode(message))
 
     def _read_exactly(self, size: int) -> bytes:
         data = bytearray()

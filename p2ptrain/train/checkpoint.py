@@ -123,3 +123,8 @@ def load_state(
     ):
         raise CheckpointError(f"{path}: state vectors missing or of the wrong size")
     return flat, state, meta
+
+
+def parameter_files_bytes(path: Path) -> int:
+    """Bytes of all files of a checkpoint folder."""
+    return sum(file.stat().st_size for file in path.iterdir() if file.is_file())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ class MetricsWriter:
     ):
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = path.open("a")
+        self._lock = threading.Lock()
         self._tensorboard = None
         self._wandb = None
         if config is not None and config.wandb_project:
@@ -44,8 +46,9 @@ class MetricsWriter:
 
     def write(self, kind: str, step: int, **values: Any) -> None:
         record = {"kind": kind, "step": step, "time": round(time.time(), 3), **values}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        with self._lock:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
         numbers = {
             f"{kind}/{name}": value
             for name, value in values.items()

@@ -23,6 +23,7 @@ from p2ptrain.procs import set_parent_death_signal
 from p2ptrain.train.channel import (
     Averaged,
     ChannelError,
+    CheckpointWritten,
     Finished,
     Hello,
     Progress,
@@ -62,6 +63,9 @@ class ChannelLink:
 
     def step_done(self, done: StepDone) -> None:
         self.channel.send(done)
+
+    def checkpoint_written(self, written: CheckpointWritten) -> None:
+        self.channel.send(written)
 
     def finished(self, outer_step: int) -> None:
         self.channel.send(Finished(outer_step))

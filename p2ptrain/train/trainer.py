@@ -26,14 +26,17 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from p2ptrain.config import Config
-from p2ptrain.train.channel import Averaged, Hello, Progress, Ready, StepDone
-from p2ptrain.train.checkpoint import load_state, prune, save_checkpoint
+from p2ptrain.identity import short_id
+from p2ptrain.train.channel import Averaged, CheckpointWritten, Hello, Progress, Ready, StepDone
+from p2ptrain.train.checkpoint import load_state
 from p2ptrain.train.data import StreamPosition, node_batches
 from p2ptrain.train.layout import CanonicalLayout, broadcast_flat
 from p2ptrain.train.metrics import MetricsWriter
 from p2ptrain.train.model import Transformer, parameter_count
 from p2ptrain.train.optim import build_inner_optimizer
 from p2ptrain.train.outer import OuterNesterov
+from p2ptrain.train.places import STAGED_KEEP, checkpoint_places
+from p2ptrain.train.writer import CheckpointWriter
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,7 @@ class AgentLink(Protocol):
     def progress(self, progress: Progress) -> None: ...
     def average(self, ready: Ready, buffer: torch.Tensor) -> Averaged: ...
     def step_done(self, done: StepDone) -> None: ...
+    def checkpoint_written(self, written: CheckpointWritten) -> None: ...
     def finished(self, outer_step: int) -> None: ...
 
 
@@ -74,6 +78,9 @@ class SoloLink:
         return Averaged(ready.outer_step, 1)
 
     def step_done(self, done: StepDone) -> None:
+        pass
+
+    def checkpoint_written(self, written: CheckpointWritten) -> None:
         pass
 
     def finished(self, outer_step: int) -> None:
@@ -143,9 +150,9 @@ class Trainer:
             if self.is_leader
             else None
         )
-        self.checkpoint_dir = (
-            Path(config.checkpoint.dir).expanduser() if config.checkpoint.dir else work_dir / "checkpoints"
-        )
+        self.places = checkpoint_places(config, short_id(node_key), work_dir)
+        keep = STAGED_KEEP if self.places.staging else config.checkpoint.keep
+        self.writer = CheckpointWriter(self.layout, config.model, keep, self._checkpoint_written)
         self.tokens_per_step = config.train.batch_size * config.model.seq_len
         if resume is not None:
             self.resume(resume, own_data)
@@ -247,6 +254,7 @@ class Trainer:
         """Nesterov step with the (averaged) buffer on rank 0, then every rank loads θ_outer."""
         params_hash = ""
         if self.is_leader:
+            self.writer.wait()  # it may still be reading θ_outer and the momentum
             self.outer.step(self.buffer)
             self.flat.copy_(self.outer.params)
             params_hash = self.outer.params_hash()
@@ -303,33 +311,32 @@ class Trainer:
                 moments[key][name] = state[key]
         return moments
 
-    def save_checkpoint(self) -> str:
-        """Gather the full state into canonical vectors (all ranks) and write it (rank 0)."""
-        vectors: dict[str, torch.Tensor] = {}
+    def save_checkpoint(self, background: bool = True) -> None:
+        """Snapshot the full state into canonical vectors (all ranks) and have rank 0's writer save it.
+
+        Training waits only for the snapshot; the files are written by a thread (see writer.py)."""
+        started = time.monotonic()
+        names = ["adam_exp_avg", "adam_exp_avg_sq"]
+        buffers = self.writer.snapshot_buffers(names) if self.is_leader else {}
         for key, tensors in self._adam_moments().items():
-            out = self.layout.new_flat() if self.is_leader else None
-            self.layout.gather_tensors(tensors, out)
-            if out is not None:
-                vectors[f"adam_{key}"] = out
+            self.layout.gather_tensors(tensors, buffers.get(f"adam_{key}"))
         if not self.is_leader:
-            return ""
+            return
         meta = {
             "outer_step": self.outer_step,
             "inner_step": self.inner_step,
             "config_digest": self.config.digest(),
             "data_position": self.batches.stream.position.to_dict(),
         }
-        path = save_checkpoint(
-            self.checkpoint_dir,
-            self.layout,
-            self.outer.params,
-            self.config.model,
-            meta,
-            momentum=self.outer.momentum_buffer,
-            inner=vectors,
+        self.writer.write(
+            self.places.write_dir, self.outer.params, self.outer.momentum_buffer, buffers, meta, background
         )
-        prune(self.checkpoint_dir, self.config.checkpoint.keep)
-        return str(path)
+        blocking = time.monotonic() - started
+        self.metrics.write("checkpoint", self.outer_step, blocking_s=round(blocking, 3))
+        log.info("checkpoint of outer step %d: training waited %.3f s", self.outer_step, blocking)
+
+    def _checkpoint_written(self, path: Path, outer_step: int, seconds: float) -> None:
+        self.link.checkpoint_written(CheckpointWritten(outer_step, str(path), seconds))
 
     def _set_schedule(self) -> None:
         """Put the LR schedule at `inner_step` (as if it had stepped that many times)."""
@@ -389,13 +396,13 @@ class Trainer:
             params_hash = self.outer_step_once(tokens)
             if params_hash is None:
                 continue  # reloaded the swarm's checkpoint: catch up in the next outer step
-            done = self.inner_step >= self.config.train.max_steps
-            checkpoint = ""
-            if done or (interval and self.outer_step % interval == 0):
-                checkpoint = self.save_checkpoint()
             if self.is_leader:
-                self.link.step_done(StepDone(self.outer_step - 1, params_hash, loss, checkpoint))
+                self.link.step_done(StepDone(self.outer_step - 1, params_hash, loss))
+            done = self.inner_step >= self.config.train.max_steps
+            if done or (interval and self.outer_step % interval == 0):
+                self.save_checkpoint()
         if self.is_leader:
+            self.writer.wait()
             self.link.finished(self.outer_step)
             self.metrics.close()
 
