@@ -302,6 +302,7 @@ def _check_trainable(config: Config) -> None:
     """Refuse a config whose model or data cannot work, before any process starts."""
     from p2ptrain.train.data import list_files, load_tokenizer
     from p2ptrain.train.model import validate_shape
+    from p2ptrain.train.places import check_remote
 
     try:
         validate_shape(config.model)
@@ -309,6 +310,7 @@ def _check_trainable(config: Config) -> None:
         raise UserError(str(exc)) from None
     load_tokenizer(config.data, config.model.vocab_size)
     list_files(config.data)
+    check_remote(config.checkpoint.remote)
 
 
 def _resume_path(resume: str | None, config: Config, node_id: str) -> Path | None:

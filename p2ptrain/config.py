@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -145,6 +145,9 @@ class CheckpointConfig(Section):
     staging: str = "auto"
     """RAM folder training writes checkpoints to before they are copied to `dir` in the background:
     "auto" (/dev/shm where writable), "" (off: write to `dir` directly) or a path."""
+    remote: str = ""
+    """Also copy every checkpoint to this fsspec URL (s3://bucket/run, gs://…, file:///…); needs fsspec
+    and the scheme's package."""
     fetch_timeout: float = Field(10.0, gt=0, le=600)
     """A peer that sends nothing for this long during a checkpoint download is left for another."""
 
@@ -186,10 +189,34 @@ class Config(Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     metrics: MetricsConfig = MetricsConfig()
 
+    LOCAL_TRAIN_FIELDS: ClassVar[frozenset[str]] = frozenset(
+        {"batch_size", "precision", "activation_checkpointing", "compile", "time_box"}
+    )
+    """Training settings each node may choose for itself (its hardware's), outside the digest."""
+
+    def shared(self) -> dict[str, Any]:
+        """What every member of a run must share: run id, model, inner and outer optimisation."""
+        shared = {name: getattr(self, name).model_dump() for name in ("run", "model", "outer")}
+        train = self.train.model_dump()
+        shared["train"] = {key: value for key, value in train.items() if key not in self.LOCAL_TRAIN_FIELDS}
+        return shared
+
     def digest(self) -> str:
-        """sha256 of what every member of a run must share (model, training and outer settings)."""
-        shared = {name: getattr(self, name).model_dump() for name in ("run", "model", "train", "outer")}
-        return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()
+        """sha256 of `shared()`: published in every heartbeat, compared before a node joins."""
+        return hashlib.sha256(json.dumps(self.shared(), sort_keys=True).encode()).hexdigest()
+
+
+def config_differences(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+    """'section.key: mine vs theirs' for every shared setting that differs."""
+    found = []
+    for section in sorted(set(mine) | set(theirs)):
+        ours, other = mine.get(section, {}), theirs.get(section, {})
+        if not isinstance(ours, dict) or not isinstance(other, dict):
+            continue
+        for key in sorted(set(ours) | set(other)):
+            if ours.get(key) != other.get(key):
+                found.append(f"{section}.{key} is {ours.get(key)!r} here, {other.get(key)!r} in the swarm")
+    return found
 
 
 def parse_scalar(text: str) -> Any:

@@ -69,7 +69,10 @@ class OuterSync:
         self.server = server
 
     async def _live_heartbeats(self) -> list:
-        return live(await read_heartbeats(self.dht, self.config.run.id))
+        """Live nodes of this run with this config: a node of another config is never a member."""
+        digest = self.config.digest()
+        beats = live(await read_heartbeats(self.dht, self.config.run.id))
+        return [beat for beat in beats if beat.config_digest in (digest, "")]
 
     async def sync(self, step: int, vector: np.ndarray, tokens: int) -> SyncResult:
         """Average `vector` with the members of `step`; raises StepGivenUp when every attempt failed."""

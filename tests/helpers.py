@@ -96,7 +96,14 @@ class LocalSwarm:
         self.bootstrap_addr = read_address(address_file)
         return self.bootstrap_addr
 
-    def start_node(self, name: str, peer: str | None = None, *extra: str, train: bool = False) -> Path:
+    def start_node(
+        self,
+        name: str,
+        peer: str | None = None,
+        *extra: str,
+        train: bool = False,
+        env: dict[str, str] | None = None,
+    ) -> Path:
         """A node agent; heartbeat-only (`--observe`) unless `train` (or a `--drill` in `extra`)."""
         address_file = self.root / f"{name}.addr"
         if not train:
@@ -123,6 +130,7 @@ class LocalSwarm:
                 *extra,
             ],
             self.root / f"{name}.log",
+            env={**os.environ, **env} if env else None,
         )
         return address_file
 

@@ -160,8 +160,9 @@ def test_tampered_copy_is_refused_and_fetched_elsewhere(
     assert not list((tmp_path / "joiner").glob(".*"))  # no staging folder left behind
 
 
-def test_download_resumes_elsewhere_after_a_peer_stalls_halfway(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("failure", ["stalls", "drops the connection"])
+def test_download_resumes_elsewhere_after_a_peer_fails_halfway(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, failure: str
 ) -> None:
     """A peer that stops sending in the middle of the file: the rest comes from another, by Range."""
 
@@ -184,7 +185,10 @@ def test_download_resumes_elsewhere_after_a_peer_stalls_halfway(
             response.content_length = len(data)
             await response.prepare(request)
             await response.write(data[: len(data) // 2])
-            await released.wait()  # then nothing, until the test ends
+            if failure == "stalls":
+                await released.wait()  # then nothing, until the test ends
+            else:
+                request.transport.close()  # as if the peer were killed halfway
             return response
 
         stalling = web.Application()

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from p2ptrain.train.metrics import read_metrics
 from tests.helpers import cli, socket_files
 
 
@@ -26,6 +27,9 @@ def test_demo_trains_loses_a_node_takes_in_a_new_one(tmp_path: Path) -> None:
     assert all(step["members"] >= 2 for step in summary["steps"])
     assert socket_files() - before == set()
     assert list(Path(summary["checkpoints"]).glob("step-*"))
+    # the joiner's own records: a member from its first outer step on, with the others' params
+    joined = [r for r in read_metrics(tmp_path / "demo" / "node3" / "metrics.jsonl") if r["kind"] == "outer"]
+    assert joined and joined[0]["members"] >= 2 and joined[-1]["step"] == 5
 
 
 def test_demo_prints_progress_and_a_summary(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
 """The checkpoint sidecar: each node serves its latest checkpoints over HTTP (aiohttp).
 
+    GET /config                the run settings every member shares (to explain a digest mismatch)
     GET /manifest              the manifest of the newest checkpoint (404 before the first one)
     GET /ckpt/{step}/{name}    one file of checkpoint step-N; Range requests work, so a download
                                can resume and be split across peers
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -22,12 +24,14 @@ log = logging.getLogger(__name__)
 
 
 class CheckpointSidecar:
-    def __init__(self, checkpoint_dir: Path):
+    def __init__(self, checkpoint_dir: Path, shared_config: dict[str, Any] | None = None):
         self.checkpoint_dir = checkpoint_dir
+        self.shared_config = shared_config or {}
         self.latest: Manifest | None = None
         self._runner: web.AppRunner | None = None
         app = web.Application()
         app.router.add_get("/manifest", self._manifest)
+        app.router.add_get("/config", self._config)
         app.router.add_get("/ckpt/{step}/{name}", self._file)
         self._app = app
 
@@ -44,6 +48,9 @@ class CheckpointSidecar:
 
     def announce(self, manifest: Manifest) -> None:
         self.latest = manifest
+
+    async def _config(self, request: web.Request) -> web.Response:
+        return web.json_response(self.shared_config)
 
     async def _manifest(self, request: web.Request) -> web.Response:
         if self.latest is None:

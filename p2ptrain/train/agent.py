@@ -41,7 +41,7 @@ from p2ptrain.train.channel import (
     StepDone,
 )
 from p2ptrain.train.checkpoint import checkpoint_step
-from p2ptrain.train.places import checkpoint_places, copy_to_disk, flush_leftovers
+from p2ptrain.train.places import checkpoint_places, copy_to_disk, copy_to_remote, flush_leftovers
 from p2ptrain.train.progress import ProgressView
 from p2ptrain.train.ranks import RANK_STOP_TIMEOUT, RankGroup, buffer_path, default_nproc
 from p2ptrain.train.swarm_link import SoloSwarm, SwarmLink
@@ -149,21 +149,27 @@ class TrainingNode:
         return path
 
     def _copy_in_background(self, folder: Path) -> None:
-        """Queue the disk copy of a checkpoint staged in RAM; copies run one after another."""
-        if self.places.staging is None:
+        """Queue the disk copy of a checkpoint staged in RAM (and its upload to checkpoint.remote);
+        copies run one after another."""
+        if self.places.staging is None and not self.config.checkpoint.remote:
             return
         previous = self.copies
 
         async def copy() -> None:
             if previous is not None:
                 await asyncio.shield(previous)
+            keep, remote = self.config.checkpoint.keep, self.config.checkpoint.remote
             try:
-                seconds = await asyncio.to_thread(
-                    copy_to_disk, self.places, folder, self.config.checkpoint.keep
-                )
-                log.info("copied %s to %s in %.2f s", folder.name, self.places.disk, seconds)
-            except OSError as exc:
-                self.say(f"could not copy {folder.name} to {self.places.disk}: {exc}")
+                on_disk = folder
+                if self.places.staging is not None:
+                    seconds = await asyncio.to_thread(copy_to_disk, self.places, folder, keep)
+                    log.info("copied %s to %s in %.2f s", folder.name, self.places.disk, seconds)
+                    on_disk = self.places.disk / folder.name
+                if remote:
+                    seconds = await asyncio.to_thread(copy_to_remote, remote, on_disk)
+                    log.info("uploaded %s to %s in %.2f s", folder.name, remote, seconds)
+            except Exception as exc:  # reported, never fatal: the RAM copy is still served
+                self.say(f"could not copy {folder.name}: {exc}")
 
         self.copies = asyncio.ensure_future(copy())
 

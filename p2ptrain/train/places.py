@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from p2ptrain.config import Config
+from p2ptrain.errors import UserError
 from p2ptrain.train.checkpoint import META_FILE, checkpoint_step, prune
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,34 @@ def copy_to_disk(places: CheckpointPlaces, folder: Path, keep: int) -> float:
     os.replace(partial, final)
     prune(places.disk, keep)
     prune(places.staging, STAGED_KEEP)
+    return time.monotonic() - started
+
+
+def check_remote(url: str) -> None:
+    """Fail early (one line) when `checkpoint.remote` cannot be used on this machine."""
+    if not url:
+        return
+    try:
+        import fsspec
+
+        fsspec.core.url_to_fs(url)
+    except ImportError as exc:
+        raise UserError(f"checkpoint.remote {url}: needs {exc.name or 'fsspec'} (pip install it)") from None
+    except (ValueError, OSError) as exc:
+        raise UserError(f"checkpoint.remote {url}: unusable ({exc})") from None
+
+
+def copy_to_remote(url: str, folder: Path) -> float:
+    """Upload one checkpoint folder to url/step-N (files first, manifest last); returns seconds."""
+    import fsspec
+
+    started = time.monotonic()
+    fs, root = fsspec.core.url_to_fs(url)
+    target = f"{root.rstrip('/')}/{folder.name}"
+    fs.makedirs(target, exist_ok=True)
+    files = sorted(folder.iterdir(), key=lambda path: path.name == "manifest.json")
+    for path in files:
+        fs.put_file(str(path), f"{target}/{path.name}")
     return time.monotonic() - started
 
 

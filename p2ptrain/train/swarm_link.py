@@ -10,19 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, TextIO
 
+import aiohttp
 import numpy as np
 
 from p2ptrain.ckpt.fetch import ACTIVE, fetch_checkpoint, majority_checkpoint
 from p2ptrain.ckpt.manifest import build_manifest
 from p2ptrain.ckpt.sidecar import CheckpointSidecar
 from p2ptrain.comm.dataplane import DataPlaneServer
-from p2ptrain.config import Config
+from p2ptrain.config import Config, config_differences
+from p2ptrain.errors import UserError
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.identity import short_id as short_key
 from p2ptrain.swarm.dht import SwarmDHT
@@ -32,6 +35,27 @@ from p2ptrain.sync import OuterSync, StepGivenUp, data_address, ring_settings
 from p2ptrain.train.channel import Averaged
 
 log = logging.getLogger(__name__)
+
+
+class ConfigMismatch(UserError):
+    """This node's shared settings differ from those of the run's live members."""
+
+
+async def fetch_config_differences(url: str, mine: dict[str, Any]) -> list[str]:
+    """What differs between `mine` and the settings a member's sidecar reports ([] if unreachable)."""
+    if not url:
+        return []
+    try:
+        timeout = aiohttp.ClientTimeout(total=5)
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as session,
+            session.get(f"{url}/config") as response,
+        ):
+            theirs = json.loads(await response.content.read(1 << 16))
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        log.warning("could not read the swarm's settings from %s: %s", url, exc)
+        return []
+    return config_differences(mine, theirs) if isinstance(theirs, dict) else []
 
 
 class SoloSwarm:
@@ -69,7 +93,7 @@ class SwarmLink(SoloSwarm):
         self.identity = identity
         self.dht = dht
         self.server = DataPlaneServer(identity, ring_settings(config))
-        self.sidecar = CheckpointSidecar(checkpoint_dir)
+        self.sidecar = CheckpointSidecar(checkpoint_dir, config.shared())
         self.publisher: HeartbeatPublisher | None = None
         self.sync: OuterSync | None = None
         self._keeper: asyncio.Task[None] | None = None
@@ -92,6 +116,22 @@ class SwarmLink(SoloSwarm):
         self.sync = OuterSync(self.config, self.dht, self.publisher, self.server)
         self._keeper = asyncio.create_task(self._keep_alive(stop))
         await wait_for_nodes(self.config, self.dht, stop, out, self.config.swarm.wait_nodes)
+        await self._check_config()
+
+    async def _check_config(self) -> None:
+        """Refuse to join a run whose active members share settings other than ours (one line)."""
+        me, digest = self.identity.public_key, self.config.digest()
+        beats = live(await read_heartbeats(self.dht, self.config.run.id))
+        others = [b for b in beats if b.node_key != me and b.state in ACTIVE and b.config_digest]
+        if not others:
+            return
+        majority, count = Counter(b.config_digest for b in others).most_common(1)[0]
+        if majority == digest or 2 * count <= len(others):
+            return
+        holder = next(b for b in others if b.config_digest == majority)
+        differences = await fetch_config_differences(holder.ckpt_addr, self.config.shared())
+        detail = "; ".join(differences[:3]) if differences else "its settings digest differs from the swarm's"
+        raise ConfigMismatch(f"run {self.config.run.id!r} trains with other settings: {detail}")
 
     async def _keep_alive(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

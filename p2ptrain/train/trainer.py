@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -142,6 +143,7 @@ class Trainer:
         self.inner_step = 0
         self.outer_step = 0
         self.skip_next_inner = False
+        self.inject_nan_step = int(os.environ.get("P2PTRAIN_INJECT_NAN_STEP", "-1"))
         self.last_loss = math.nan
         self.metrics = (
             MetricsWriter(
@@ -243,6 +245,8 @@ class Trainer:
         if not self.is_leader:
             return None
         self.outer.pseudo_gradient(self.flat, out=self.buffer)
+        if self.outer_step == self.inject_nan_step:
+            self.buffer[0] = math.nan  # fault injection (tests, drills): P2PTRAIN_INJECT_NAN_STEP
         finite = bool(torch.isfinite(self.buffer).all())
         if not finite:
             # never send NaN/Inf: contribute nothing (weight 0) and take the others' average
