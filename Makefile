@@ -13,15 +13,26 @@ TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint format install clean
+.PHONY: demo test lint format install clean browser
 
 demo: $(STAMP)
 	$(PY) -m p2ptrain demo
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Debian's chromium + chromedriver for the status page's browser test. Installed when missing and
+# apt-get can (root); where it cannot, that one test is skipped and says why.
+browser:
+	@if command -v chromedriver >/dev/null 2>&1 && command -v chromium >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing chromium and chromium-driver (apt-get) for the browser test"; \
+		apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
+		{ apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium chromium-driver >/dev/null 2>&1; } || \
+		echo "could not install chromium: the browser test will be skipped"; \
+	else echo "no chromium and no root apt-get: the browser test will be skipped"; fi
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

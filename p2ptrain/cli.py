@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     boot.add_argument(
         "--address-file", metavar="FILE", help="write the visible multiaddresses to FILE once up"
     )
+    boot.add_argument("--dashboard", metavar="[HOST:]PORT", help="serve the status page of --run-id here")
+    boot.add_argument(
+        "--run-id", default="p2ptrain-debug", help="run shown by --dashboard (default %(default)s)"
+    )
     boot.set_defaults(handler=cmd_bootstrap)
 
     join = commands.add_parser("join", help="join a swarm as a node")
@@ -120,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="trainer ranks on this node (default: one per visible GPU, one on a CPU-only machine)",
     )
+    join.add_argument("--dashboard", metavar="[HOST:]PORT", help="serve the swarm's status page here")
     join.add_argument(
         "--resume",
         metavar="PATH|latest",
@@ -240,13 +245,27 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 
     listen = _validate_listen(args.listen or [DEFAULT_LISTEN])
     announce = _validate_listen(args.announce)
+    _validate_dashboard(args.dashboard)
     dht = start_bootstrap_dht(Path(args.identity).expanduser(), listen, announce)
     with dht:
         if args.address_file:
             _write_atomic(Path(args.address_file), "\n".join(dht.visible_maddrs()) + "\n")
-        _run_until_signal(lambda stop: serve_bootstrap(dht, stop, sys.stdout), on_force=dht.shutdown)
+        _run_until_signal(
+            lambda stop: serve_bootstrap(dht, stop, sys.stdout, args.dashboard, args.run_id),
+            on_force=dht.shutdown,
+        )
     print("bootstrap peer stopped", flush=True)
     return 0
+
+
+def _validate_dashboard(address: str | None) -> None:
+    if address:
+        from p2ptrain.web.dashboard import parse_dashboard_address
+
+        try:
+            parse_dashboard_address(address)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
 
 
 def cmd_join(args: argparse.Namespace) -> int:
@@ -261,10 +280,12 @@ def cmd_join(args: argparse.Namespace) -> int:
             "node.listen": _validate_listen(args.listen),
             "node.announce": _validate_listen(args.announce),
             "node.nproc": args.nproc,
+            "node.dashboard": args.dashboard,
         },
     )
     if args.drill < 0 or args.drill_size < 1 or args.drill_inner < 0:
         raise UserError("--drill, --drill-size and --drill-inner must not be negative (size at least 1)")
+    _validate_dashboard(config.node.dashboard)
     if args.nproc is not None and not 1 <= args.nproc <= 64:
         raise UserError(f"--nproc must be between 1 and 64 (got {args.nproc})")
     if args.drill or args.observe:

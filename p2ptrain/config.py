@@ -61,6 +61,8 @@ class NodeConfig(Section):
     """TCP port of the checkpoint sidecar (HTTP, on data_host); 0 picks a free one."""
     ckpt_announce: str = ""
     """URL others fetch checkpoints from; default: http://<data-plane host>:<ckpt_port>."""
+    dashboard: str = ""
+    """Serve the status page at PORT (127.0.0.1) or HOST:PORT; empty: no page."""
     nproc: int = Field(0, ge=0, le=64)
     """Trainer ranks on this node; 0: one per visible GPU, one on a CPU-only machine."""
 

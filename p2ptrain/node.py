@@ -1,8 +1,8 @@
 """The node agent: owns the node's identity and networking, and keeps its heartbeat going.
 
-Until the trainer lands, a node joins the DHT, publishes its signed heartbeat every
-`heartbeat_interval`, prints the swarm table from time to time, and sends its deathrattle when it
-is told to stop.
+`p2ptrain join --observe`: a node that trains nothing. It joins the DHT (one more peer to keep
+records), publishes its signed heartbeat every `heartbeat_interval`, prints the swarm table from
+time to time, can serve the status page, and sends its deathrattle when it is told to stop.
 """
 
 from __future__ import annotations
@@ -71,6 +71,12 @@ async def run_node(
         flush=True,
     )
     next_table = time.monotonic() + min(table_every, 2 * config.swarm.heartbeat_interval)
+    page = None
+    if config.node.dashboard:
+        from p2ptrain.web.dashboard import serve_dashboard
+
+        run_id = config.run.id
+        page = await serve_dashboard(config.node.dashboard, lambda: read_heartbeats(dht, run_id), run_id, out)
     try:
         while not stop.is_set():
             if not await publisher.publish(state=NodeState.IDLE):
@@ -81,6 +87,8 @@ async def run_node(
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), config.swarm.heartbeat_interval)
     finally:
+        if page is not None:
+            await page.close()
         try:
             sent = await publisher.deathrattle()
         except Exception as exc:  # best effort: the swarm falls back to the heartbeat timeout

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +23,12 @@ SHORT = ["--set", "train.max_steps=30"]  # 3 outer steps of H=10 on the debug co
 
 def outer_records(work_dir: Path) -> list[dict]:
     return [record for record in read_metrics(work_dir / "metrics.jsonl") if record["kind"] == "outer"]
+
+
+def solo_node(work_dir: Path, **popen: Any) -> subprocess.Popen:
+    """A node training alone with two ranks, long enough to be stopped in the middle."""
+    argv = ["join", "--config", "debug", "--work-dir", str(work_dir), "--nproc", "2"]
+    return subprocess.Popen([sys.executable, "-m", "p2ptrain", *argv], **popen)
 
 
 def rank_pids(agent_pid: int) -> dict[int, int]:
@@ -142,23 +149,7 @@ def test_a_dead_rank_sends_the_deathrattle_and_stops_the_node(swarm: LocalSwarm)
 
 @pytest.mark.slow
 def test_sigterm_stops_a_training_node_cleanly(tmp_path: Path) -> None:
-    agent = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "p2ptrain",
-            "join",
-            "--config",
-            "debug",
-            "--work-dir",
-            str(tmp_path),
-            "--nproc",
-            "2",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    agent = solo_node(tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_until(lambda: any(r["kind"] == "inner" for r in read_metrics(tmp_path / "metrics.jsonl")),
                    120, what="the first inner step")  # fmt: skip
@@ -177,22 +168,7 @@ def test_sigterm_stops_a_training_node_cleanly(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_a_killed_agent_takes_its_ranks_along(tmp_path: Path) -> None:
-    agent = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "p2ptrain",
-            "join",
-            "--config",
-            "debug",
-            "--work-dir",
-            str(tmp_path),
-            "--nproc",
-            "2",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    agent = solo_node(tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_until(lambda: len(rank_pids(agent.pid)) == 2, 60, what="two ranks")
         ranks = rank_pids(agent.pid)

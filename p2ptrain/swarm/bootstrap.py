@@ -44,7 +44,9 @@ def join_line(addresses: list[str]) -> str:
     return f"p2ptrain join --peer {best}      (or: PEER={best} p2ptrain join)"
 
 
-async def serve_bootstrap(dht: SwarmDHT, stop: asyncio.Event, out: TextIO) -> None:
+async def serve_bootstrap(
+    dht: SwarmDHT, stop: asyncio.Event, out: TextIO, dashboard: str | None = None, run_id: str = ""
+) -> None:
     addresses = dht.visible_maddrs()
     print(f"bootstrap peer {dht.peer_id} is up; visible multiaddresses:", file=out)
     for address in addresses:
@@ -53,4 +55,14 @@ async def serve_bootstrap(dht: SwarmDHT, stop: asyncio.Event, out: TextIO) -> No
         print("join it with:", file=out)
         print(f"  {join_line(addresses)}", file=out)
     out.flush()
-    await stop.wait()
+    page = None
+    if dashboard:
+        from p2ptrain.swarm.membership import read_heartbeats
+        from p2ptrain.web.dashboard import serve_dashboard
+
+        page = await serve_dashboard(dashboard, lambda: read_heartbeats(dht, run_id), run_id, out)
+    try:
+        await stop.wait()
+    finally:
+        if page is not None:
+            await page.close()

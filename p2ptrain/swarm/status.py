@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Any
 
 from p2ptrain.identity import short_id
@@ -24,11 +25,23 @@ def last_ring(heartbeats: list[Heartbeat]) -> dict[str, Any] | None:
     return {"step": step, "members": [key.hex() for key in ring_order(keys, step)]}
 
 
+def checkpoint_agreement(heartbeats: list[Heartbeat]) -> dict[str, Any] | None:
+    """The most announced checkpoint digest among live nodes, and how many of them announce it."""
+    announced = [
+        beat.ckpt_digest for beat in heartbeats if beat.ckpt_digest and beat.state is not NodeState.DEAD
+    ]
+    if not announced:
+        return None
+    digest, count = Counter(announced).most_common(1)[0]
+    return {"digest": digest, "agree": count, "of": len(announced)}
+
+
 def status_json(heartbeats: list[Heartbeat], now: float | None = None) -> dict[str, Any]:
-    """`{"nodes": [...], "last_ring": {...} | null}` as printed by `p2ptrain status --json`."""
+    """`{"nodes": [...], "last_ring": {...} | null, "checkpoint": {...} | null}` (`status --json`)."""
     now = time.time() if now is None else now
     return {
         "last_ring": last_ring(heartbeats),
+        "checkpoint": checkpoint_agreement(heartbeats),
         "nodes": [
             {
                 "id": beat.node_key.hex(),
@@ -39,23 +52,44 @@ def status_json(heartbeats: list[Heartbeat], now: float | None = None) -> dict[s
                 "last_seen_s": round(max(0.0, now - beat.timestamp), 2),
                 "params_hash": beat.params_hash,
                 "peer_id": beat.peer_id,
+                "loss": _number(beat.extra.get("loss")),
+                "allreduce_mbps": _number(beat.extra.get("allreduce_mbps")),
+                "ckpt_digest": beat.ckpt_digest,
             }
             for beat in heartbeats
         ],
     }
 
 
+def _number(value: Any) -> float | None:
+    """A float from an untrusted record field, or None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
+        return round(float(value), 4)
+    return None
+
+
 def format_table(heartbeats: list[Heartbeat], now: float | None = None) -> str:
     """A fixed-width table of the nodes, one line each."""
-    rows = status_json(heartbeats, now)["nodes"]
-    header = f"{'node':<14}{'state':<10}{'step':>6}{'tokens':>12}{'seen':>8}  peer"
+    status = status_json(heartbeats, now)
+    rows = status["nodes"]
+    header = (
+        f"{'node':<14}{'state':<10}{'step':>6}{'tokens':>12}{'loss':>8}{'Mbit/s':>9}{'seen':>8}"
+        f"  {'params':<13}{'ckpt':<13}peer"
+    )
     lines = [header, "-" * len(header)]
     for row in rows:
+        loss = f"{row['loss']:.3f}" if row["loss"] is not None else "-"
+        rate = f"{row['allreduce_mbps']:.0f}" if row["allreduce_mbps"] is not None else "-"
         lines.append(
             f"{short_id(bytes.fromhex(row['id'])):<14}{row['state']:<10}{row['outer_step']:>6}"
-            f"{row['tokens']:>12}{row['last_seen_s']:>7.1f}s  {row['peer_id']}"
+            f"{row['tokens']:>12}{loss:>8}{rate:>9}{row['last_seen_s']:>7.1f}s  "
+            f"{row['params_hash'][:12] or '-':<13}{row['ckpt_digest'][:12] or '-':<13}{row['peer_id']}"
         )
     lines.append(f"{len(rows)} node(s)")
+    agreement = status["checkpoint"]
+    if agreement:
+        digest, agree, total = agreement["digest"][:12], agreement["agree"], agreement["of"]
+        lines.append(f"checkpoint {digest} announced by {agree} of {total} node(s)")
     ring = last_ring(heartbeats)
     if ring:
         order = " → ".join(short_id(bytes.fromhex(key)) for key in ring["members"])

@@ -101,6 +101,8 @@ class TrainingNode:
         self.params_hash = ""
         self.joining = False
         self.recoveries = 0
+        self.last_rate: float | None = None
+        """Megabits per second this node sent in its last all-reduce (for `status`)."""
 
     def say(self, text: str) -> None:
         self.view.say(f"node {self.identity.short_id}: {text}")
@@ -196,6 +198,8 @@ class TrainingNode:
                 self.swarm.average(message.outer_step, self.vector, message.tokens)
             )
             members = averaged.members
+            if averaged.sync_s > 0 and averaged.bytes_sent:
+                self.last_rate = round(8 * averaged.bytes_sent / averaged.sync_s / 1e6, 1)
             if self.joining and members > 1:
                 self.joining = False
                 join_s = time.monotonic() - self.started
@@ -207,7 +211,10 @@ class TrainingNode:
         elif isinstance(message, StepDone):
             self.recoveries = 0
             self.params_hash = message.params_hash
-            await self.swarm.training(message.outer_step + 1, params_hash=message.params_hash)
+            extra = {"loss": message.loss} if message.loss == message.loss else {}
+            if self.last_rate is not None:
+                extra["allreduce_mbps"] = self.last_rate
+            await self.swarm.training(message.outer_step + 1, params_hash=message.params_hash, extra=extra)
             self.view.outer(message)
         elif isinstance(message, CheckpointWritten):
             await self.swarm.checkpoint_saved(Path(message.path), message.outer_step)

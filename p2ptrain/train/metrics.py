@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from p2ptrain.config import MetricsConfig
 
 log = logging.getLogger(__name__)
@@ -79,3 +81,19 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
         except ValueError:
             continue
     return records
+
+
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "4090": 165e12,
+    "A6000": 155e12,
+}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak of the GPU (for MFU), from its name; None when unknown."""
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)

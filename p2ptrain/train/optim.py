@@ -36,3 +36,29 @@ def build_inner_optimizer(
         optimizer, lambda step: lr_factor(step, config.warmup_steps, config.max_steps)
     )
     return optimizer, schedule
+
+
+def set_schedule_position(
+    optimizer: torch.optim.Optimizer, schedule: torch.optim.lr_scheduler.LambdaLR, step: int
+) -> None:
+    """Put the schedule at inner step `step`, as if it had stepped that many times (resume, catch-up)."""
+    schedule.last_epoch = step
+    for group, base in zip(optimizer.param_groups, schedule.base_lrs, strict=True):
+        group["lr"] = base * schedule.lr_lambdas[0](step)
+
+
+def adam_moments(
+    model: nn.Module, optimizer: torch.optim.Optimizer, step: int, create: bool = False
+) -> dict[str, dict[str, torch.Tensor]]:
+    """AdamW's exp_avg / exp_avg_sq of every parameter by name; created (zero, at `step`) if asked
+    or missing, so a checkpoint can be loaded before the first step."""
+    moments: dict[str, dict[str, torch.Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}
+    for name, param in model.named_parameters():
+        state = optimizer.state[param]
+        if create or "exp_avg" not in state:
+            state["step"] = torch.tensor(float(step))
+            state["exp_avg"] = torch.zeros_like(param)
+            state["exp_avg_sq"] = torch.zeros_like(param)
+        for key in moments:
+            moments[key][name] = state[key]
+    return moments

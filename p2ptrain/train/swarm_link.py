@@ -33,6 +33,7 @@ from p2ptrain.swarm.membership import HeartbeatPublisher, live, read_heartbeats,
 from p2ptrain.swarm.records import Heartbeat, NodeState
 from p2ptrain.sync import OuterSync, StepGivenUp, data_address, ring_settings
 from p2ptrain.train.channel import Averaged
+from p2ptrain.web.dashboard import Dashboard, serve_dashboard
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ class SwarmLink(SoloSwarm):
         self.publisher: HeartbeatPublisher | None = None
         self.sync: OuterSync | None = None
         self._keeper: asyncio.Task[None] | None = None
+        self.dashboard: Dashboard | None = None
 
     async def start(self, stop: asyncio.Event, out: TextIO) -> None:
         node = self.config.node
@@ -115,6 +117,11 @@ class SwarmLink(SoloSwarm):
         await self.publisher.publish(state=NodeState.JOINING)
         self.sync = OuterSync(self.config, self.dht, self.publisher, self.server)
         self._keeper = asyncio.create_task(self._keep_alive(stop))
+        if node.dashboard:
+            run_id = self.config.run.id
+            self.dashboard = await serve_dashboard(
+                node.dashboard, lambda: read_heartbeats(self.dht, run_id), run_id, out
+            )
         await wait_for_nodes(self.config, self.dht, stop, out, self.config.swarm.wait_nodes)
         await self._check_config()
 
@@ -210,6 +217,8 @@ class SwarmLink(SoloSwarm):
             self._keeper.cancel()
         await self.server.close()
         await self.sidecar.close()
+        if self.dashboard is not None:
+            await self.dashboard.close()
         if self.publisher is not None:
             try:
                 sent = await self.publisher.deathrattle()

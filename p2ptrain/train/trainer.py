@@ -32,9 +32,9 @@ from p2ptrain.train.channel import Averaged, CheckpointWritten, Hello, Progress,
 from p2ptrain.train.checkpoint import load_state
 from p2ptrain.train.data import StreamPosition, node_batches
 from p2ptrain.train.layout import CanonicalLayout, broadcast_flat
-from p2ptrain.train.metrics import MetricsWriter
+from p2ptrain.train.metrics import MetricsWriter, peak_flops
 from p2ptrain.train.model import Transformer, parameter_count
-from p2ptrain.train.optim import build_inner_optimizer
+from p2ptrain.train.optim import adam_moments, build_inner_optimizer, set_schedule_position
 from p2ptrain.train.outer import OuterNesterov
 from p2ptrain.train.places import STAGED_KEEP, checkpoint_places
 from p2ptrain.train.writer import CheckpointWriter
@@ -303,17 +303,7 @@ class Trainer:
         return str(box[0])
 
     def _adam_moments(self, create: bool = False) -> dict[str, dict[str, torch.Tensor]]:
-        """AdamW's exp_avg / exp_avg_sq of every parameter by canonical name (created if asked)."""
-        moments: dict[str, dict[str, torch.Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}
-        for name, param in self.model.named_parameters():
-            state = self.optimizer.state[param]
-            if create or "exp_avg" not in state:
-                state["step"] = torch.tensor(float(self.inner_step))
-                state["exp_avg"] = torch.zeros_like(param)
-                state["exp_avg_sq"] = torch.zeros_like(param)
-            for key in moments:
-                moments[key][name] = state[key]
-        return moments
+        return adam_moments(self.model, self.optimizer, self.inner_step, create)
 
     def save_checkpoint(self, background: bool = True) -> None:
         """Snapshot the full state into canonical vectors (all ranks) and have rank 0's writer save it.
@@ -343,10 +333,7 @@ class Trainer:
         self.link.checkpoint_written(CheckpointWritten(outer_step, str(path), seconds))
 
     def _set_schedule(self) -> None:
-        """Put the LR schedule at `inner_step` (as if it had stepped that many times)."""
-        self.schedule.last_epoch = self.inner_step
-        for group, base in zip(self.optimizer.param_groups, self.schedule.base_lrs, strict=True):
-            group["lr"] = base * self.schedule.lr_lambdas[0](self.inner_step)
+        set_schedule_position(self.optimizer, self.schedule, self.inner_step)
 
     def _skip_inner_steps(self, count: int) -> None:
         """Count the inner steps the others did in the step this node catches up in, so the step
@@ -409,19 +396,3 @@ class Trainer:
             self.writer.wait()
             self.link.finished(self.outer_step)
             self.metrics.close()
-
-
-PEAK_BF16_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "4090": 165e12,
-    "A6000": 155e12,
-}
-
-
-def peak_flops(device: torch.device) -> float | None:
-    """Dense bf16 peak of the GPU (for MFU), from its name; None when unknown."""
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)

@@ -1,0 +1,1 @@
+"""The status page (`--dashboard PORT`): a small aiohttp server and one static page."""

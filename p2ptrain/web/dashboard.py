@@ -1,0 +1,119 @@
+"""`--dashboard PORT`: the swarm's status page, served by any node or by the bootstrap peer.
+
+The server reads the run's signed heartbeats from the DHT every `interval` seconds and keeps, in
+memory, each node's outer-step losses (from its heartbeats), so the page can draw loss curves
+that outlive the nodes. Routes:
+
+    GET /             the page (static HTML + JS, no external assets: works offline)
+    GET /api/status   {"run", "nodes", "last_ring", "checkpoint", "history": {id: [[step, loss]]}}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from importlib import resources
+from typing import Any
+
+from aiohttp import web
+
+from p2ptrain.swarm.records import Heartbeat
+from p2ptrain.swarm.status import status_json
+
+log = logging.getLogger(__name__)
+MAX_POINTS = 5000
+"""Loss points kept per node: enough for long runs, bounded for a page polled forever."""
+
+
+class Dashboard:
+    def __init__(self, read: Callable[[], Awaitable[list[Heartbeat]]], run_id: str, interval: float = 1.0):
+        self.read = read
+        self.run_id = run_id
+        self.interval = interval
+        self.status: dict[str, Any] = {"nodes": [], "last_ring": None, "checkpoint": None}
+        self.history: dict[str, dict[int, float]] = {}
+        self.updated = 0.0
+        self._runner: web.AppRunner | None = None
+        self._poller: asyncio.Task[None] | None = None
+        self._page = resources.files("p2ptrain.web").joinpath("dashboard.html").read_text()
+        app = web.Application()
+        app.router.add_get("/", self._index)
+        app.router.add_get("/api/status", self._api)
+        self._app = app
+
+    async def start(self, host: str, port: int) -> int:
+        self._runner = web.AppRunner(self._app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        self._poller = asyncio.create_task(self._poll())
+        return site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def observe(self, heartbeats: list[Heartbeat]) -> None:
+        """Take in one reading of the heartbeats."""
+        self.status = status_json(heartbeats)
+        self.updated = time.time()
+        for beat in heartbeats:
+            loss = beat.extra.get("loss")
+            if (
+                beat.params_hash
+                and isinstance(loss, (int, float))
+                and not isinstance(loss, bool)
+                and loss == loss
+            ):
+                points = self.history.setdefault(beat.node_key.hex(), {})
+                points[beat.outer_step - 1] = float(loss)
+                while len(points) > MAX_POINTS:
+                    points.pop(min(points))
+
+    async def _poll(self) -> None:
+        while True:
+            try:
+                self.observe(await self.read())
+            except Exception as exc:  # the page shows the last good reading; the next poll retries
+                log.warning("dashboard: reading the heartbeats failed: %s", exc)
+            await asyncio.sleep(self.interval)
+
+    async def _index(self, request: web.Request) -> web.Response:
+        return web.Response(text=self._page, content_type="text/html")
+
+    async def _api(self, request: web.Request) -> web.Response:
+        history = {node: sorted(points.items()) for node, points in self.history.items()}
+        return web.json_response(
+            {"run": self.run_id, "updated": self.updated, **self.status, "history": history}
+        )
+
+
+def parse_dashboard_address(text: str) -> tuple[str, int]:
+    """'PORT' (on 127.0.0.1) or 'HOST:PORT' → (host, port); ValueError with the reason."""
+    host, _, port = text.rpartition(":")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--dashboard {text}: expected PORT or HOST:PORT with a port in 1-65535")
+    return (host.strip("[]") or "127.0.0.1"), int(port)
+
+
+async def serve_dashboard(
+    address: str, read: Callable[[], Awaitable[list[Heartbeat]]], run_id: str, out: Any
+) -> Dashboard:
+    """Start the status page at `address`; says where it is."""
+    host, port = parse_dashboard_address(address)
+    dashboard = Dashboard(read, run_id)
+    try:
+        bound = await dashboard.start(host, port)
+    except OSError as exc:
+        from p2ptrain.errors import NetworkError
+
+        raise NetworkError(f"--dashboard {address}: cannot listen there ({exc.strerror or exc})") from None
+    print(f"status page: http://{host}:{bound}/", file=out, flush=True)
+    return dashboard

@@ -1,0 +1,115 @@
+"""The status page: its JSON API over real HTTP, and the page itself in a real headless chromium."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from p2ptrain.swarm.records import Heartbeat, NodeState
+from p2ptrain.train.metrics import read_metrics
+from p2ptrain.web.dashboard import Dashboard, parse_dashboard_address
+from tests.helpers import LocalSwarm, assert_one_line_error, cli, free_port, wait_until
+
+
+def beat(node: int, step: int, loss: float | None, state: NodeState = NodeState.TRAINING) -> Heartbeat:
+    return Heartbeat(
+        run_id="r", node_key=bytes([node]) * 32, seq=1, timestamp=0.0, expiration=0.0, state=state,
+        outer_step=step, params_hash="ab" * 32, ckpt_digest="cd" * 32,
+        extra={} if loss is None else {"loss": loss, "allreduce_mbps": 80.0},
+    )  # fmt: skip
+
+
+def test_api_reports_nodes_ring_checkpoints_and_loss_history() -> None:
+    readings = [[beat(1, 1, 4.0), beat(2, 1, 4.2)], [beat(1, 2, 3.5), beat(2, 2, float("nan"))]]
+
+    async def scenario() -> dict:
+        # the poller reads the newest heartbeats; an earlier reading was taken before
+        dashboard = Dashboard(lambda: asyncio.sleep(0, readings[1]), "r", interval=3600)
+        dashboard.observe(readings[0])
+        port = await dashboard.start("127.0.0.1", 0)
+        try:
+            dashboard.observe(readings[1])  # history grows; a NaN loss is not a point
+            return await asyncio.to_thread(
+                lambda: json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status").read())
+            )
+        finally:
+            await dashboard.close()
+
+    status = asyncio.run(scenario())
+    assert status["run"] == "r" and len(status["nodes"]) == 2
+    assert status["nodes"][0]["loss"] == 3.5 and status["nodes"][0]["allreduce_mbps"] == 80.0
+    assert status["last_ring"]["step"] == 1 and len(status["last_ring"]["members"]) == 2
+    assert status["checkpoint"] == {"digest": "cd" * 32, "agree": 2, "of": 2}
+    assert status["history"][(bytes([1]) * 32).hex()] == [[0, 4.0], [1, 3.5]]
+    assert status["history"][(bytes([2]) * 32).hex()] == [[0, 4.2]]
+
+
+def test_bad_dashboard_addresses() -> None:
+    assert parse_dashboard_address("8080") == ("127.0.0.1", 8080)
+    assert parse_dashboard_address("0.0.0.0:9000") == ("0.0.0.0", 9000)
+    for bad in ["", "x", "0", "70000", "host:"]:
+        with pytest.raises(ValueError, match="--dashboard"):
+            parse_dashboard_address(bad)
+    assert_one_line_error(cli("bootstrap", "--dashboard", "nope"), "--dashboard nope")
+
+
+def _browser():  # the chromium driver, or a skip that says why
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if not (chromium and driver):
+        pytest.skip(
+            "no chromium/chromedriver here; `make test` installs them with apt-get where it can (root)"
+        )
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is installed with '.[dev]'")
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(flag)
+    return webdriver.Chrome(service=Service(driver), options=options)
+
+
+@pytest.mark.slow
+def test_status_page_in_a_real_browser(swarm: LocalSwarm, tmp_path: Path) -> None:
+    port = free_port()
+    swarm.children.spawn(
+        "bootstrap",
+        [*_p2ptrain(), "bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(tmp_path / "boot"),
+         "--address-file", str(tmp_path / "boot.addr"), "--dashboard", str(port)],
+        tmp_path / "bootstrap.log",
+    )  # fmt: skip
+    wait_until((tmp_path / "boot.addr").exists, 30, what="the bootstrap address")
+    swarm.bootstrap_addr = (tmp_path / "boot.addr").read_text().split()[0]
+    for name in ("a", "b"):
+        swarm.start_node(name, None, "--set", "train.max_steps=80", "--set", "swarm.wait_nodes=2", train=True)
+
+    def steps(name: str) -> list[dict]:
+        return [r for r in read_metrics(swarm.root / name / "metrics.jsonl") if r["kind"] == "outer"]
+
+    wait_until(lambda: len(steps("a")) >= 2 and len(steps("b")) >= 2, 180, what="two outer steps on both")
+    browser = _browser()
+    try:
+        from selenium.webdriver.common.by import By
+        from selenium.webdriver.support.ui import WebDriverWait
+
+        browser.get(f"http://127.0.0.1:{port}/")
+        wait = WebDriverWait(browser, 20)
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#nodes tbody tr.node-row")) == 2)
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#ring circle.ring-node")) == 2)
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#loss polyline.loss-curve")) == 2)
+        assert "p2ptrain-debug" in browser.find_element(By.ID, "run").text
+        rows = [row.text for row in browser.find_elements(By.CSS_SELECTOR, "#nodes tbody tr")]
+        assert all(("training" in row or "ready" in row or "syncing" in row) for row in rows), rows
+        assert len(browser.find_elements(By.CSS_SELECTOR, "#ring line.ring-edge")) == 2
+    finally:
+        browser.quit()
+
+
+def _p2ptrain() -> list[str]:
+    return [sys.executable, "-m", "p2ptrain"]
