@@ -58,6 +58,8 @@ class _Demo:
         self.joiner = f"node{nodes}" if self.victim else None
         self.started = time.monotonic()
         self.peer = ""
+        self.killed_at: float | None = None
+        """Wall-clock time of the SIGKILL (metrics files carry wall-clock times too)."""
 
     def say(self, message: str) -> None:
         if not self.quiet:
@@ -138,6 +140,7 @@ class _Demo:
             if self.victim and reported >= self.kill_at and self.joiner not in self.children.children:
                 self.say(f"SIGKILL {self.victim}; starting {self.joiner}, which recovers from its peers")
                 self.children.signal(self.victim, signal.SIGKILL)
+                self.killed_at = time.time()
                 self.start_node(self.joiner)
             trainers = [n for n in self.running() if n != "bootstrap"]
             if reported >= self.steps and not trainers:
@@ -172,6 +175,8 @@ class _Demo:
             "killed": self.victim,
             "joined": self.joiner,
             "steps": [_step_view(record) for record in lead],
+            "killed_at": self.killed_at,
+            "work_dir": str(self.work_dir),
             "checkpoints": str(self.work_dir / "node0" / "checkpoints"),
             "logs": str(self.logs),
         }
