@@ -54,6 +54,8 @@ def main() -> None:
     if args.bandwidth:
         print("benchmarks.swarm: --bandwidth (tc-limited namespaces) is not implemented yet", file=sys.stderr)
         sys.exit(2)
+    debug = load_config("debug")
+    tokens_per_step = debug.train.batch_size * debug.model.seq_len
     with tempfile.TemporaryDirectory() as work:
         summary = run_demo(
             Path(work), nodes=args.nodes, steps=args.steps, kill_at=args.kill_at, quiet=args.json
@@ -68,11 +70,14 @@ def main() -> None:
         overheads += node_overheads
     recover_s = None
     if summary["killed_at"]:
+        killed_at = summary["killed_at"]
         after = [
-            min((r["time"] for r in records[name] if r["kind"] == "outer" and r["time"] > summary["killed_at"]),
-                default=None)
+            min(
+                (r["time"] for r in records[name] if r["kind"] == "outer" and r["time"] > killed_at),
+                default=None,
+            )
             for name in starters
-        ]  # fmt: skip
+        ]
         if all(after):
             recover_s = round(max(after) - summary["killed_at"], 2)
     report(
