@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
 from p2ptrain.errors import UserError
 from p2ptrain.procs import ChildProcesses
 from p2ptrain.train.metrics import read_metrics
@@ -60,10 +62,29 @@ class _Demo:
         self.peer = ""
         self.killed_at: float | None = None
         """Wall-clock time of the SIGKILL (metrics files carry wall-clock times too)."""
+        self.bar: Progress | None = None
+        if not quiet and sys.stdout.isatty():
+            self.bar = Progress(
+                TextColumn("outer steps"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                transient=True,
+            )
+            self.task = self.bar.add_task("steps", total=steps)
+            self.bar.start()
 
     def say(self, message: str) -> None:
-        if not self.quiet:
-            print(f"[demo {time.monotonic() - self.started:5.1f} s] {message}", flush=True)
+        line = f"[demo {time.monotonic() - self.started:5.1f} s] {message}"
+        if self.bar is not None:
+            self.bar.console.print(line, highlight=False, markup=False)
+        elif not self.quiet:
+            print(line, flush=True)
+
+    def stop_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
 
     def _fresh(self) -> None:
         """Every demo starts afresh: no checkpoints, metrics or logs of an earlier one."""
@@ -137,6 +158,8 @@ class _Demo:
                     f"{record.get('bytes_sent', 0) / 1e6:.2f} MB sent"
                 )
             reported = len(lead)
+            if self.bar is not None:
+                self.bar.update(self.task, completed=reported)
             if self.victim and reported >= self.kill_at and self.joiner not in self.children.children:
                 self.say(f"SIGKILL {self.victim}; starting {self.joiner}, which recovers from its peers")
                 self.children.signal(self.victim, signal.SIGKILL)
@@ -212,6 +235,7 @@ def run_demo(
     except KeyboardInterrupt:
         problem = "interrupted"
     finally:
+        demo.stop_bar()
         demo.say("stopping every process (SIGTERM, by PID)")
         orphans = demo.children.stop_all()
     summary = demo.summary()

@@ -88,3 +88,15 @@ def test_time_box_ends_the_inner_phase_early(tmp_path: Path) -> None:
     tokens, _ = trainer.inner_phase()
     steps = tokens // trainer.tokens_per_step
     assert 1 <= steps < 1000 and steps == trainer.inner_step
+
+
+def test_activation_checkpointing_gives_the_same_gradients() -> None:
+    config = load_config("debug").model
+    tokens = torch.randint(0, config.vocab_size, (2, 32))
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = Transformer(config, activation_checkpointing=checkpointing)
+        model(tokens, tokens).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.testing.assert_close(grads[0], grads[1])
