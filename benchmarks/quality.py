@@ -139,7 +139,9 @@ def main() -> None:
     cli.add_argument("--out", default=".bench/quality", help="folder for quality.csv and quality.png")
     args = cli.parse_args()
     torch.set_num_threads(2)
-    config = load_config("debug", overrides=[f"train.max_steps={args.steps}", "checkpoint.interval=0"])
+    config = load_config(
+        "debug", overrides=[f"train.max_steps={args.steps}", "checkpoint.interval=0", 'checkpoint.staging=""']
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()

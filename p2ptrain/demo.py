@@ -9,6 +9,7 @@ params hash after it, prints a summary and stops every process by PID, leaving n
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -132,6 +133,22 @@ class _Demo:
             env={**os.environ, "OMP_NUM_THREADS": "1"},  # several nodes share this machine's cores
         )  # fmt: skip
 
+    def release_ram(self) -> None:
+        """Flush what SIGKILLed nodes left in /dev/shm (staged checkpoints, the shared vector) to disk."""
+        from p2ptrain.config import load_config
+        from p2ptrain.identity import load_or_create_identity
+        from p2ptrain.train.places import checkpoint_places, flush_leftovers
+        from p2ptrain.train.ranks import buffer_path
+
+        for name in [*self.names, *([self.joiner] if self.joiner else [])]:
+            work = self.work_dir / name
+            if not (work / "node.key").exists():
+                continue
+            identity = load_or_create_identity(work)
+            config = load_config("debug", overrides=[f"node.work_dir={json.dumps(str(work))}"])
+            flush_leftovers(checkpoint_places(config, identity.short_id, work), config.checkpoint.keep)
+            buffer_path(identity, work)  # removes shared files of this node's dead agents
+
     def outer(self, name: str) -> list[dict[str, Any]]:
         return [r for r in read_metrics(self.work_dir / name / "metrics.jsonl") if r["kind"] == "outer"]
 
@@ -238,6 +255,7 @@ def run_demo(
         demo.stop_bar()
         demo.say("stopping every process (SIGTERM, by PID)")
         orphans = demo.children.stop_all()
+        demo.release_ram()
     summary = demo.summary()
     summary["orphans"] = len(orphans)
     summary["seconds"] = round(time.monotonic() - demo.started, 1)
