@@ -18,7 +18,7 @@ from p2ptrain.comm.dataplane import AllReduceError, DataPlaneServer, RingSetting
 from p2ptrain.comm.ring import ring_all_reduce
 from p2ptrain.config import Config
 from p2ptrain.swarm.dht import SwarmDHT
-from p2ptrain.swarm.election import Election, elect
+from p2ptrain.swarm.election import Election, SwarmAhead, elect
 from p2ptrain.swarm.membership import HeartbeatPublisher, live, read_heartbeats
 from p2ptrain.swarm.records import NodeState
 
@@ -88,8 +88,9 @@ class OuterSync:
                     swarm.straggler_deadline,
                     swarm.election_timeout,
                     poll_interval=min(0.25, swarm.heartbeat_interval),
+                    me=self.publisher.current.node_key,
                 )
-            except TimeoutError as exc:
+            except (TimeoutError, SwarmAhead) as exc:
                 raise StepGivenUp(str(exc)) from None
             if self.publisher.current.node_key not in election.keys:
                 # our ready record has not reached the others' view yet: read again shortly

@@ -158,3 +158,19 @@ def test_status_derives_the_last_ring_from_the_records():
     assert status_json(beats)["last_ring"] == ring
     assert "last ring (step 7)" in format_table(beats)
     assert last_ring([beat(5, NodeState.JOINING, 0)]) is None
+
+
+def test_a_node_behind_everyone_is_told_instead_of_going_solo():
+    from p2ptrain.swarm.election import SwarmAhead, swarm_ahead
+
+    me = key(1)
+    ahead = [beat(1, NodeState.READY, 3), beat(2, NodeState.TRAINING, 4), beat(3, NodeState.READY, 4)]
+    assert swarm_ahead(ahead, 3, me)
+    assert not swarm_ahead([*ahead, beat(4, NodeState.TRAINING, 3)], 3, me)  # someone else is at 3
+    assert not swarm_ahead([beat(1, NodeState.READY, 3), beat(2, NodeState.DEAD, 4)], 3, me)  # alone
+
+    async def read():
+        return ahead
+
+    with pytest.raises(SwarmAhead, match="past outer step 3"):
+        asyncio.run(elect(read, 3, straggler_deadline=0, timeout=5, poll_interval=0, me=me))

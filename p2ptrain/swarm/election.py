@@ -123,6 +123,15 @@ def decide(
     return Election(step, members)
 
 
+class SwarmAhead(Exception):
+    """Every other live node is past this step: no election of it can include anyone else."""
+
+
+def swarm_ahead(heartbeats: Iterable[Heartbeat], step: int, me: bytes) -> bool:
+    others = [b for b in heartbeats if b.node_key != me and b.state not in (NodeState.DEAD, NodeState.IDLE)]
+    return bool(others) and all(beat.outer_step > step for beat in others)
+
+
 async def elect(
     read: Callable[[], Awaitable[list[Heartbeat]]],
     step: int,
@@ -130,16 +139,21 @@ async def elect(
     timeout: float,
     poll_interval: float = 0.25,
     clock: Callable[[], float] = time.monotonic,
+    me: bytes | None = None,
 ) -> Election:
     """Poll the heartbeats (via `read`) until `decide` gives the members of `step`.
 
     The DHT offers no change notification across processes, hence the bounded poll.
-    Raises TimeoutError when no decision is possible within `timeout` seconds.
+    Raises TimeoutError when no decision is possible within `timeout` seconds, and SwarmAhead
+    (given `me`) as soon as all other live nodes are past `step`: a straggler must catch up, not
+    take the step alone.
     """
     started = clock()
     first_ready: float | None = None
     while True:
         heartbeats = await read()
+        if me is not None and swarm_ahead(heartbeats, step, me):
+            raise SwarmAhead(f"every other live node is past outer step {step}")
         now = clock()
         if first_ready is None and ready_for(heartbeats, step):
             first_ready = now

@@ -144,6 +144,7 @@ class TrainingNode:
         if path is not None:
             self.say(f"{reason}: recovered {path.name} from peers in {time.monotonic() - started:.1f} s")
             self.joining = True
+            self.params_hash = ""  # the majority's params now: known again after the next step
             # announce the step at once: the others wait for an expected node (up to the deadline)
             await self.swarm.training(checkpoint_step(path))
         elif wait:
@@ -198,6 +199,12 @@ class TrainingNode:
                 self.swarm.average(message.outer_step, self.vector, message.tokens)
             )
             members = averaged.members
+            if members == 0:  # no all-reduce completed: if the swarm moved on, catch up now
+                reason = await self._guarded(self.swarm.off_track(message.outer_step, self.params_hash))
+                if reason is not None:
+                    path = await self._recover(f"off track: {reason}", wait=True)
+                    await channel.send(Averaged(message.outer_step, 0, reload=str(path)))
+                    return None
             if averaged.sync_s > 0 and averaged.bytes_sent:
                 self.last_rate = round(8 * averaged.bytes_sent / averaged.sync_s / 1e6, 1)
             if self.joining and members > 1:

@@ -143,7 +143,10 @@ class Trainer:
         self.inner_step = 0
         self.outer_step = 0
         self.skip_next_inner = False
+        # fault injection for tests and drills: a NaN in Δ at one step, a late Ready at one step
         self.inject_nan_step = int(os.environ.get("P2PTRAIN_INJECT_NAN_STEP", "-1"))
+        late_step, _, late_s = os.environ.get("P2PTRAIN_INJECT_LATE", "-1:0").partition(":")
+        self.inject_late = (int(late_step), float(late_s or 0))
         self.last_loss = math.nan
         self.metrics = (
             MetricsWriter(
@@ -284,6 +287,8 @@ class Trainer:
 
         None when the agent found the node off track and answered with a checkpoint to reload
         instead: every rank then loads it and the next outer step skips its inner phase."""
+        if self.outer_step == self.inject_late[0]:
+            time.sleep(self.inject_late[1])  # P2PTRAIN_INJECT_LATE=STEP:SECONDS (a straggler)
         started = time.monotonic()
         ready = self.prepare_outer(tokens)
         averaged = self.link.average(ready, self.buffer) if ready is not None else None
