@@ -19,6 +19,7 @@ from aiohttp import web
 
 from p2ptrain.ckpt.manifest import MANIFEST_FILE, Manifest, ManifestError, parse_manifest
 from p2ptrain.train.checkpoint import checkpoint_name
+from p2ptrain.web.server import start_app
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +37,8 @@ class CheckpointSidecar:
         self._app = app
 
     async def start(self, host: str, port: int) -> int:
-        self._runner = web.AppRunner(self._app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
-        await site.start()
-        return site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._runner, bound = await start_app(self._app, host, port)
+        return bound
 
     async def close(self) -> None:
         if self._runner is not None:

@@ -22,6 +22,7 @@ from aiohttp import web
 
 from p2ptrain.swarm.records import Heartbeat
 from p2ptrain.swarm.status import status_json
+from p2ptrain.web.server import start_app
 
 log = logging.getLogger(__name__)
 MAX_POINTS = 5000
@@ -45,12 +46,9 @@ class Dashboard:
         self._app = app
 
     async def start(self, host: str, port: int) -> int:
-        self._runner = web.AppRunner(self._app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
-        await site.start()
+        self._runner, bound = await start_app(self._app, host, port)
         self._poller = asyncio.create_task(self._poll())
-        return site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return bound
 
     async def close(self) -> None:
         if self._poller is not None:
