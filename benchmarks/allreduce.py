@@ -15,7 +15,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import parser, report
+from p2ptrain.procs import free_port
 
 WORLD = 3
 BLOCK = 256
@@ -78,12 +78,6 @@ def worker(rank: int, host: str, master: str, length: int, rounds: int, out: Pat
     if rank == 0:
         np.save(out.parent / "ring.npy", result)
         out.write_text(json.dumps(everyone_times))
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _run_members(commands: list[list[str]], root: Path, timeout: float) -> list[Any]:
@@ -141,7 +135,7 @@ def run(mib: int, rounds: int, bandwidth: float | None) -> dict[str, Any]:
 
         timeout = 120 + rounds * (4 * length * 8 / (bandwidth * 1e6) * 2 if bandwidth else 5)
         if bandwidth is None:
-            master = f"127.0.0.1:{_free_port()}"
+            master = f"127.0.0.1:{free_port()}"
             times = _run_members([command(rank, "127.0.0.1", master) for rank in range(WORLD)], root, timeout)
         else:
             from benchmarks.netns import limited_network

@@ -11,6 +11,7 @@ import ctypes
 import ctypes.util
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterable
@@ -91,6 +92,13 @@ def _reap_children() -> None:
             return
         if pid == 0:
             return
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (the kernel's choice for an ephemeral bind)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
 
 
 def set_parent_death_signal(signum: int = signal.SIGTERM) -> None:

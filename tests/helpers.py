@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from p2ptrain.procs import ChildProcesses
+from p2ptrain.procs import ChildProcesses, free_port  # noqa: F401 - the tests' port helper
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 SOCKET_DIR = Path("/tmp")
@@ -149,12 +149,3 @@ class LocalSwarm:
 
     def stop(self) -> list[int]:
         return self.children.stop_all()
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now (the kernel's choice for an ephemeral bind)."""
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]

@@ -14,7 +14,7 @@ import torch
 
 from p2ptrain.config import Config
 from p2ptrain.identity import NodeIdentity
-from p2ptrain.procs import is_alive
+from p2ptrain.procs import free_port, is_alive
 
 RANK_STOP_TIMEOUT = 10.0
 
@@ -72,7 +72,7 @@ class RankGroup:
         spec_path = self.work_dir / "rank-spec.json"
         spec_path.write_text(json.dumps(spec))
         agent_end, rank_end = socket.socketpair()
-        port = _free_port()
+        port = free_port()
         for rank in range(self.nproc):
             env = {
                 **os.environ,
@@ -126,12 +126,6 @@ class RankGroup:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 await proc.wait()
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _last_line(path: Path) -> str:
