@@ -23,17 +23,9 @@ from p2ptrain.comm.dataplane import DataPlaneServer
 from p2ptrain.config import Config
 from p2ptrain.identity import NodeIdentity, short_id
 from p2ptrain.swarm.dht import SwarmDHT
-from p2ptrain.swarm.membership import HeartbeatPublisher, wait_for_nodes
+from p2ptrain.swarm.membership import HeartbeatPublisher, keep_alive, wait_for_nodes
 from p2ptrain.swarm.records import NodeState
 from p2ptrain.sync import OuterSync, StepGivenUp, data_address, ring_settings
-
-
-async def _keep_alive(publisher: HeartbeatPublisher, interval: float, stop: asyncio.Event) -> None:
-    while not stop.is_set():
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), interval)
-        if not stop.is_set():
-            await publisher.publish()
 
 
 async def run_drill(
@@ -60,7 +52,7 @@ async def run_drill(
     )
     await publisher.publish(state=NodeState.TRAINING, outer_step=0)
     sync = OuterSync(config, dht, publisher, server)
-    keeper = asyncio.create_task(_keep_alive(publisher, config.swarm.heartbeat_interval, stop))
+    keeper = asyncio.create_task(keep_alive(publisher, config.swarm.heartbeat_interval, stop))
     rng = random.Random(identity.public_key)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     print(f"drill: {steps} outer steps of {size} values, data plane on port {port}", file=out, flush=True)

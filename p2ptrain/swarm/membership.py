@@ -70,6 +70,15 @@ class HeartbeatPublisher:
         return await self.publish(timeout=timeout, state=NodeState.DEAD)
 
 
+async def keep_alive(publisher: HeartbeatPublisher, interval: float, stop: asyncio.Event) -> None:
+    """Re-publish the current record every `interval` seconds until `stop` is set."""
+    while not stop.is_set():
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval)
+        if not stop.is_set() and not await publisher.publish():
+            log.warning("heartbeat not stored by any DHT peer; retrying")
+
+
 async def read_heartbeats(dht: SwarmDHT, run_id: str) -> list[Heartbeat]:
     """Every valid, unexpired heartbeat of `run_id`, ordered by node key.
 

@@ -29,7 +29,7 @@ from p2ptrain.errors import UserError
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.identity import short_id as short_key
 from p2ptrain.swarm.dht import SwarmDHT
-from p2ptrain.swarm.membership import HeartbeatPublisher, live, read_heartbeats, wait_for_nodes
+from p2ptrain.swarm.membership import HeartbeatPublisher, keep_alive, live, read_heartbeats, wait_for_nodes
 from p2ptrain.swarm.records import Heartbeat, NodeState
 from p2ptrain.sync import OuterSync, StepGivenUp, data_address, ring_settings
 from p2ptrain.train.channel import Averaged
@@ -116,7 +116,9 @@ class SwarmLink(SoloSwarm):
         )
         await self.publisher.publish(state=NodeState.JOINING)
         self.sync = OuterSync(self.config, self.dht, self.publisher, self.server)
-        self._keeper = asyncio.create_task(self._keep_alive(stop))
+        self._keeper = asyncio.create_task(
+            keep_alive(self.publisher, self.config.swarm.heartbeat_interval, stop)
+        )
         if node.dashboard:
             run_id = self.config.run.id
             self.dashboard = await serve_dashboard(
@@ -139,13 +141,6 @@ class SwarmLink(SoloSwarm):
         differences = await fetch_config_differences(holder.ckpt_addr, self.config.shared())
         detail = "; ".join(differences[:3]) if differences else "its settings digest differs from the swarm's"
         raise ConfigMismatch(f"run {self.config.run.id!r} trains with other settings: {detail}")
-
-    async def _keep_alive(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.config.swarm.heartbeat_interval)
-            if not stop.is_set() and self.publisher is not None and not await self.publisher.publish():
-                log.warning("heartbeat not stored by any DHT peer; retrying")
 
     async def _peers(self) -> list[Heartbeat]:
         """Live, active members of this run with this config, other than this node."""
