@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import time
 from collections.abc import Coroutine
@@ -62,11 +61,6 @@ class TrainingFailed(UserError):
 
 class Interrupted(Exception):
     """The node was asked to stop, or a rank died, while the agent waited for something else."""
-
-
-class Outcome(enum.Enum):
-    FINISHED = "finished"
-    STOPPED = "stopped"
 
 
 class TrainingNode:
@@ -176,7 +170,17 @@ class TrainingNode:
 
         self.copies = asyncio.ensure_future(copy())
 
-    async def _handle(self, message: Message, channel: AgentChannel) -> Outcome | None:
+    async def _catch_up_if_off_track(self, step: int, channel: AgentChannel) -> bool:
+        """If the node is off the swarm's track at `step`, fetch the majority's checkpoint and have the
+        ranks load it in place (a restart would cost seconds); True when it did."""
+        reason = await self._guarded(self.swarm.off_track(step, self.params_hash))
+        if reason is None:
+            return False
+        path = await self._recover(f"off track: {reason}", wait=True)
+        await channel.send(Averaged(step, 0, reload=str(path)))
+        return True
+
+    async def _handle(self, message: Message, channel: AgentChannel) -> None:
         if isinstance(message, Hello):
             self.vector = np.memmap(message.buffer_path, dtype=np.float32, mode="r+", shape=(message.numel,))
             resumed = f", resumed at outer step {message.start_step}" if message.start_step else ""
@@ -189,22 +193,15 @@ class TrainingNode:
             self.view.inner(message)
         elif isinstance(message, Ready):
             assert self.vector is not None, "Ready before Hello"
-            reason = await self._guarded(self.swarm.off_track(message.outer_step, self.params_hash))
-            if reason is not None:
-                # the ranks stay up and load the checkpoint in place: a restart would cost seconds
-                path = await self._recover(f"off track: {reason}", wait=True)
-                await channel.send(Averaged(message.outer_step, 0, reload=str(path)))
-                return None
+            if await self._catch_up_if_off_track(message.outer_step, channel):
+                return
             averaged, note = await self._guarded(
                 self.swarm.average(message.outer_step, self.vector, message.tokens)
             )
             members = averaged.members
-            if members == 0:  # no all-reduce completed: if the swarm moved on, catch up now
-                reason = await self._guarded(self.swarm.off_track(message.outer_step, self.params_hash))
-                if reason is not None:
-                    path = await self._recover(f"off track: {reason}", wait=True)
-                    await channel.send(Averaged(message.outer_step, 0, reload=str(path)))
-                    return None
+            # no all-reduce completed: if the swarm moved on meanwhile, catch up now
+            if members == 0 and await self._catch_up_if_off_track(message.outer_step, channel):
+                return
             if averaged.sync_s > 0 and averaged.bytes_sent:
                 self.last_rate = round(8 * averaged.bytes_sent / averaged.sync_s / 1e6, 1)
             if self.joining and members > 1:
@@ -229,18 +226,15 @@ class TrainingNode:
         elif isinstance(message, Finished):
             self.finished = True
             self.say(f"finished after {message.outer_step} outer steps")
-            return Outcome.FINISHED
-        return None
 
-    async def _run_ranks(self) -> Outcome:
+    async def _run_ranks(self) -> None:
         """Run the ranks until they finish or the node is stopped; raises TrainingFailed."""
         channel = await AgentChannel.open(await self.ranks.start(self.resume, skip_first_inner=self.joining))
         failure: str | None = None
-        outcome = Outcome.STOPPED
         try:
-            while True:
+            while not self.finished:
                 try:
-                    outcome_now = await self._handle(await self._guarded(channel.receive()), channel)
+                    await self._handle(await self._guarded(channel.receive()), channel)
                 except Interrupted:
                     failure = None if self.stop.is_set() else self._rank_failure()
                     break
@@ -252,10 +246,7 @@ class TrainingNode:
                         waiter.cancel()
                     failure = self._rank_failure() or "trainer rank 0 closed its channel"
                     break
-                if outcome_now is not None:
-                    outcome = outcome_now
-                    break
-            if outcome is Outcome.FINISHED and failure is None:
+            if self.finished and failure is None:
                 for proc in self.ranks.procs:
                     await asyncio.wait_for(proc.wait(), RANK_STOP_TIMEOUT)
         finally:
@@ -263,7 +254,6 @@ class TrainingNode:
             await self.ranks.stop()
         if failure and not self.stop.is_set():
             raise TrainingFailed(failure)
-        return outcome
 
     async def run(self) -> None:
         try:

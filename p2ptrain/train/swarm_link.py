@@ -29,6 +29,7 @@ from p2ptrain.errors import UserError
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.identity import short_id as short_key
 from p2ptrain.swarm.dht import SwarmDHT
+from p2ptrain.swarm.election import swarm_ahead
 from p2ptrain.swarm.membership import HeartbeatPublisher, keep_alive, live, read_heartbeats, wait_for_nodes
 from p2ptrain.swarm.records import Heartbeat, NodeState
 from p2ptrain.sync import OuterSync, StepGivenUp, data_address, ring_settings
@@ -178,9 +179,9 @@ class SwarmLink(SoloSwarm):
         peers = await self._peers()
         if not peers:
             return None
-        at_step = [b for b in peers if b.outer_step == step]
-        if not at_step and all(b.outer_step > step for b in peers):
+        if swarm_ahead(peers, step, self.identity.public_key):
             return f"the swarm is past outer step {step} (at {min(b.outer_step for b in peers)})"
+        at_step = [b for b in peers if b.outer_step == step]
         hashes = Counter(b.params_hash for b in at_step if b.params_hash)
         if params_hash and hashes:
             majority, count = hashes.most_common(1)[0]
