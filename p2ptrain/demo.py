@@ -138,7 +138,7 @@ class _Demo:
         from p2ptrain.config import load_config
         from p2ptrain.identity import load_or_create_identity
         from p2ptrain.train.places import checkpoint_places, flush_leftovers
-        from p2ptrain.train.ranks import buffer_path
+        from p2ptrain.train.ranks import remove_stale_buffers
 
         for name in [*self.names, *([self.joiner] if self.joiner else [])]:
             work = self.work_dir / name
@@ -147,7 +147,7 @@ class _Demo:
             identity = load_or_create_identity(work)
             config = load_config("debug", overrides=[f"node.work_dir={json.dumps(str(work))}"])
             flush_leftovers(checkpoint_places(config, identity.short_id, work), config.checkpoint.keep)
-            buffer_path(identity, work)  # removes shared files of this node's dead agents
+            remove_stale_buffers(identity, work)
 
     def outer(self, name: str) -> list[dict[str, Any]]:
         return [r for r in read_metrics(self.work_dir / name / "metrics.jsonl") if r["kind"] == "outer"]

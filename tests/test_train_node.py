@@ -19,7 +19,7 @@ from p2ptrain.identity import load_or_create_identity
 from p2ptrain.procs import command_line, descendants, is_alive
 from p2ptrain.train.metrics import read_metrics
 from p2ptrain.train.places import checkpoint_places, flush_leftovers
-from p2ptrain.train.ranks import buffer_path
+from p2ptrain.train.ranks import remove_stale_buffers
 from tests.helpers import LocalSwarm, assert_one_line_error, cli, wait_until
 
 SHORT = ["--set", "train.max_steps=30"]  # 3 outer steps of H=10 on the debug config
@@ -185,7 +185,7 @@ def test_a_killed_agent_takes_its_ranks_along(tmp_path: Path) -> None:
     # what the killed agent left in /dev/shm is cleared by the node's next start (done here by hand)
     identity = load_or_create_identity(tmp_path)
     config = load_config("debug", overrides=[f'node.work_dir="{tmp_path}"'])
-    buffer_path(identity, tmp_path)
+    remove_stale_buffers(identity, tmp_path)
     flush_leftovers(checkpoint_places(config, identity.short_id, tmp_path), keep=3)
     assert not list(Path("/dev/shm").glob(f"p2ptrain-{identity.short_id}*"))
 

@@ -42,7 +42,13 @@ from p2ptrain.train.channel import (
 from p2ptrain.train.checkpoint import checkpoint_step
 from p2ptrain.train.places import checkpoint_places, copy_to_disk, copy_to_remote, flush_leftovers
 from p2ptrain.train.progress import ProgressView
-from p2ptrain.train.ranks import RANK_STOP_TIMEOUT, RankGroup, buffer_path, default_nproc
+from p2ptrain.train.ranks import (
+    RANK_STOP_TIMEOUT,
+    RankGroup,
+    buffer_path,
+    default_nproc,
+    remove_stale_buffers,
+)
 from p2ptrain.train.swarm_link import SoloSwarm, SwarmLink
 
 log = logging.getLogger(__name__)
@@ -84,6 +90,7 @@ class TrainingNode:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.places = checkpoint_places(config, identity.short_id)
         self.copies: asyncio.Task[None] | None = None
+        remove_stale_buffers(identity, self.work_dir)
         self.shared = buffer_path(identity, self.work_dir)
         self.ranks = RankGroup(config, identity, self.work_dir, nproc or default_nproc(), self.shared)
         self.swarm: SoloSwarm = (

@@ -23,17 +23,22 @@ def default_nproc() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 1
 
 
-def buffer_path(identity: NodeIdentity, work_dir: Path) -> Path:
-    """The shared pseudo-gradient file: RAM-backed /dev/shm where it exists.
-
-    Files that SIGKILLed agents of this node left behind (their PID is gone) are removed here."""
+def _buffer_folder(work_dir: Path) -> Path:
     shm = Path("/dev/shm")
-    folder = shm if shm.is_dir() and os.access(shm, os.W_OK) else work_dir
-    for stale in folder.glob(f"p2ptrain-{identity.short_id}-*.grad"):
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else work_dir
+
+
+def remove_stale_buffers(identity: NodeIdentity, work_dir: Path) -> None:
+    """Remove the shared files that SIGKILLed agents of this node left behind (their PID is gone)."""
+    for stale in _buffer_folder(work_dir).glob(f"p2ptrain-{identity.short_id}-*.grad"):
         pid = stale.stem.rpartition("-")[2]
         if pid.isdigit() and not is_alive(int(pid)):
             stale.unlink(missing_ok=True)
-    return folder / f"p2ptrain-{identity.short_id}-{os.getpid()}.grad"
+
+
+def buffer_path(identity: NodeIdentity, work_dir: Path) -> Path:
+    """The shared pseudo-gradient file of this agent: RAM-backed /dev/shm where it exists."""
+    return _buffer_folder(work_dir) / f"p2ptrain-{identity.short_id}-{os.getpid()}.grad"
 
 
 class RankGroup:

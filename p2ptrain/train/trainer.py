@@ -150,7 +150,7 @@ class Trainer:
         self.last_loss = math.nan
         self.metrics = (
             MetricsWriter(
-                work_dir / "metrics.jsonl", config.metrics, work_dir / "tensorboard", node_key.hex()[:12]
+                work_dir / "metrics.jsonl", config.metrics, work_dir / "tensorboard", short_id(node_key)
             )
             if self.is_leader
             else None
