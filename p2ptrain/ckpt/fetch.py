@@ -21,7 +21,14 @@ from pathlib import Path
 
 import aiohttp
 
-from p2ptrain.ckpt.manifest import MANIFEST_FILE, Manifest, ManifestError, file_sha256, parse_manifest
+from p2ptrain.ckpt.manifest import (
+    MANIFEST_FILE,
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    ManifestError,
+    file_sha256,
+    parse_manifest,
+)
 from p2ptrain.errors import NetworkError
 from p2ptrain.swarm.records import Heartbeat, NodeState
 from p2ptrain.train.checkpoint import SHARED_FILES, checkpoint_name
@@ -51,13 +58,27 @@ def majority_checkpoint(
     return digest, [b for b in announced if b.ckpt_digest == digest]
 
 
+async def read_body(response: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole body, or its first limit + 1 bytes if longer (the caller's parser then refuses it).
+
+    `content.read(n)` returns what has arrived, possibly less than n: a body split across TCP
+    segments must be read in a loop."""
+    body = bytearray()
+    while len(body) <= limit:
+        piece = await response.content.read(limit + 1 - len(body))
+        if not piece:
+            break
+        body += piece
+    return bytes(body)
+
+
 async def _get_manifest(session: aiohttp.ClientSession, url: str, digest: str) -> Manifest | None:
     try:
         async with session.get(f"{url}/manifest") as response:
             if response.status != 200:
                 log.warning("recovery: %s answered %d for its manifest", url, response.status)
                 return None
-            manifest = parse_manifest(await response.content.read(1 << 16))
+            manifest = parse_manifest(await read_body(response, MAX_MANIFEST_BYTES))
     except (aiohttp.ClientError, asyncio.TimeoutError, ManifestError) as exc:
         log.warning("recovery: no usable manifest from %s (%s)", url, exc)
         return None

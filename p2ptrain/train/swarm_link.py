@@ -20,7 +20,7 @@ from typing import Any, TextIO
 import aiohttp
 import numpy as np
 
-from p2ptrain.ckpt.fetch import ACTIVE, fetch_checkpoint, majority_checkpoint
+from p2ptrain.ckpt.fetch import ACTIVE, fetch_checkpoint, majority_checkpoint, read_body
 from p2ptrain.ckpt.manifest import build_manifest
 from p2ptrain.ckpt.sidecar import CheckpointSidecar
 from p2ptrain.comm.dataplane import DataPlaneServer
@@ -39,6 +39,9 @@ from p2ptrain.web.dashboard import Dashboard, serve_dashboard
 log = logging.getLogger(__name__)
 
 
+MAX_CONFIG_BYTES = 1 << 16
+
+
 class ConfigMismatch(UserError):
     """This node's shared settings differ from those of the run's live members."""
 
@@ -53,7 +56,7 @@ async def fetch_config_differences(url: str, mine: dict[str, Any]) -> list[str]:
             aiohttp.ClientSession(timeout=timeout) as session,
             session.get(f"{url}/config") as response,
         ):
-            theirs = json.loads(await response.content.read(1 << 16))
+            theirs = json.loads(await read_body(response, MAX_CONFIG_BYTES))
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         log.warning("could not read the swarm's settings from %s: %s", url, exc)
         return []
