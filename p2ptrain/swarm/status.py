@@ -52,8 +52,8 @@ def status_json(heartbeats: list[Heartbeat], now: float | None = None) -> dict[s
                 "last_seen_s": round(max(0.0, now - beat.timestamp), 2),
                 "params_hash": beat.params_hash,
                 "peer_id": beat.peer_id,
-                "loss": _number(beat.extra.get("loss")),
-                "allreduce_mbps": _number(beat.extra.get("allreduce_mbps")),
+                "loss": record_number(beat.extra.get("loss")),
+                "allreduce_mbps": record_number(beat.extra.get("allreduce_mbps")),
                 "ckpt_digest": beat.ckpt_digest,
             }
             for beat in heartbeats
@@ -61,7 +61,7 @@ def status_json(heartbeats: list[Heartbeat], now: float | None = None) -> dict[s
     }
 
 
-def _number(value: Any) -> float | None:
+def record_number(value: Any) -> float | None:
     """A float from an untrusted record field, or None."""
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
         return round(float(value), 4)

@@ -21,7 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from p2ptrain.swarm.records import Heartbeat
-from p2ptrain.swarm.status import status_json
+from p2ptrain.swarm.status import record_number, status_json
 from p2ptrain.web.server import start_app
 
 log = logging.getLogger(__name__)
@@ -63,15 +63,10 @@ class Dashboard:
         self.status = status_json(heartbeats)
         self.updated = time.time()
         for beat in heartbeats:
-            loss = beat.extra.get("loss")
-            if (
-                beat.params_hash
-                and isinstance(loss, (int, float))
-                and not isinstance(loss, bool)
-                and loss == loss
-            ):
+            loss = record_number(beat.extra.get("loss"))
+            if beat.params_hash and loss is not None:
                 points = self.history.setdefault(beat.node_key.hex(), {})
-                points[beat.outer_step - 1] = float(loss)
+                points[beat.outer_step - 1] = loss
                 while len(points) > MAX_POINTS:
                     points.pop(min(points))
 
