@@ -17,6 +17,7 @@ import numpy as np
 from p2ptrain.comm.dataplane import AllReduceError, DataPlaneServer, RingSettings, RingStats
 from p2ptrain.comm.ring import ring_all_reduce
 from p2ptrain.config import Config
+from p2ptrain.faults import Faults
 from p2ptrain.swarm.dht import SwarmDHT
 from p2ptrain.swarm.election import Election, SwarmAhead, elect
 from p2ptrain.swarm.membership import HeartbeatPublisher, live, read_heartbeats
@@ -67,6 +68,7 @@ class OuterSync:
         self.dht = dht
         self.publisher = publisher
         self.server = server
+        self.faults = Faults.from_env()
 
     async def _live_heartbeats(self) -> list:
         """Live nodes of this run with this config: a node of another config is never a member."""
@@ -99,7 +101,9 @@ class OuterSync:
             attempt += 1
             await self.publisher.publish(state=NodeState.SYNCING)
             try:
-                stats = await ring_all_reduce(self.server, step, election.members, vector)
+                stats = await ring_all_reduce(
+                    self.server, step, election.members, vector, lambda *_: self.faults.die_mid_reduce(step)
+                )
             except AllReduceError as exc:
                 last_error = exc
                 log.warning("step %d attempt %d failed (%s); electing the survivors", step, attempt, exc)

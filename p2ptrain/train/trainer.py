@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from p2ptrain.config import Config
+from p2ptrain.faults import Faults
 from p2ptrain.identity import short_id
 from p2ptrain.train.channel import Averaged, CheckpointWritten, Hello, Progress, Ready, StepDone
 from p2ptrain.train.checkpoint import load_state
@@ -143,10 +143,7 @@ class Trainer:
         self.inner_step = 0
         self.outer_step = 0
         self.skip_next_inner = False
-        # fault injection for tests and drills: a NaN in Δ at one step, a late Ready at one step
-        self.inject_nan_step = int(os.environ.get("P2PTRAIN_INJECT_NAN_STEP", "-1"))
-        late_step, _, late_s = os.environ.get("P2PTRAIN_INJECT_LATE", "-1:0").partition(":")
-        self.inject_late = (int(late_step), float(late_s or 0))
+        self.faults = Faults.from_env()  # tests and drills: a NaN in Δ, a late Ready
         self.last_loss = math.nan
         self.metrics = (
             MetricsWriter(
@@ -248,8 +245,8 @@ class Trainer:
         if not self.is_leader:
             return None
         self.outer.pseudo_gradient(self.flat, out=self.buffer)
-        if self.outer_step == self.inject_nan_step:
-            self.buffer[0] = math.nan  # fault injection (tests, drills): P2PTRAIN_INJECT_NAN_STEP
+        if self.outer_step == self.faults.nan_step:
+            self.buffer[0] = math.nan  # fault injection: P2PTRAIN_INJECT_NAN_STEP
         finite = bool(torch.isfinite(self.buffer).all())
         if not finite:
             # never send NaN/Inf: contribute nothing (weight 0) and take the others' average
@@ -287,8 +284,8 @@ class Trainer:
 
         None when the agent found the node off track and answered with a checkpoint to reload
         instead: every rank then loads it and the next outer step skips its inner phase."""
-        if self.outer_step == self.inject_late[0]:
-            time.sleep(self.inject_late[1])  # P2PTRAIN_INJECT_LATE=STEP:SECONDS (a straggler)
+        if self.outer_step == self.faults.late_step:
+            time.sleep(self.faults.late_seconds)  # fault injection: P2PTRAIN_INJECT_LATE (a straggler)
         started = time.monotonic()
         ready = self.prepare_outer(tokens)
         averaged = self.link.average(ready, self.buffer) if ready is not None else None

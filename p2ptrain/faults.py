@@ -1,0 +1,55 @@
+"""Fault injection for tests and drills: faults a test cannot cause from outside at the right moment.
+
+Read once per process from the environment:
+
+    P2PTRAIN_INJECT_NAN_STEP=N        the pseudo-gradient of outer step N holds a NaN (trainer rank 0)
+    P2PTRAIN_INJECT_LATE=N:SECONDS    the node reports ready(N) SECONDS late: a straggler (trainer)
+    P2PTRAIN_INJECT_DIE_IN_SYNC=N     the node SIGKILLs itself once the all-reduce of step N has data
+                                      in flight, as a machine that loses power mid-reduce (agent)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+
+from p2ptrain.errors import UserError
+
+NEVER = -1
+
+
+def _step(name: str) -> int:
+    text = os.environ.get(name, "")
+    try:
+        return int(text) if text else NEVER
+    except ValueError:
+        raise UserError(f"{name}={text!r}: expected an outer step number") from None
+
+
+@dataclass(frozen=True)
+class Faults:
+    nan_step: int = NEVER
+    late_step: int = NEVER
+    late_seconds: float = 0.0
+    die_in_sync_step: int = NEVER
+
+    @classmethod
+    def from_env(cls) -> Faults:
+        late = os.environ.get("P2PTRAIN_INJECT_LATE", "")
+        late_step, _, late_seconds = late.partition(":")
+        try:
+            late_pair = (int(late_step), float(late_seconds or 0)) if late else (NEVER, 0.0)
+        except ValueError:
+            raise UserError(f"P2PTRAIN_INJECT_LATE={late!r}: expected STEP:SECONDS") from None
+        return cls(
+            nan_step=_step("P2PTRAIN_INJECT_NAN_STEP"),
+            late_step=late_pair[0],
+            late_seconds=late_pair[1],
+            die_in_sync_step=_step("P2PTRAIN_INJECT_DIE_IN_SYNC"),
+        )
+
+    def die_mid_reduce(self, step: int) -> None:
+        """Called as all-reduce frames of `step` arrive: the first one of the chosen step kills us."""
+        if step == self.die_in_sync_step:
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,111 @@
+"""Faults injected into a training swarm: real node processes on 127.0.0.1 training the debug model.
+
+One run takes the faults one after another — the bootstrap peer SIGKILLed and a node stopped with
+SIGTERM after outer step 0, a node SIGKILLed in the middle of the all-reduce of step 2 — and then
+checks what must hold after each: training goes on, every survivor holds the same params after
+every outer step, no step stalls longer than heartbeat_timeout + the ring's failure bound, and the
+checkpoints on disk (the killed node's included) load and hold exactly those params.
+(SIGKILL during inner steps with a joiner is `p2ptrain demo`'s fault, tested in test_demo.py; a NaN
+contribution and a node of another config in test_train_node.py.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+from pathlib import Path
+
+import pytest
+
+from p2ptrain.config import load_config
+from p2ptrain.identity import load_or_create_identity
+from p2ptrain.train.checkpoint import checkpoint_step, latest_checkpoint, load_state
+from p2ptrain.train.layout import CanonicalLayout
+from p2ptrain.train.metrics import read_metrics
+from p2ptrain.train.model import Transformer
+from p2ptrain.train.places import checkpoint_places, flush_leftovers
+from p2ptrain.train.ranks import remove_stale_buffers
+from tests.helpers import LocalSwarm, wait_until
+
+STEPS = 4
+HEARTBEAT_TIMEOUT = 6.0
+FAILURE_TIMEOUT = 5.0
+RUN = [
+    "--set", f"train.max_steps={STEPS * 10}",  # H = 10 on the debug config
+    "--set", "swarm.wait_nodes=4",
+    "--set", f"swarm.heartbeat_timeout={HEARTBEAT_TIMEOUT}",
+    "--set", f"comm.failure_timeout={FAILURE_TIMEOUT}",
+    "--set", "checkpoint.keep=10",
+]  # fmt: skip
+
+
+def metrics(work_dir: Path, kind: str) -> list[dict]:
+    return [record for record in read_metrics(work_dir / "metrics.jsonl") if record["kind"] == kind]
+
+
+def stalls(work_dirs: list[Path]) -> dict[int, float]:
+    """Per outer step: seconds from the last member's last inner step to the end of the step.
+
+    Time a fast node spends waiting for slower ones to finish their inner steps is not a stall."""
+    ready: dict[int, float] = {}
+    done: dict[int, float] = {}
+    for work_dir in work_dirs:
+        inner = metrics(work_dir, "inner")
+        for record in metrics(work_dir, "outer"):
+            step = record["step"]
+            last_inner = max(r["time"] for r in inner if r["outer_step"] == step)
+            ready[step] = max(ready.get(step, 0.0), last_inner)
+            done[step] = max(done.get(step, 0.0), record["time"])
+    return {step: done[step] - ready[step] for step in done}
+
+
+def params_hash_of(checkpoint: Path) -> str:
+    """sha256 of the checkpoint's θ_outer, as the trainer computes it after an outer step."""
+    layout = CanonicalLayout.of(Transformer(load_config("debug").model))
+    flat, _, _ = load_state(checkpoint, layout)
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+
+
+def flush_killed_node(work_dir: Path) -> None:
+    """What a SIGKILLed node left in /dev/shm; its next start would do this."""
+    identity = load_or_create_identity(work_dir)
+    config = load_config("debug", overrides=[f'node.work_dir="{work_dir}"'])
+    remove_stale_buffers(identity, work_dir)
+    flush_leftovers(checkpoint_places(config, identity.short_id, work_dir), keep=10)
+
+
+@pytest.mark.slow
+def test_training_survives_bootstrap_loss_sigterm_and_a_kill_mid_all_reduce(swarm: LocalSwarm) -> None:
+    swarm.start_bootstrap()
+    for name in ("a", "b", "c", "d"):
+        env = {"P2PTRAIN_INJECT_DIE_IN_SYNC": "2"} if name == "c" else None
+        swarm.start_node(name, None, *RUN, train=True, env=env)
+    wait_until(lambda: len(metrics(swarm.root / "a", "outer")) >= 1, 240, what="outer step 0")
+    swarm.children.signal("bootstrap", signal.SIGKILL)
+    swarm.children.signal("d", signal.SIGTERM)
+    assert swarm.children.wait("d", 15) == 0, swarm.log("d")
+    assert "deathrattle sent" in swarm.log("d")
+
+    for name in ("a", "b"):
+        assert swarm.children.wait(name, 300) == 0, swarm.log(name)
+    assert swarm.children.wait("c", 5) == -signal.SIGKILL, "c should have died in step 2's all-reduce"
+
+    a, b = metrics(swarm.root / "a", "outer"), metrics(swarm.root / "b", "outer")
+    assert [r["step"] for r in a] == list(range(STEPS)) == [r["step"] for r in b]
+    assert [r["params_hash"] for r in a] == [r["params_hash"] for r in b]
+    # d left by SIGTERM during step 1's inner steps, c died in step 2's all-reduce
+    assert [r["members"] for r in a] == [4, 3, 2, 2], a
+    assert "all-reduce of step 2 failed" in swarm.log("a") + swarm.log("b")
+    waited = stalls([swarm.root / name for name in ("a", "b", "c", "d")])
+    assert max(waited.values()) <= HEARTBEAT_TIMEOUT + FAILURE_TIMEOUT, waited
+    assert waited[1] < HEARTBEAT_TIMEOUT, f"the deathrattle should spare the heartbeat timeout: {waited}"
+
+    hashes = {r["step"]: r["params_hash"] for r in a}
+    for name in ("a", "b"):
+        latest = latest_checkpoint(swarm.root / name / "checkpoints")
+        assert latest is not None and checkpoint_step(latest) == STEPS
+        assert params_hash_of(latest) == hashes[STEPS - 1]
+    flush_killed_node(swarm.root / "c")
+    killed = latest_checkpoint(swarm.root / "c" / "checkpoints")
+    assert killed is not None and checkpoint_step(killed) == 2  # after step 1; step 2 never finished
+    assert params_hash_of(killed) == hashes[1]
