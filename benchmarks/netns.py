@@ -25,9 +25,13 @@ class Network:
     namespaces: list[str]
     addresses: list[str]
 
+    def prefix(self, index: int) -> list[str]:
+        """What puts a command inside member `index`'s namespace."""
+        return ["ip", "netns", "exec", self.namespaces[index]]
+
     def command(self, index: int, argv: list[str]) -> list[str]:
         """`argv` run inside member `index`'s namespace (gloo told to use its one interface)."""
-        return ["ip", "netns", "exec", self.namespaces[index], "env", "GLOO_SOCKET_IFNAME=eth0", *argv]
+        return [*self.prefix(index), "env", "GLOO_SOCKET_IFNAME=eth0", *argv]
 
 
 def _ip(*args: str) -> None:

@@ -1,6 +1,6 @@
 """Does coordination eat the compute? A whole swarm on 127.0.0.1, measured from its own metrics.
 
-    python -m benchmarks.swarm --json [--nodes 3] [--steps 10] [--kill-at 4]
+    python -m benchmarks.swarm --json [--nodes 3] [--steps 10] [--kill-at 4] [--bandwidth MBIT]
 
 Runs `p2ptrain demo` (bootstrap peer + nodes training the debug config with int8 DiLoCo; one node
 SIGKILLed after --kill-at outer steps, a new one joining) and reads every node's metrics.jsonl:
@@ -12,20 +12,31 @@ SIGKILLed after --kill-at outer steps, a new one joining) and reads every node's
 - join_s: the joiner's start → member of an outer step (it contributes from the next);
 - recover_s: SIGKILL → the survivors' next completed outer step.
 Targets: outer_overhead_s ≤ 1 s on loopback; recover_s ≤ heartbeat_timeout + 5 s.
+
+With --bandwidth MBIT every process (the bootstrap peer, each node, the joiner) runs in its own
+network namespace whose uplink tc limits to MBIT (benchmarks/netns.py; needs root), and the result
+adds ideal_wire_s — the int8 all-reduce's bytes per member at MBIT — and the target
+outer_overhead_s ≤ 1.2 × ideal_wire_s + 1 s. Where namespaces are not permitted it says so and
+exits 0 with "skipped": true.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import statistics
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import parser, report
 from p2ptrain.config import load_config
-from p2ptrain.demo import run_demo
+from p2ptrain.demo import Host, Placement, run_demo
 from p2ptrain.train.metrics import read_metrics
+from p2ptrain.train.model import parameter_count
 
 
 def node_figures(records: list[dict[str, Any]], tokens_per_step: int) -> tuple[float, list[float]]:
@@ -44,23 +55,33 @@ def node_figures(records: list[dict[str, Any]], tokens_per_step: int) -> tuple[f
     return busy / wall, overheads
 
 
-def main() -> None:
-    cli = parser(__doc__)
-    cli.add_argument("--nodes", type=int, default=3)
-    cli.add_argument("--steps", type=int, default=10)
-    cli.add_argument("--kill-at", type=int, default=4)
-    cli.add_argument("--bandwidth", type=float, default=0.0, metavar="MBIT")
-    args = cli.parse_args()
-    if args.bandwidth:
-        print("benchmarks.swarm: --bandwidth (tc-limited namespaces) is not implemented yet", file=sys.stderr)
-        sys.exit(2)
+def ideal_wire_s(parameters: int, members: int, block: int, mbit: float) -> float:
+    """Seconds the int8 all-reduce needs on each member's uplink: 2(n−1)/n of the vector, 1 byte per
+    value plus 8 bytes of block parameters per `block` values."""
+    wire_bytes = 2 * (members - 1) / members * parameters * (1 + 8 / block)
+    return wire_bytes * 8 / (mbit * 1e6)
+
+
+@contextlib.contextmanager
+def placement(nodes: int, mbit: float) -> Iterator[Placement]:
+    """Loopback for everyone, or (with `mbit`) one tc-limited namespace per process."""
+    if not mbit:
+        yield lambda name: Host()
+        return
+    from benchmarks.netns import limited_network
+
+    names = ["bootstrap", *(f"node{index}" for index in range(nodes + 1))]  # the joiner is the last
+    with limited_network(len(names), mbit) as network:
+        hosts = {name: Host(network.addresses[i], tuple(network.prefix(i))) for i, name in enumerate(names)}
+        yield hosts.__getitem__
+
+
+def run(nodes: int, steps: int, kill_at: int, mbit: float, quiet: bool) -> dict[str, Any]:
     debug = load_config("debug")
     tokens_per_step = debug.train.batch_size * debug.model.seq_len
-    with tempfile.TemporaryDirectory() as work:
-        summary = run_demo(
-            Path(work), nodes=args.nodes, steps=args.steps, kill_at=args.kill_at, quiet=args.json
-        )
-        names = [f"node{i}" for i in range(args.nodes)]
+    with tempfile.TemporaryDirectory() as work, placement(nodes, mbit) as place:
+        summary = run_demo(Path(work), nodes=nodes, steps=steps, kill_at=kill_at, quiet=quiet, place=place)
+        names = [f"node{i}" for i in range(nodes)]
         records = {name: read_metrics(Path(work) / name / "metrics.jsonl") for name in names}
     starters = [name for name in names if name != summary["killed"]]
     utils, overheads = [], []
@@ -80,20 +101,52 @@ def main() -> None:
         ]
         if all(after):
             recover_s = round(max(after) - summary["killed_at"], 2)
-    report(
-        {
-            "ok": summary["ok"],
-            "nodes": args.nodes,
-            "outer_steps": summary["outer_steps"],
-            "compute_util": round(statistics.mean(utils), 3),
-            "outer_overhead_s": round(statistics.median(overheads), 3),
-            "join_s": summary["join_s"],
-            "recover_s": recover_s,
-            "params_hash_agree": summary["params_hash_agree"],
-            "seconds": summary["seconds"],
-        },
-        args.json,
+    result = {
+        "ok": summary["ok"],
+        "nodes": nodes,
+        "outer_steps": summary["outer_steps"],
+        "compute_util": round(statistics.mean(utils), 3),
+        "outer_overhead_s": round(statistics.median(overheads), 3),
+        "join_s": summary["join_s"],
+        "recover_s": recover_s,
+        "params_hash_agree": summary["params_hash_agree"],
+        "seconds": summary["seconds"],
+    }
+    if mbit:
+        parameters = parameter_count(debug.model)
+        ideal = ideal_wire_s(parameters, nodes, debug.comm.quant_block, mbit)
+        result.update(
+            bandwidth_mbit=mbit,
+            ideal_wire_s=round(ideal, 3),
+            outer_overhead_target_s=round(1.2 * ideal + 1, 3),
+        )
+    return result
+
+
+def main() -> None:
+    cli = parser(__doc__)
+    cli.add_argument("--nodes", type=int, default=3)
+    cli.add_argument("--steps", type=int, default=10)
+    cli.add_argument("--kill-at", type=int, default=4)
+    cli.add_argument(
+        "--bandwidth", type=float, default=0.0, metavar="MBIT", help="limit every process's uplink to MBIT"
     )
+    args = cli.parse_args()
+    if args.bandwidth < 0:
+        cli.error("--bandwidth must be a positive number of Mbit/s")
+    # SIGTERM unwinds like Ctrl+C, so the demo's processes stop and the namespaces are deleted
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.bandwidth and os.geteuid() != 0:
+        report({"skipped": True, "reason": "--bandwidth needs root for network namespaces and tc"}, args.json)
+        return
+    from benchmarks.netns import NamespacesUnavailable
+
+    try:
+        result = run(args.nodes, args.steps, args.kill_at, args.bandwidth, args.json)
+    except NamespacesUnavailable as exc:
+        report({"skipped": True, "reason": f"network namespaces not permitted here: {exc}"}, args.json)
+        return
+    report(result, args.json)
 
 
 if __name__ == "__main__":

@@ -152,6 +152,9 @@ class CheckpointConfig(Section):
     and the scheme's package."""
     fetch_timeout: float = Field(10.0, gt=0, le=600)
     """A peer that sends nothing for this long during a checkpoint download is left for another."""
+    replay_steps: int = Field(2, ge=0, le=64)
+    """All-reduce results of this many recent outer steps kept in RAM (about 1 byte per parameter
+    each) and served to nodes that fell that far behind, instead of a whole checkpoint (ckpt/replay.py)."""
 
 
 class MetricsConfig(Section):

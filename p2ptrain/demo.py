@@ -17,6 +17,8 @@ import signal
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +28,24 @@ from p2ptrain.errors import UserError
 from p2ptrain.procs import ChildProcesses
 from p2ptrain.train.metrics import read_metrics
 
-LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 INNER_STEPS = 10
+
+
+@dataclass(frozen=True)
+class Host:
+    """Where one demo process runs: the IPv4 address it listens on, and a command prefix that puts
+    it there (for example `ip netns exec NS` for a bandwidth-limited network namespace)."""
+
+    ip: str = "127.0.0.1"
+    prefix: tuple[str, ...] = ()
+
+    @property
+    def listen(self) -> str:
+        return f"/ip4/{self.ip}/tcp/0"
+
+
+Placement = Callable[[str], Host]
+"""Process name ('bootstrap', 'node0', …) → its host; the demo's own is 127.0.0.1 for all."""
 
 
 def p2ptrain_command(*args: str) -> list[str]:
@@ -47,8 +65,18 @@ def wait_for_file(path: Path, child_alive: Any, timeout: float) -> str:
 
 
 class _Demo:
-    def __init__(self, work_dir: Path, nodes: int, steps: int, kill_at: int, timeout: float, quiet: bool):
+    def __init__(
+        self,
+        work_dir: Path,
+        nodes: int,
+        steps: int,
+        kill_at: int,
+        timeout: float,
+        quiet: bool,
+        place: Placement,
+    ):
         self.work_dir = work_dir.resolve()
+        self.place = place
         self.logs = self.work_dir / "logs"
         self.nodes = nodes
         self.steps = steps
@@ -103,12 +131,13 @@ class _Demo:
         address_file = self.work_dir / "bootstrap.addr"
         address_file.unlink(missing_ok=True)
         self.say("starting the bootstrap peer")
+        host = self.place("bootstrap")
         boot = self.children.spawn(
             "bootstrap",
-            p2ptrain_command(
-                "bootstrap", "--listen", LOOPBACK, "--identity", str(self.work_dir / "bootstrap"),
+            [*host.prefix, *p2ptrain_command(
+                "bootstrap", "--listen", host.listen, "--identity", str(self.work_dir / "bootstrap"),
                 "--address-file", str(address_file),
-            ),
+            )],
             self.logs / "bootstrap.log",
         )  # fmt: skip
         self.peer = wait_for_file(address_file, lambda: boot.poll() is None, self.timeout).split()[0]
@@ -118,17 +147,18 @@ class _Demo:
         self.say(f"started {self.nodes} nodes: the debug model, {self.steps} outer steps of H={INNER_STEPS}")
 
     def start_node(self, name: str, *extra: str) -> None:
+        host = self.place(name)
         self.children.spawn(
             name,
-            p2ptrain_command(
+            [*host.prefix, *p2ptrain_command(
                 "join", "--peer", self.peer, "--config", "debug", "--work-dir", str(self.work_dir / name),
-                "--listen", LOOPBACK, "--table-every", "0",
-                "--set", 'node.data_host="127.0.0.1"',
+                "--listen", host.listen, "--table-every", "0",
+                "--set", f'node.data_host="{host.ip}"',
                 "--set", f"train.inner_steps={INNER_STEPS}",
                 "--set", f"train.max_steps={self.steps * INNER_STEPS}",
                 "--set", "swarm.straggler_deadline=5",
                 *extra,
-            ),
+            )],
             self.logs / f"{name}.log",
             env={**os.environ, "OMP_NUM_THREADS": "1"},  # several nodes share this machine's cores
         )  # fmt: skip
@@ -239,9 +269,10 @@ def run_demo(
     kill_at: int = 4,
     timeout: float = 600.0,
     quiet: bool = False,
+    place: Placement = lambda name: Host(),
 ) -> dict[str, Any]:
     """Run the local swarm and return the summary (also printed unless `quiet`)."""
-    demo = _Demo(work_dir, nodes, steps, kill_at, timeout, quiet)
+    demo = _Demo(work_dir, nodes, steps, kill_at, timeout, quiet, place)
     summary: dict[str, Any] = {}
     problem = ""
     try:

@@ -70,6 +70,16 @@ def test_waits_for_nodes_still_training_until_the_deadline():
     assert election is not None and sorted(election.keys) == [key(1), key(3)]  # the straggler is left out
 
 
+def test_only_a_majority_goes_on_without_the_others():
+    """Two pairs that each see only their own ready records must not both take the step."""
+    pair = [beat(1, NodeState.READY, 4), beat(2, NodeState.READY, 4)]
+    others = [beat(3, NodeState.TRAINING, 4), beat(4, NodeState.TRAINING, 4)]
+    assert decide(pair + others, 4, deadline_passed=True) is None
+    assert sorted(decide(pair + others[:1], 4, deadline_passed=True).keys) == [key(1), key(2)]  # 2 of 3
+    everyone = [*pair, beat(3, NodeState.READY, 4), beat(4, NodeState.READY, 4)]
+    assert len(decide(everyone, 4, deadline_passed=False).keys) == 4
+
+
 def test_every_node_computes_the_same_election_from_the_same_records():
     beats = [beat(i, NodeState.READY, 7, tokens=10 * i) for i in range(1, 7)]
     reference = decide(beats, 7, False)

@@ -109,3 +109,25 @@ def test_training_survives_bootstrap_loss_sigterm_and_a_kill_mid_all_reduce(swar
     killed = latest_checkpoint(swarm.root / "c" / "checkpoints")
     assert killed is not None and checkpoint_step(killed) == 2  # after step 1; step 2 never finished
     assert params_hash_of(killed) == hashes[1]
+
+
+@pytest.mark.slow
+def test_a_straggler_past_the_deadline_is_left_out_then_replays_the_step_and_rejoins(
+    swarm: LocalSwarm,
+) -> None:
+    swarm.start_bootstrap()
+    run = ["--set", "train.max_steps=40", "--set", "swarm.wait_nodes=3"]
+    run += ["--set", "swarm.straggler_deadline=4"]
+    for name in ("a", "b", "c"):
+        env = {"P2PTRAIN_INJECT_LATE": "1:14"} if name == "c" else None  # ready(1) 14 s late
+        swarm.start_node(name, None, *run, train=True, env=env)
+    for name in ("a", "b", "c"):
+        assert swarm.children.wait(name, 300) == 0, swarm.log(name)
+    records = {name: metrics(swarm.root / name, "outer") for name in ("a", "b", "c")}
+    assert [r["members"] for r in records["a"]] == [3, 2, 3, 3], records["a"]
+    for step in range(4):
+        assert len({records[name][step]["params_hash"] for name in records}) == 1, f"step {step} differs"
+    # c, left out of step 1, took it from the others' all-reduce result instead of a checkpoint
+    assert records["c"][1]["replayed"] is True and records["c"][1]["members"] == 0
+    assert "took outer step 1 from the swarm's all-reduce result" in swarm.log("c")
+    assert "recovered step" not in swarm.log("c")

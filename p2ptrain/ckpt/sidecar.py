@@ -4,6 +4,8 @@
     GET /manifest              the manifest of the newest checkpoint (404 before the first one)
     GET /ckpt/{step}/{name}    one file of checkpoint step-N; Range requests work, so a download
                                can resume and be split across peers
+    GET /delta/{step}          the encoded all-reduce result of outer step N, while kept in RAM
+                               (ckpt/replay.py)
 
 Only files listed in that checkpoint's own manifest.json are served, and only from inside its
 folder: a request for anything else (`../`, another name) gets 404 and a log line.
@@ -18,6 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from p2ptrain.ckpt.manifest import MANIFEST_FILE, Manifest, ManifestError, parse_manifest
+from p2ptrain.ckpt.replay import RecentResults
 from p2ptrain.train.checkpoint import checkpoint_name
 from p2ptrain.web.server import start_app
 
@@ -25,15 +28,22 @@ log = logging.getLogger(__name__)
 
 
 class CheckpointSidecar:
-    def __init__(self, checkpoint_dir: Path, shared_config: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        checkpoint_dir: Path,
+        shared_config: dict[str, Any] | None = None,
+        results: RecentResults | None = None,
+    ):
         self.checkpoint_dir = checkpoint_dir
         self.shared_config = shared_config or {}
+        self.results = results or RecentResults(0)
         self.latest: Manifest | None = None
         self._runner: web.AppRunner | None = None
         app = web.Application()
         app.router.add_get("/manifest", self._manifest)
         app.router.add_get("/config", self._config)
         app.router.add_get("/ckpt/{step}/{name}", self._file)
+        app.router.add_get("/delta/{step}", self._delta)
         self._app = app
 
     async def start(self, host: str, port: int) -> int:
@@ -68,6 +78,13 @@ class CheckpointSidecar:
         if name not in manifest.files or path.parent != folder.resolve() or not path.is_file():
             return self._refuse(request, f"{name!r} is not a file of checkpoint {step}")
         return web.FileResponse(path, headers={"X-Checkpoint-Digest": manifest.digest})
+
+    async def _delta(self, request: web.Request) -> web.Response:
+        step = request.match_info["step"]
+        packed = self.results.get(int(step)) if step.isdigit() and len(step) <= 12 else None
+        if packed is None:
+            return self._refuse(request, f"no all-reduce result of step {step} kept")
+        return web.Response(body=packed, content_type="application/octet-stream")
 
     def _refuse(self, request: web.Request, reason: str) -> web.Response:
         log.warning("checkpoint sidecar: refused %s from %s: %s", request.path, request.remote, reason)

@@ -14,7 +14,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -65,6 +65,8 @@ class RingStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     frames: int = 0
+    result: list[tuple[int, int, bytes]] = field(default_factory=list)
+    """The encoded chunks (start, stop, payload) every member decoded: an exact record of the step."""
 
 
 def membership_digest(step: int, members: Sequence[RingMember]) -> bytes:
@@ -112,6 +114,7 @@ class DataPlaneServer:
         self._expected: dict[int, tuple[Admission, dict[bytes, asyncio.Future]]] = {}
         self._changed = asyncio.Event()
         self._latest_step = -1
+        self._completed_step = -1
         self._pending = 0
         self.address: tuple[str, int] = ("", 0)
 
@@ -147,10 +150,14 @@ class DataPlaneServer:
     def forget(self, step: int) -> None:
         self._expected.pop(step, None)
 
+    def completed(self, step: int) -> None:
+        """The all-reduce of `step` succeeded here: dials for it (or older) are refused at once."""
+        self._completed_step = max(self._completed_step, step)
+
     async def _admission(self, step: int) -> Admission | None:
         """Wait (bounded) for the local node to reach `step`: a fast peer may dial before we get there."""
-        if step not in self._expected and step < self._latest_step:
-            return None  # an older step than ours: nothing to wait for (ours may be retried)
+        if step not in self._expected and (step < self._latest_step or step <= self._completed_step):
+            return None  # an older step than ours, or one done here: nothing to wait for
         deadline = time.monotonic() + self.settings.setup_timeout
         while step not in self._expected:
             remaining = deadline - time.monotonic()

@@ -327,6 +327,7 @@ async def ring_all_reduce(
             for task in done:
                 task.result()  # the first failure propagates at once
         await _flush([writer for _, writer in outgoing.values()], settings.failure_timeout)
+        server.completed(step)
     except AllReduceError as exc:
         log.warning("all-reduce of step %d failed: %s", step, exc)
         raise
@@ -340,11 +341,15 @@ async def ring_all_reduce(
         raise AllReduceError(f"step {step}: {exc}") from exc
     finally:
         for task in tasks:
-            task.cancel()
+            if not task.done():
+                task.cancel()
+            elif not task.cancelled():
+                task.exception()  # a second failure after the first is expected, not news
         for _, writer in connections:
             writer.close()
         server.forget(step)
     await asyncio.get_running_loop().run_in_executor(None, plan.write_result, buffer)
+    plan.stats.result = plan.finals
     plan.stats.seconds = time.monotonic() - started
     return plan.stats
 

@@ -9,7 +9,10 @@ outer_step N, its data-plane address and its weight (tokens processed). Then eac
    own monotonic clock, so clock skew between hosts changes nothing. A node that sees only itself
    ready never goes on alone while another live node is at step N (its ready record may not have
    reached us; a one-member step has no handshake to reveal the disagreement), and otherwise only
-   after the deadline. So in a two-node swarm a straggler holds the other back;
+   after the deadline. Only a strict majority of the nodes at step N may go on without the
+   others: two halves that each see only their own ready records (a DHT view not yet converged)
+   must not both take the step. So in a two-node swarm a straggler holds the other back, and so
+   does a slow half of any swarm;
 2. takes the ready(N) nodes as the members, ordered by `ring_order`.
 
 Nodes whose views differ (a record not yet propagated, a straggler seen by some only) compute
@@ -107,8 +110,8 @@ def decide(
     heartbeats: Sequence[Heartbeat], step: int, deadline_passed: bool, throughput: Throughput | None = None
 ) -> Election | None:
     """The members of `step` if this view allows a decision now, else None (keep waiting)."""
-    ready = ready_for(heartbeats, step)
-    if not ready or (expected_for(heartbeats, step) and not deadline_passed):
+    ready, expected = ready_for(heartbeats, step), expected_for(heartbeats, step)
+    if not ready or (expected and (not deadline_passed or 2 * len(ready) <= len(ready) + len(expected))):
         return None
     if len(ready) == 1 and (not deadline_passed or _others_at(heartbeats, step, ready[0].node_key)):
         # Alone in this view: a one-member "all-reduce" has no handshake that would reveal a

@@ -183,6 +183,12 @@ class TrainingNode:
         reason = await self._guarded(self.swarm.off_track(step, self.params_hash))
         if reason is None:
             return False
+        assert self.vector is not None
+        if await self._guarded(self.swarm.replay(step, self.vector)):
+            self.say(f"{reason}: took outer step {step} from the swarm's all-reduce result")
+            self.view.note(step, 0, "replayed")
+            await channel.send(Averaged(step, 0, replayed=True))
+            return True
         path = await self._recover(f"off track: {reason}", wait=True)
         await channel.send(Averaged(step, 0, reload=str(path)))
         return True

@@ -67,6 +67,10 @@ class Averaged:
     bytes_sent: int = 0
     reload: str = ""
     """A checkpoint folder to load instead of taking this step: the node was off the swarm's track."""
+    replayed: bool = False
+    """The buffer holds the result of an all-reduce the swarm did without this node (ckpt/replay.py).
+    The swarm is then already in its next inner phase: the node takes that step without inner steps,
+    with weight 0, so it is in time to be a member of it."""
     kind: ClassVar[str] = "averaged"
 
 

@@ -53,10 +53,8 @@ class ProgressView:
     def outer(self, done: StepDone) -> None:
         members, note = self.notes.pop(done.outer_step, (0, ""))
         loss = "no inner steps (catching up)" if math.isnan(done.loss) else f"loss {done.loss:.4f}"
-        self.say(
-            f"outer step {done.outer_step}: {loss}, {members} member(s), {note}, "
-            f"params {done.params_hash[:12]}"
-        )
+        parts = [f"outer step {done.outer_step}: {loss}", f"{members} member(s)", note]
+        self.say(", ".join([part for part in parts if part] + [f"params {done.params_hash[:12]}"]))
 
     def close(self) -> None:
         if self.bar is not None:

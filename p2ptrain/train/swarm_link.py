@@ -4,6 +4,8 @@
 node trains alone. Recovery happens when a node joins a run in progress, and whenever a node finds
 itself off the swarm's track at an outer step: behind it (the others are past that step) or
 diverged from it (the params hash a majority of the step's members published differs from its own).
+A node behind by a step or two first tries to replay the steps it missed from their all-reduce
+results (ckpt/replay.py), which is a quarter of one checkpoint file's bytes per step.
 """
 
 from __future__ import annotations
@@ -22,6 +24,14 @@ import numpy as np
 
 from p2ptrain.ckpt.fetch import ACTIVE, fetch_checkpoint, majority_checkpoint, read_body
 from p2ptrain.ckpt.manifest import build_manifest
+from p2ptrain.ckpt.replay import (
+    RecentResults,
+    ReplayError,
+    fetch_result,
+    max_result_bytes,
+    pack_result,
+    unpack_into,
+)
 from p2ptrain.ckpt.sidecar import CheckpointSidecar
 from p2ptrain.comm.dataplane import DataPlaneServer
 from p2ptrain.config import Config, config_differences
@@ -83,6 +93,9 @@ class SoloSwarm:
     async def off_track(self, step: int, params_hash: str) -> str | None:
         return None
 
+    async def replay(self, step: int, vector: np.ndarray) -> bool:
+        return False
+
     async def recover(self, stop: asyncio.Event, dest: Path, wait: bool) -> Path | None:
         return None
 
@@ -98,7 +111,8 @@ class SwarmLink(SoloSwarm):
         self.identity = identity
         self.dht = dht
         self.server = DataPlaneServer(identity, ring_settings(config))
-        self.sidecar = CheckpointSidecar(checkpoint_dir, config.shared())
+        self.results = RecentResults(config.checkpoint.replay_steps)
+        self.sidecar = CheckpointSidecar(checkpoint_dir, config.shared(), self.results)
         self.publisher: HeartbeatPublisher | None = None
         self.sync: OuterSync | None = None
         self._keeper: asyncio.Task[None] | None = None
@@ -166,6 +180,11 @@ class SwarmLink(SoloSwarm):
             log.warning("outer step %d given up: %s", step, exc)
             return Averaged(step, 0), f"given up: {exc}"
         seconds = time.monotonic() - started
+        if result.stats.result and self.results.keep:
+            packed = await asyncio.to_thread(
+                pack_result, step, vector.shape[0], self.config.comm.quant_block, result.stats.result
+            )
+            self.results.add(step, packed)
         ring = [short_key(member.key) for member in result.election.members]
         averaged = Averaged(step, len(ring), ring, seconds, result.stats.bytes_sent)
         return averaged, f"sync {seconds:.2f} s, {result.stats.bytes_sent / 1e6:.2f} MB sent"
@@ -191,6 +210,28 @@ class SwarmLink(SoloSwarm):
             if majority != params_hash and 2 * count > len(at_step):
                 return f"its params differ from the majority's at outer step {step}"
         return None
+
+    async def replay(self, step: int, vector: np.ndarray) -> bool:
+        """If the swarm is past `step`, decode the result of its all-reduce of `step`, fetched from a
+        member that did it, into `vector`; False (vector unchanged) when the swarm is not ahead or
+        no member still keeps that result."""
+        peers = await self._peers()
+        if not swarm_ahead(peers, step, self.identity.public_key):
+            return False
+        # announce the step we aim for at once, so the others, soon ready for it, wait for us
+        await self.training(step + 1)
+        urls = [b.ckpt_addr for b in peers if b.outer_step > step and b.ckpt_addr]
+        comm = self.config.comm
+        limit = max_result_bytes(vector.shape[0], comm.quant_block, comm.chunk_bytes // 4)
+        packed = await fetch_result(urls, step, limit, self.config.checkpoint.fetch_timeout)
+        if packed is None:
+            return False
+        try:
+            await asyncio.to_thread(unpack_into, packed, step, vector, comm.quant_block)
+        except ReplayError as exc:
+            log.warning("result of step %d refused: %s", step, exc)
+            return False
+        return True
 
     async def recover(self, stop: asyncio.Event, dest: Path, wait: bool) -> Path | None:
         """Download the majority's checkpoint; None when no live member has one (a fresh run).

@@ -269,6 +269,7 @@ class Trainer:
                 members=averaged.members if averaged else 0,
                 ring=averaged.ring if averaged else [],
                 sync_s=round(averaged.sync_s, 3) if averaged else 0.0,
+                replayed=averaged.replayed if averaged else False,
                 bytes_sent=averaged.bytes_sent if averaged else 0,
                 finite=ready.finite if ready else True,
                 params_hash=params_hash,
@@ -289,20 +290,21 @@ class Trainer:
         started = time.monotonic()
         ready = self.prepare_outer(tokens)
         averaged = self.link.average(ready, self.buffer) if ready is not None else None
-        reload = self._shared_reload_path(averaged.reload if averaged else "")
+        reload, replayed = self._shared_instruction(averaged)
         if reload:
             self.resume(Path(reload), own_data=False)
             self.skip_next_inner = True
             return None
+        self.skip_next_inner = replayed
         return self.apply_outer(ready, averaged, time.monotonic() - started)
 
-    def _shared_reload_path(self, path: str) -> str:
-        """Rank 0's reload instruction, made known to every local rank."""
-        if self.ctx.cpu_group is None:
-            return path
-        box = [path]
-        dist.broadcast_object_list(box, src=0, group=self.ctx.cpu_group)
-        return str(box[0])
+    def _shared_instruction(self, averaged: Averaged | None) -> tuple[str, bool]:
+        """Rank 0's catch-up instruction (a checkpoint to reload; a replayed step), made known to
+        every local rank."""
+        box = [averaged.reload, averaged.replayed] if averaged else ["", False]
+        if self.ctx.cpu_group is not None:
+            dist.broadcast_object_list(box, src=0, group=self.ctx.cpu_group)
+        return str(box[0]), bool(box[1])
 
     def _adam_moments(self, create: bool = False) -> dict[str, dict[str, torch.Tensor]]:
         return adam_moments(self.model, self.optimizer, self.inner_step, create)

@@ -1,0 +1,129 @@
+"""Catching up by replay: the encoded results of recent all-reduces, for nodes a step or two behind.
+
+Every member of outer step N decodes the same int8 bytes into its averaged pseudo-gradient
+(comm/ring.py), so those bytes — about a quarter of the fp32 vector — are an exact record of the
+step. A node that fell behind (a joiner whose checkpoint download took longer than an outer step, a
+straggler left out of a step) fetches them from a member that did the step and takes the same
+Nesterov step from the same θ_outer and momentum: it lands on bit-identical params without
+downloading a whole checkpoint again, over a slow link often the difference between catching up
+and chasing the swarm forever. The outcome is checked by the params hash the swarm publishes: a
+node whose hash then differs from the majority's fetches a full checkpoint (TrainingNode's
+off-track check).
+
+Served by the checkpoint sidecar as GET /delta/{step}: a u32 header length, a msgpack header
+{"step", "numel", "block", "chunks": [[start, stop], …]}, then each chunk's payload (quant.py's wire
+encoding) in that order.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import aiohttp
+import msgpack
+import numpy as np
+
+from p2ptrain.comm import quant
+from p2ptrain.untrusted import unpack_untrusted
+
+log = logging.getLogger(__name__)
+
+_HEADER_LENGTH = struct.Struct("<I")
+MAX_HEADER = 1 << 20
+"""Bound on the header (a few bytes per chunk: 4 MiB chunks leave room for a 10¹¹-value model)."""
+
+
+class ReplayError(ValueError):
+    """A stored result is malformed or not the one asked for."""
+
+
+def pack_result(step: int, numel: int, block: int, chunks: Sequence[tuple[int, int, bytes]]) -> bytes:
+    """Serialize the encoded chunks (start, stop, payload) of step `step`'s result."""
+    ordered = sorted(chunks)
+    header = msgpack.packb(
+        {"step": step, "numel": numel, "block": block, "chunks": [[a, b] for a, b, _ in ordered]}
+    )
+    return b"".join([_HEADER_LENGTH.pack(len(header)), header, *(payload for _, _, payload in ordered)])
+
+
+def max_result_bytes(numel: int, block: int, chunk_values: int) -> int:
+    """Upper bound on a packed result of `numel` values (for bounded reads)."""
+    chunks = numel // max(1, chunk_values) + 64
+    return _HEADER_LENGTH.size + MAX_HEADER + quant.payload_size(numel, block) + 8 * chunks
+
+
+def unpack_into(data: bytes, step: int, buffer: np.ndarray, block: int) -> None:
+    """Decode a packed result of `step` into `buffer` (fp32, the whole vector); ReplayError if the
+    data is malformed, of another step, or does not cover the vector exactly once."""
+    if len(data) < _HEADER_LENGTH.size:
+        raise ReplayError("truncated result")
+    (size,) = _HEADER_LENGTH.unpack_from(data)
+    if size > MAX_HEADER or _HEADER_LENGTH.size + size > len(data):
+        raise ReplayError(f"bad header length {size}")
+    body_start = _HEADER_LENGTH.size + size
+    try:
+        header = unpack_untrusted(data[_HEADER_LENGTH.size : body_start], MAX_HEADER, MAX_HEADER)
+        chunks = [(int(a), int(b)) for a, b in header["chunks"]]
+        got = (int(header["step"]), int(header["numel"]), int(header["block"]))
+    except Exception as exc:
+        raise ReplayError(f"malformed header ({exc})") from None
+    if got != (step, buffer.shape[0], block):
+        raise ReplayError(f"result of (step, values, block) {got}, wanted {(step, buffer.shape[0], block)}")
+    offset, position = body_start, 0
+    decoded: list[tuple[int, int, quant.Encoded]] = []
+    for start, stop in chunks:
+        if start != position or stop <= start:
+            raise ReplayError(f"chunk [{start}, {stop}) does not continue at {position}")
+        length = quant.payload_size(stop - start, block)
+        try:
+            encoded = quant.decode_payload(data[offset : offset + length], stop - start, block)
+        except quant.PayloadError as exc:
+            raise ReplayError(str(exc)) from None
+        decoded.append((start, stop, encoded))
+        offset, position = offset + length, stop
+    if position != buffer.shape[0] or offset != len(data):
+        left = len(data) - offset
+        raise ReplayError(f"result covers {position} of {buffer.shape[0]} values, {left} bytes left over")
+    for start, stop, encoded in decoded:  # only once all of it checked out: the buffer stays intact
+        quant.dequantize(encoded, buffer[start:stop])
+
+
+class RecentResults:
+    """The packed results of the last `keep` outer steps this node took part in (in RAM)."""
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self._results: OrderedDict[int, bytes] = OrderedDict()
+
+    def add(self, step: int, packed: bytes) -> None:
+        if self.keep <= 0:
+            return
+        self._results[step] = packed
+        while len(self._results) > self.keep:
+            self._results.popitem(last=False)
+
+    def get(self, step: int) -> bytes | None:
+        return self._results.get(step)
+
+
+async def fetch_result(urls: Sequence[str], step: int, limit: int, timeout: float) -> bytes | None:
+    """The packed result of `step` from the first of `urls` (sidecar base URLs) that serves it."""
+    from p2ptrain.ckpt.fetch import read_body
+
+    client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
+    async with aiohttp.ClientSession(timeout=client_timeout) as session:
+        for url in urls:
+            try:
+                async with session.get(f"{url}/delta/{step}") as response:
+                    if response.status != 200:
+                        continue
+                    body = await read_body(response, limit)
+                    if len(body) <= limit:
+                        return body
+                    log.warning("%s: result of step %d larger than %d bytes; skipped", url, step, limit)
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                log.warning("%s: no result of step %d (%s)", url, step, exc)
+    return None

@@ -1,0 +1,102 @@
+"""Replaying a missed outer step from its encoded all-reduce result (ckpt/replay.py, the sidecar)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import numpy as np
+import pytest
+
+from p2ptrain.ckpt.replay import RecentResults, ReplayError, fetch_result, pack_result, unpack_into
+from p2ptrain.ckpt.sidecar import CheckpointSidecar
+from p2ptrain.comm import quant
+
+BLOCK = 256
+
+
+def encoded_chunks(values: np.ndarray, bounds: list[int]) -> list[tuple[int, int, bytes]]:
+    return [(a, b, quant.encode_payload(values[a:b], BLOCK)) for a, b in itertools.pairwise(bounds)]
+
+
+@pytest.fixture
+def result() -> tuple[np.ndarray, bytes]:
+    """(what every member decoded, the packed result) of a 10 000-value step 7 in three chunks."""
+    values = np.random.default_rng(0).standard_normal(10_000).astype(np.float32)
+    chunks = encoded_chunks(values, [0, 4096, 8192, 10_000])
+    decoded = np.empty_like(values)
+    for start, stop, payload in chunks:
+        quant.dequantize(quant.decode_payload(payload, stop - start, BLOCK), decoded[start:stop])
+    return decoded, pack_result(7, values.size, BLOCK, chunks[::-1])  # any order in, sorted out
+
+
+def test_replay_gives_the_members_bytes_exactly(result: tuple[np.ndarray, bytes]) -> None:
+    decoded, packed = result
+    buffer = np.zeros(decoded.size, np.float32)
+    unpack_into(packed, 7, buffer, BLOCK)
+    assert buffer.tobytes() == decoded.tobytes()
+
+
+@pytest.mark.parametrize(
+    ("mutate", "needle"),
+    [
+        (lambda p: p[:3], "truncated"),
+        (lambda p: p[:-1], "payload of"),
+        (lambda p: p + b"x", "left over"),
+        (lambda p: b"\xff\xff\xff\x7f" + p[4:], "header length"),
+        (lambda p: p[:4] + b"\xc1" * (len(p) - 4), "malformed header"),
+    ],
+)
+def test_malformed_results_are_refused_and_leave_the_buffer_alone(
+    result: tuple[np.ndarray, bytes], mutate, needle: str
+) -> None:
+    _, packed = result
+    buffer = np.full(10_000, 3.0, np.float32)
+    with pytest.raises(ReplayError, match=needle):
+        unpack_into(mutate(packed), 7, buffer, BLOCK)
+    assert (buffer == 3.0).all()
+
+
+def test_a_result_of_another_step_size_or_with_gaps_is_refused(result: tuple[np.ndarray, bytes]) -> None:
+    _, packed = result
+    with pytest.raises(ReplayError, match="wanted"):
+        unpack_into(packed, 8, np.zeros(10_000, np.float32), BLOCK)
+    with pytest.raises(ReplayError, match="wanted"):
+        unpack_into(packed, 7, np.zeros(9_999, np.float32), BLOCK)
+    values = np.ones(10_000, np.float32)
+    gap = pack_result(7, 10_000, BLOCK, [c for c in encoded_chunks(values, [0, 4096, 8192, 10_000]) if c[0]])
+    with pytest.raises(ReplayError, match="does not continue"):
+        unpack_into(gap, 7, np.zeros(10_000, np.float32), BLOCK)
+    poisoned = bytearray(pack_result(7, 256, BLOCK, encoded_chunks(values, [0, 256])))
+    poisoned[-8:-4] = np.float32(np.nan).tobytes()  # the block's min
+    with pytest.raises(ReplayError, match="non-finite"):
+        unpack_into(bytes(poisoned), 7, np.zeros(256, np.float32), BLOCK)
+
+
+def test_only_the_last_results_are_kept() -> None:
+    kept = RecentResults(2)
+    for step in range(4):
+        kept.add(step, bytes([step]))
+    assert [kept.get(step) for step in range(4)] == [None, None, b"\x02", b"\x03"]
+    off = RecentResults(0)
+    off.add(1, b"x")
+    assert off.get(1) is None
+
+
+def test_the_sidecar_serves_kept_results_and_fetch_skips_peers_without_them(tmp_path, caplog) -> None:
+    async def scenario() -> None:
+        with_result, without = RecentResults(2), RecentResults(2)
+        with_result.add(5, b"packed-step-5")
+        sidecars = [CheckpointSidecar(tmp_path, results=kept) for kept in (without, with_result)]
+        ports = [await sidecar.start("127.0.0.1", 0) for sidecar in sidecars]
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+        try:
+            assert await fetch_result(urls, 5, 1 << 20, 5.0) == b"packed-step-5"
+            assert await fetch_result(urls, 4, 1 << 20, 5.0) is None
+            assert await fetch_result(urls[1:], 5, 4, 5.0) is None  # larger than the bound
+        finally:
+            for sidecar in sidecars:
+                await sidecar.close()
+
+    asyncio.run(scenario())
+    assert "no all-reduce result of step 4 kept" in caplog.text
