@@ -56,6 +56,8 @@ def _worker(
             result = {"params": trainer.outer.params if rank == 0 else None, "loss": trainer.last_loss}
         if rank == 0:
             torch.save(result, out)
+        if dist.is_initialized():
+            dist.barrier()  # gloo aborts a rank whose peer tears the group down while it still talks
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -11,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from p2ptrain.procs import ChildProcesses, free_port  # noqa: F401 - the tests' port helper
+from p2ptrain.train.metrics import read_metrics
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 SOCKET_DIR = Path("/tmp")
@@ -149,3 +151,41 @@ class LocalSwarm:
 
     def stop(self) -> list[int]:
         return self.children.stop_all()
+
+
+# ---- what training nodes leave in their work directories ------------------------------------
+
+
+def metrics(work_dir: Path, kind: str) -> list[dict]:
+    return [record for record in read_metrics(work_dir / "metrics.jsonl") if record["kind"] == kind]
+
+
+def stalls(work_dirs: list[Path]) -> dict[int, float]:
+    """Per outer step: seconds from the last member's last inner step to the end of the step.
+
+    Time a fast node spends waiting for slower ones to finish their inner steps is not a stall."""
+    ready: dict[int, float] = {}
+    done: dict[int, float] = {}
+    for work_dir in work_dirs:
+        inner = metrics(work_dir, "inner")
+        for record in metrics(work_dir, "outer"):
+            step = record["step"]
+            own = [r["time"] for r in inner if r["outer_step"] == step]
+            if not own:
+                continue  # a step taken without inner steps (caught up, replayed): no ready time
+            last_inner = max(own)
+            ready[step] = max(ready.get(step, 0.0), last_inner)
+            done[step] = max(done.get(step, 0.0), record["time"])
+    return {step: done[step] - ready[step] for step in done}
+
+
+def params_hash_of(checkpoint: Path) -> str:
+    """sha256 of the checkpoint's θ_outer, as the trainer computes it after an outer step."""
+    from p2ptrain.config import load_config
+    from p2ptrain.train.checkpoint import load_state
+    from p2ptrain.train.layout import CanonicalLayout
+    from p2ptrain.train.model import Transformer
+
+    layout = CanonicalLayout.of(Transformer(load_config("debug").model))
+    flat, _, _ = load_state(checkpoint, layout)
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from p2ptrain.train.checkpoint import latest_checkpoint
 from p2ptrain.train.metrics import read_metrics
-from tests.helpers import cli, socket_files
+from tests.helpers import cli, params_hash_of, socket_files, stalls
 
 
 @pytest.mark.slow
@@ -27,9 +28,17 @@ def test_demo_trains_loses_a_node_takes_in_a_new_one(tmp_path: Path) -> None:
     assert all(step["members"] >= 2 for step in summary["steps"])
     assert socket_files() - before == set()
     assert list(Path(summary["checkpoints"]).glob("step-*"))
-    # the joiner's own records: a member from its first outer step on, with the others' params
+    # the joiner's own records: from its first outer step on, each one a member of the step or (where
+    # the swarm had done the step by the time the joiner was ready) the step replayed
     joined = [r for r in read_metrics(tmp_path / "demo" / "node3" / "metrics.jsonl") if r["kind"] == "outer"]
-    assert joined and joined[0]["members"] >= 2 and joined[-1]["step"] == 5
+    assert joined and joined[-1]["step"] == 5 and joined[-1]["members"] >= 2
+    assert all(r["members"] >= 2 or r["replayed"] for r in joined), joined
+    # the SIGKILL during inner steps held no step up past heartbeat_timeout + the ring's bound
+    nodes = [tmp_path / "demo" / f"node{i}" for i in range(4)]
+    assert max(stalls(nodes).values()) <= 6 + 5, stalls(nodes)
+    # and the checkpoints on disk load and hold the params every node had after the last step
+    latest = latest_checkpoint(Path(summary["checkpoints"]))
+    assert latest is not None and params_hash_of(latest) == joined[-1]["params_hash"]
 
 
 def test_demo_prints_progress_and_a_summary(tmp_path: Path) -> None:

@@ -112,6 +112,8 @@ def main() -> int:
             own_data=not spec.get("skip_first_inner"),
         )
         trainer.run(skip_first_inner=bool(spec.get("skip_first_inner")))
+        if dist.is_initialized():
+            dist.barrier()  # gloo aborts a rank whose peer tears the group down while it still talks
     except ChannelError as exc:
         print(f"rank {rank}: {exc}; stopping", file=sys.stderr)
         return 1
