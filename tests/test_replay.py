@@ -8,7 +8,14 @@ import itertools
 import numpy as np
 import pytest
 
-from p2ptrain.ckpt.replay import RecentResults, ReplayError, fetch_result, pack_result, unpack_into
+from p2ptrain.ckpt.replay import (
+    RecentResults,
+    ReplayError,
+    StepResult,
+    fetch_result,
+    pack_result,
+    unpack_into,
+)
 from p2ptrain.ckpt.sidecar import CheckpointSidecar
 from p2ptrain.comm import quant
 
@@ -73,25 +80,34 @@ def test_a_result_of_another_step_size_or_with_gaps_is_refused(result: tuple[np.
         unpack_into(bytes(poisoned), 7, np.zeros(256, np.float32), BLOCK)
 
 
+def one_chunk(value: float) -> StepResult:
+    return StepResult(BLOCK, BLOCK, encoded_chunks(np.full(BLOCK, value, np.float32), [0, BLOCK]))
+
+
 def test_only_the_last_results_are_kept() -> None:
     kept = RecentResults(2)
     for step in range(4):
-        kept.add(step, bytes([step]))
-    assert [kept.get(step) for step in range(4)] == [None, None, b"\x02", b"\x03"]
+        kept.add(step, one_chunk(step))
+    assert [kept.packed(step) for step in range(4)] == [
+        None,
+        None,
+        pack_result(2, BLOCK, BLOCK, one_chunk(2).chunks),
+        pack_result(3, BLOCK, BLOCK, one_chunk(3).chunks),
+    ]
     off = RecentResults(0)
-    off.add(1, b"x")
-    assert off.get(1) is None
+    off.add(1, one_chunk(1))
+    assert off.packed(1) is None
 
 
 def test_the_sidecar_serves_kept_results_and_fetch_skips_peers_without_them(tmp_path, caplog) -> None:
     async def scenario() -> None:
         with_result, without = RecentResults(2), RecentResults(2)
-        with_result.add(5, b"packed-step-5")
+        with_result.add(5, one_chunk(5))
         sidecars = [CheckpointSidecar(tmp_path, results=kept) for kept in (without, with_result)]
         ports = [await sidecar.start("127.0.0.1", 0) for sidecar in sidecars]
         urls = [f"http://127.0.0.1:{port}" for port in ports]
         try:
-            assert await fetch_result(urls, 5, 1 << 20, 5.0) == b"packed-step-5"
+            assert await fetch_result(urls, 5, 1 << 20, 5.0) == with_result.packed(5)
             assert await fetch_result(urls, 4, 1 << 20, 5.0) is None
             assert await fetch_result(urls[1:], 5, 4, 5.0) is None  # larger than the bound
         finally:

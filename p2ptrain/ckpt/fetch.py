@@ -58,6 +58,11 @@ def majority_checkpoint(
     return digest, [b for b in announced if b.ckpt_digest == digest]
 
 
+def stall_timeout(seconds: float) -> aiohttp.ClientTimeout:
+    """No bound on a whole transfer (files are large), only on a peer that goes silent."""
+    return aiohttp.ClientTimeout(total=None, sock_connect=seconds, sock_read=seconds)
+
+
 async def read_body(response: aiohttp.ClientResponse, limit: int) -> bytes:
     """The whole body, or its first limit + 1 bytes if longer (the caller's parser then refuses it).
 
@@ -155,7 +160,7 @@ async def fetch_checkpoint(digest: str, holders: Sequence[Heartbeat], dest_dir: 
 
     One holder's manifest (and its node-specific files) at a time; if that holder fails, the next
     one's, keeping the shared files already verified."""
-    client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
+    client_timeout = stall_timeout(timeout)
     urls = [holder.ckpt_addr.rstrip("/") for holder in holders]
     last_problem = "no peer served the majority's checkpoint manifest"
     async with aiohttp.ClientSession(timeout=client_timeout) as session:

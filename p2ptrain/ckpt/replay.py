@@ -21,11 +21,13 @@ import logging
 import struct
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import aiohttp
 import msgpack
 import numpy as np
 
+from p2ptrain.ckpt.fetch import read_body, stall_timeout
 from p2ptrain.comm import quant
 from p2ptrain.untrusted import unpack_untrusted
 
@@ -91,30 +93,41 @@ def unpack_into(data: bytes, step: int, buffer: np.ndarray, block: int) -> None:
         quant.dequantize(encoded, buffer[start:stop])
 
 
+@dataclass(frozen=True)
+class StepResult:
+    """The encoded chunks (start, stop, payload) of one step's result, as the ring left them."""
+
+    numel: int
+    block: int
+    chunks: Sequence[tuple[int, int, bytes]]
+
+
 class RecentResults:
-    """The packed results of the last `keep` outer steps this node took part in (in RAM)."""
+    """The results of the last `keep` outer steps this node took part in (in RAM).
+
+    Kept as the ring's own chunks (no copy on the outer step's path) and packed only when a node
+    behind asks for one."""
 
     def __init__(self, keep: int):
         self.keep = keep
-        self._results: OrderedDict[int, bytes] = OrderedDict()
+        self._results: OrderedDict[int, StepResult] = OrderedDict()
 
-    def add(self, step: int, packed: bytes) -> None:
-        if self.keep <= 0:
+    def add(self, step: int, result: StepResult) -> None:
+        if self.keep <= 0 or not result.chunks:  # a one-member step has no encoded result
             return
-        self._results[step] = packed
+        self._results[step] = result
         while len(self._results) > self.keep:
             self._results.popitem(last=False)
 
-    def get(self, step: int) -> bytes | None:
-        return self._results.get(step)
+    def packed(self, step: int) -> bytes | None:
+        """The result of `step` in the /delta format, or None when it is not kept."""
+        result = self._results.get(step)
+        return None if result is None else pack_result(step, result.numel, result.block, result.chunks)
 
 
 async def fetch_result(urls: Sequence[str], step: int, limit: int, timeout: float) -> bytes | None:
     """The packed result of `step` from the first of `urls` (sidecar base URLs) that serves it."""
-    from p2ptrain.ckpt.fetch import read_body
-
-    client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
-    async with aiohttp.ClientSession(timeout=client_timeout) as session:
+    async with aiohttp.ClientSession(timeout=stall_timeout(timeout)) as session:
         for url in urls:
             try:
                 async with session.get(f"{url}/delta/{step}") as response:

@@ -13,6 +13,7 @@ folder: a request for anything else (`../`, another name) gets 404 and a log lin
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 from typing import Any
@@ -81,7 +82,8 @@ class CheckpointSidecar:
 
     async def _delta(self, request: web.Request) -> web.Response:
         step = request.match_info["step"]
-        packed = self.results.get(int(step)) if step.isdigit() and len(step) <= 12 else None
+        valid = step.isdigit() and len(step) <= 12
+        packed = await asyncio.to_thread(self.results.packed, int(step)) if valid else None
         if packed is None:
             return self._refuse(request, f"no all-reduce result of step {step} kept")
         return web.Response(body=packed, content_type="application/octet-stream")

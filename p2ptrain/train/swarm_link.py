@@ -27,9 +27,9 @@ from p2ptrain.ckpt.manifest import build_manifest
 from p2ptrain.ckpt.replay import (
     RecentResults,
     ReplayError,
+    StepResult,
     fetch_result,
     max_result_bytes,
-    pack_result,
     unpack_into,
 )
 from p2ptrain.ckpt.sidecar import CheckpointSidecar
@@ -180,11 +180,7 @@ class SwarmLink(SoloSwarm):
             log.warning("outer step %d given up: %s", step, exc)
             return Averaged(step, 0), f"given up: {exc}"
         seconds = time.monotonic() - started
-        if result.stats.result and self.results.keep:
-            packed = await asyncio.to_thread(
-                pack_result, step, vector.shape[0], self.config.comm.quant_block, result.stats.result
-            )
-            self.results.add(step, packed)
+        self.results.add(step, StepResult(vector.shape[0], self.config.comm.quant_block, result.stats.result))
         ring = [short_key(member.key) for member in result.election.members]
         averaged = Averaged(step, len(ring), ring, seconds, result.stats.bytes_sent)
         return averaged, f"sync {seconds:.2f} s, {result.stats.bytes_sent / 1e6:.2f} MB sent"
@@ -220,7 +216,7 @@ class SwarmLink(SoloSwarm):
             return False
         # announce the step we aim for at once, so the others, soon ready for it, wait for us
         await self.training(step + 1)
-        urls = [b.ckpt_addr for b in peers if b.outer_step > step and b.ckpt_addr]
+        urls = [b.ckpt_addr.rstrip("/") for b in peers if b.outer_step > step and b.ckpt_addr]
         comm = self.config.comm
         limit = max_result_bytes(vector.shape[0], comm.quant_block, comm.chunk_bytes // 4)
         packed = await fetch_result(urls, step, limit, self.config.checkpoint.fetch_timeout)
