@@ -49,8 +49,11 @@ def rank_pids(agent_pid: int) -> dict[int, int]:
 @pytest.mark.slow
 def test_two_nodes_of_two_ranks_hold_the_same_params_after_every_outer_step(swarm: LocalSwarm) -> None:
     swarm.start_bootstrap()
-    for name in ("a", "b"):
-        swarm.start_node(name, None, "--nproc", "2", *SHORT, "--set", "swarm.wait_nodes=2", train=True)
+    for shard, name in enumerate(("a", "b")):  # pinned: two random node keys share a shard 1 time in 64
+        pinned = ["--set", f"data.shard={shard}"]
+        swarm.start_node(
+            name, None, "--nproc", "2", *SHORT, *pinned, "--set", "swarm.wait_nodes=2", train=True
+        )
     for name in ("a", "b"):
         assert swarm.children.wait(name, 240) == 0, swarm.log(name)
     a, b = outer_records(swarm.root / "a"), outer_records(swarm.root / "b")
