@@ -21,6 +21,7 @@ from typing import Any
 from p2ptrain import __version__
 from p2ptrain.config import Config, load_config, to_toml
 from p2ptrain.errors import UserError
+from p2ptrain.faults import shift_wall_clock
 
 log = logging.getLogger("p2ptrain")
 
@@ -481,8 +482,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
-    _quiet_hivemind(args.log_level)
     try:
+        shift_wall_clock()  # a fault hook for tests; before hivemind binds its clock
+        _quiet_hivemind(args.log_level)
         return args.handler(args)
     except UserError as exc:
         print(f"p2ptrain: error: {exc}", file=sys.stderr)

@@ -72,6 +72,10 @@ class SwarmConfig(Section):
     """Bootstrap multiaddresses (also from --peer or the PEER environment variable)."""
     heartbeat_interval: float = Field(1.0, gt=0, le=60)
     heartbeat_timeout: float = Field(6.0, gt=0, le=600)
+    """A node whose heartbeat sequence has not advanced for this long (on the reader's clock) is dead."""
+    max_clock_skew: float = Field(30.0, ge=0, le=3600)
+    """How far nodes' wall clocks may differ: heartbeat records stay in the DHT (whose expiration
+    times are wall-clock) for heartbeat_timeout + this, and liveness never compares clocks."""
     dht_timeout: float = Field(5.0, gt=0, le=120)
     """Bound on every single DHT store or get."""
     connect_retries: int = Field(4, ge=1, le=100)
@@ -85,6 +89,11 @@ class SwarmConfig(Section):
     """A node starts training once this many live nodes (itself included) are in the swarm table."""
     sync_retries: int = Field(20, ge=1, le=1000)
     """Elections and all-reduces tried for one step before the node gives the step up."""
+
+    @property
+    def record_lifetime(self) -> float:
+        """Seconds a heartbeat record lives in the DHT after its sender's clock says it was stored."""
+        return self.heartbeat_timeout + self.max_clock_skew
 
 
 class ModelConfig(Section):

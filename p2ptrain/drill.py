@@ -46,7 +46,7 @@ async def run_drill(
         dht,
         identity,
         config.run.id,
-        ttl=config.swarm.heartbeat_timeout,
+        ttl=config.swarm.record_lifetime,
         config_digest=config.digest(),
         data_addr=data_address(config, port),
     )
@@ -57,7 +57,7 @@ async def run_drill(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     print(f"drill: {steps} outer steps of {size} values, data plane on port {port}", file=out, flush=True)
     try:
-        await wait_for_nodes(config, dht, stop, out, min_nodes)
+        await wait_for_nodes(config, sync.view, stop, out, min_nodes)
         with log_path.open("a") as log_file:
             for step in range(steps):
                 if stop.is_set():

@@ -6,12 +6,16 @@ Read once per process from the environment:
     P2PTRAIN_INJECT_LATE=N:SECONDS    the node reports ready(N) SECONDS late: a straggler (trainer)
     P2PTRAIN_INJECT_DIE_IN_SYNC=N     the node SIGKILLs itself once the all-reduce of step N has data
                                       in flight, as a machine that loses power mid-reduce (agent)
+    P2PTRAIN_INJECT_CLOCK_OFFSET=S    the process's wall clock (time.time) runs S seconds ahead (or
+                                      behind, when negative), as on a host whose clock is off; set
+                                      by `shift_wall_clock` at process start, before hivemind loads
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
 
 from p2ptrain.errors import UserError
@@ -25,6 +29,26 @@ def _step(name: str) -> int:
         return int(text) if text else NEVER
     except ValueError:
         raise UserError(f"{name}={text!r}: expected an outer step number") from None
+
+
+def shift_wall_clock() -> float:
+    """Apply P2PTRAIN_INJECT_CLOCK_OFFSET to time.time in this process (and the children it forks).
+
+    Must run before hivemind is imported: it binds its DHT clock to time.time at import. The
+    monotonic clock is left alone, as it is on a host whose wall clock is merely set wrong.
+    """
+    text = os.environ.get("P2PTRAIN_INJECT_CLOCK_OFFSET", "")
+    if not text:
+        return 0.0
+    try:
+        offset = float(text)
+    except ValueError:
+        raise UserError(f"P2PTRAIN_INJECT_CLOCK_OFFSET={text!r}: expected seconds, e.g. -5") from None
+    if offset:
+        true_time, true_time_ns = time.time, time.time_ns
+        time.time = lambda: true_time() + offset  # type: ignore[assignment]
+        time.time_ns = lambda: true_time_ns() + int(offset * 1e9)  # type: ignore[assignment]
+    return offset
 
 
 @dataclass(frozen=True)

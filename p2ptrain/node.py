@@ -17,7 +17,7 @@ from typing import TextIO
 from p2ptrain.config import Config
 from p2ptrain.identity import NodeIdentity, ensure_p2p_identity, load_or_create_identity
 from p2ptrain.swarm.dht import DHTSettings, SwarmDHT
-from p2ptrain.swarm.membership import HeartbeatPublisher, read_heartbeats
+from p2ptrain.swarm.membership import HeartbeatPublisher, SwarmView
 from p2ptrain.swarm.records import HeartbeatValidator, NodeState
 from p2ptrain.swarm.status import format_table
 
@@ -63,8 +63,9 @@ async def run_node(
 ) -> None:
     """Heartbeat until `stop` is set, then send the deathrattle (bounded by the DHT timeout)."""
     publisher = HeartbeatPublisher(
-        dht, identity, config.run.id, ttl=config.swarm.heartbeat_timeout, config_digest=config.digest()
+        dht, identity, config.run.id, ttl=config.swarm.record_lifetime, config_digest=config.digest()
     )
+    view = SwarmView(dht, config.run.id, config.swarm.heartbeat_timeout)
     print(
         f"node {identity.short_id} joined run {config.run.id!r} as DHT peer {dht.peer_id}",
         file=out,
@@ -75,15 +76,14 @@ async def run_node(
     if config.node.dashboard:
         from p2ptrain.web.dashboard import serve_dashboard
 
-        run_id = config.run.id
-        page = await serve_dashboard(config.node.dashboard, lambda: read_heartbeats(dht, run_id), run_id, out)
+        page = await serve_dashboard(config.node.dashboard, view.read, config.run.id, out)
     try:
         while not stop.is_set():
             if not await publisher.publish(state=NodeState.IDLE):
                 log.warning("heartbeat not stored by any DHT peer; retrying")
             if table_every > 0 and time.monotonic() >= next_table:
                 next_table = time.monotonic() + table_every
-                print(format_table(await read_heartbeats(dht, config.run.id)), file=out, flush=True)
+                print(format_table(await view.read()), file=out, flush=True)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), config.swarm.heartbeat_interval)
     finally:

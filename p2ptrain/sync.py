@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,11 +20,14 @@ from p2ptrain.comm.ring import ring_all_reduce
 from p2ptrain.config import Config
 from p2ptrain.faults import Faults
 from p2ptrain.swarm.dht import SwarmDHT
-from p2ptrain.swarm.election import Election, SwarmAhead, elect
-from p2ptrain.swarm.membership import HeartbeatPublisher, live, read_heartbeats
+from p2ptrain.swarm.election import LINK_PREFIX_HEX, LINKS_FIELD, Election, SwarmAhead, elect
+from p2ptrain.swarm.membership import HeartbeatPublisher, SwarmView, live
 from p2ptrain.swarm.records import NodeState
 
 log = logging.getLogger(__name__)
+
+MAX_PUBLISHED_LINKS = 16
+"""Slow links a node keeps in its heartbeat (~30 bytes each; records stay far below 16 KiB)."""
 
 
 class StepGivenUp(RuntimeError):
@@ -68,18 +72,40 @@ class OuterSync:
         self.dht = dht
         self.publisher = publisher
         self.server = server
+        self.view = SwarmView(dht, config.run.id, config.swarm.heartbeat_timeout)
         self.faults = Faults.from_env()
+        self.links: dict[bytes, float] = {}
+        """Receiver key → bytes/s of our slow links, latest measurement; published when ready."""
 
     async def _live_heartbeats(self) -> list:
         """Live nodes of this run with this config: a node of another config is never a member."""
         digest = self.config.digest()
-        beats = live(await read_heartbeats(self.dht, self.config.run.id))
+        beats = live(await self.view.read())
         return [beat for beat in beats if beat.config_digest in (digest, "")]
+
+    def _remember_links(self, rates: dict[bytes, float]) -> None:
+        for key, rate in rates.items():
+            self.links.pop(key, None)
+            if math.isfinite(rate):
+                self.links[key] = rate  # the newest last, so the oldest go first below
+        while len(self.links) > MAX_PUBLISHED_LINKS:
+            self.links.pop(next(iter(self.links)))
+
+    def _extra_with_links(self) -> dict:
+        """The record's extra fields with our slow links, which elections use to order the ring."""
+        extra = {key: value for key, value in self.publisher.current.extra.items() if key != LINKS_FIELD}
+        if self.links:
+            extra[LINKS_FIELD] = {
+                key.hex()[:LINK_PREFIX_HEX]: round(rate) for key, rate in self.links.items()
+            }
+        return extra
 
     async def sync(self, step: int, vector: np.ndarray, tokens: int) -> SyncResult:
         """Average `vector` with the members of `step`; raises StepGivenUp when every attempt failed."""
         swarm = self.config.swarm
-        await self.publisher.publish(state=NodeState.READY, outer_step=step, tokens=tokens)
+        await self.publisher.publish(
+            state=NodeState.READY, outer_step=step, tokens=tokens, extra=self._extra_with_links()
+        )
         last_error: Exception | None = None
         attempt = 0
         while attempt < swarm.sync_retries:
@@ -109,6 +135,7 @@ class OuterSync:
                 log.warning("step %d attempt %d failed (%s); electing the survivors", step, attempt, exc)
                 await self.publisher.publish(state=NodeState.READY)
                 continue
+            self._remember_links(stats.link_rates)
             return SyncResult(election, stats, attempt)
         raise StepGivenUp(
             f"step {step}: no all-reduce completed in {swarm.sync_retries} attempts ({last_error})"

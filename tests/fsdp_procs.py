@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 
 from p2ptrain.config import load_config
 from p2ptrain.train.layout import CanonicalLayout
+from p2ptrain.train.rank import exit_without_teardown
 from p2ptrain.train.trainer import RankContext, Trainer, build_model
 from tests.helpers import free_port
 
@@ -57,10 +58,12 @@ def _worker(
         if rank == 0:
             torch.save(result, out)
         if dist.is_initialized():
-            dist.barrier()  # gloo aborts a rank whose peer tears the group down while it still talks
-    finally:
+            dist.barrier()
+    except BaseException:
         if dist.is_initialized():
             dist.destroy_process_group()
+        raise
+    exit_without_teardown(0)  # gloo's teardown can SIGABRT a finished rank (see the function)
 
 
 def run_world(

@@ -9,6 +9,9 @@ from pathlib import Path
 from tests.helpers import LocalSwarm, wait_until
 
 DRILL = ["--set", 'node.data_host="127.0.0.1"', "--drill-size", "50000"]
+BEHIND, AHEAD = {"P2PTRAIN_INJECT_CLOCK_OFFSET": "-5"}, {"P2PTRAIN_INJECT_CLOCK_OFFSET": "5"}
+"""Wall clocks 5 s off. Against the 6 s heartbeat_timeout, DHT expiration alone would make the records
+of a clock behind expire after 1 s everywhere, and a clock ahead see everyone else's that way."""
 
 
 def drill_log(swarm: LocalSwarm, name: str) -> list[dict]:
@@ -18,8 +21,10 @@ def drill_log(swarm: LocalSwarm, name: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def start_drill(swarm: LocalSwarm, steps: int, *extra: str, nodes: int = 3) -> list[str]:
-    """Bootstrap peer plus `nodes` drill nodes; returns once node0 has finished three steps."""
+def start_drill(
+    swarm: LocalSwarm, steps: int, *extra: str, nodes: int = 3, env: dict[str, dict[str, str]] | None = None
+) -> list[str]:
+    """Bootstrap peer plus `nodes` drill nodes (`env` by name); returns once node0 has done three steps."""
     swarm.start_bootstrap()
     names = [f"node{i}" for i in range(nodes)]
     for name in names:
@@ -34,6 +39,7 @@ def start_drill(swarm: LocalSwarm, steps: int, *extra: str, nodes: int = 3) -> l
             "0.3",
             *extra,
             *DRILL,
+            env=(env or {}).get(name),
         )
     wait_until(lambda: len(drill_log(swarm, "node0")) >= 3, timeout=120, what="three drill steps")
     return names
@@ -55,11 +61,13 @@ def assert_agreement(logs: dict[str, list[dict]], steps: range) -> None:
         assert len({tuple(entry["members"]) for entry in entries}) == 1
 
 
-def test_four_nodes_agree_on_members_order_and_result_for_20_steps(swarm: LocalSwarm):
+def test_four_nodes_two_with_clocks_5s_off_agree_on_members_order_and_result_for_20_steps(swarm: LocalSwarm):
     swarm.start_bootstrap()
     names = [f"node{i}" for i in range(4)]
+    clocks = {"node1": BEHIND, "node2": AHEAD}
     for name in names:
-        swarm.start_node(name, None, "--drill", "20", "--drill-nodes", "4", "--drill-inner", "0.5", *DRILL)
+        drill = ["--drill", "20", "--drill-nodes", "4", "--drill-inner", "0.5"]
+        swarm.start_node(name, None, *drill, *DRILL, env=clocks.get(name))
     for name in names:
         assert swarm.children.wait(name, timeout=180) == 0, swarm.log(name)
     logs = {name: drill_log(swarm, name) for name in names}
@@ -71,7 +79,8 @@ def test_four_nodes_agree_on_members_order_and_result_for_20_steps(swarm: LocalS
 
 
 def test_survivors_go_on_after_a_member_is_killed(swarm: LocalSwarm):
-    names = start_drill(swarm, 14, "--set", "swarm.straggler_deadline=2")
+    # node2's clock runs ahead: its last records stay in the DHT long after it dies
+    names = start_drill(swarm, 14, "--set", "swarm.straggler_deadline=2", env={"node2": AHEAD})
     swarm.children.signal("node2", signal.SIGKILL)
     logs = finish(swarm, names[:2])
     assert all(len(log) == 14 for log in logs.values()), logs

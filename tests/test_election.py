@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
+import math
 import random
+from dataclasses import replace
 
 import pytest
 
-from p2ptrain.swarm.election import decide, elect, expected_for, parse_address, ready_for, ring_order
+from p2ptrain.swarm.election import (
+    LINKS_FIELD,
+    decide,
+    elect,
+    expected_for,
+    measured_links,
+    parse_address,
+    ready_for,
+    ring_order,
+)
 from p2ptrain.swarm.records import Heartbeat, NodeState
 
 
@@ -116,6 +128,67 @@ def test_bandwidth_aware_order_avoids_slow_links():
     order = ring_order(keys, 0, throughput)
     assert order[0] == base[0] and order[1] == base[3]
     assert ring_order(list(reversed(keys)), 0, throughput) == order
+
+
+def slowest(order: list[bytes], throughput: dict) -> float:
+    return min(throughput.get((order[i], order[(i + 1) % len(order)]), math.inf) for i in range(len(order)))
+
+
+def test_a_single_slow_link_is_always_avoided():
+    """Any one directed link can be avoided from 3 nodes up; the greedy tour's closing link too."""
+    for n in range(3, 7):
+        keys = [key(i) for i in range(1, n + 1)]
+        for sender, receiver in itertools.permutations(keys, 2):
+            for step in range(4):
+                throughput = {(sender, receiver): 1e6}
+                order = ring_order(keys, step, throughput)
+                assert sorted(order) == sorted(keys)
+                assert slowest(order, throughput) == math.inf, (n, step)
+
+
+def test_the_slowest_link_is_the_best_possible_in_small_swarms():
+    """Against brute force over every ring: a few slow links among 4–7 nodes, 300 cases."""
+    misses = 0
+    for case in range(300):
+        rng = random.Random(case)
+        keys = [key(i) for i in range(1, rng.randint(4, 7) + 1)]
+        links = rng.sample(list(itertools.permutations(keys, 2)), rng.randint(1, 3))
+        throughput = {link: rng.choice([1e5, 1e6, 1e7]) for link in links}
+        best = max(slowest([keys[0], *rest], throughput) for rest in itertools.permutations(keys[1:]))
+        misses += slowest(ring_order(keys, case, throughput), throughput) < best
+    assert misses <= 12  # a heuristic: 4 of 300 when written
+
+
+def test_links_published_in_ready_records_order_the_ring():
+    beats = [beat(i, NodeState.READY, 9) for i in range(1, 5)]
+    plain = decide(beats, 9, False).keys
+    slow = (plain[0], plain[1])  # the base order's first link
+    beats[slow[0][0] - 1] = replace(
+        beats[slow[0][0] - 1], extra={LINKS_FIELD: {slow[1].hex()[:16]: 125_000, "ffff": 1.0}}
+    )
+    assert measured_links(beats) == {slow: 125_000.0}
+    elections = [decide(random.sample(beats, len(beats)), 9, False) for _ in range(5)]
+    assert len({election.digest for election in elections}) == 1  # every node alike
+    order = elections[0].keys
+    assert slowest(order, {slow: 125_000.0}) == math.inf and sorted(order) == sorted(plain)
+
+
+def test_malformed_link_fields_are_ignored():
+    beats = [beat(i, NodeState.READY, 2) for i in range(1, 4)]
+    other = key(2).hex()[:16]
+    for links in [
+        "fast",
+        {other: "1e9"},
+        {other: -5},
+        {other: True},
+        {other: math.inf},
+        {7: 1.0},
+        {other: 0},
+    ]:
+        assert measured_links([replace(beats[0], extra={LINKS_FIELD: links}), *beats[1:]]) == {}
+    assert (
+        measured_links([replace(beats[0], extra={LINKS_FIELD: {key(1).hex()[:16]: 9.0}})]) == {}
+    )  # to itself
 
 
 def test_ring_order_at_1000_nodes_is_fast_enough():

@@ -23,7 +23,7 @@ from p2ptrain.train.places import checkpoint_places, flush_leftovers
 from p2ptrain.train.ranks import remove_stale_buffers
 from tests.helpers import LocalSwarm, metrics, params_hash_of, stalls, wait_until
 
-STEPS = 4
+STEPS = 3
 HEARTBEAT_TIMEOUT = 6.0
 FAILURE_TIMEOUT = 5.0
 RUN = [
@@ -63,7 +63,7 @@ def test_training_survives_bootstrap_loss_sigterm_and_a_kill_mid_all_reduce(swar
     assert [r["step"] for r in a] == list(range(STEPS)) == [r["step"] for r in b]
     assert [r["params_hash"] for r in a] == [r["params_hash"] for r in b]
     # d left by SIGTERM during step 1's inner steps, c died in step 2's all-reduce
-    assert [r["members"] for r in a] == [4, 3, 2, 2], a
+    assert [r["members"] for r in a] == [4, 3, 2], a
     assert "all-reduce of step 2 failed" in swarm.log("a") + swarm.log("b")
     waited = stalls([swarm.root / name for name in ("a", "b", "c", "d")])
     assert max(waited.values()) <= HEARTBEAT_TIMEOUT + FAILURE_TIMEOUT, waited
@@ -85,7 +85,7 @@ def test_a_straggler_past_the_deadline_is_left_out_then_replays_the_step_and_rej
     swarm: LocalSwarm,
 ) -> None:
     swarm.start_bootstrap()
-    run = ["--set", "train.max_steps=40", "--set", "swarm.wait_nodes=3"]
+    run = ["--set", "train.max_steps=30", "--set", "swarm.wait_nodes=3"]
     run += ["--set", "swarm.straggler_deadline=4"]
     for name in ("a", "b", "c"):
         env = {"P2PTRAIN_INJECT_LATE": "1:14"} if name == "c" else None  # ready(1) 14 s late
@@ -95,7 +95,7 @@ def test_a_straggler_past_the_deadline_is_left_out_then_replays_the_step_and_rej
     records = {name: metrics(swarm.root / name, "outer") for name in ("a", "b", "c")}
     members = [r["members"] for r in records["a"]]
     assert members[:2] == [3, 2] and members[-1] == 3, members  # c left out of step 1, back later
-    for step in range(4):
+    for step in range(3):
         assert len({records[name][step]["params_hash"] for name in records}) == 1, f"step {step} differs"
     # c, left out of step 1, took it from the others' all-reduce result instead of a checkpoint (and
     # step 2 too where the others were done with it before c had replayed step 1)

@@ -67,6 +67,9 @@ class RingStats:
     frames: int = 0
     result: list[tuple[int, int, bytes]] = field(default_factory=list)
     """The encoded chunks (start, stop, payload) every member decoded: an exact record of the step."""
+    link_rates: dict[bytes, float] = field(default_factory=dict)
+    """Bytes/s to each peer we sent to, measured over the frames whose send it held up; inf for a
+    peer that took our frames as fast as we produced them (its link was not our bottleneck)."""
 
 
 def membership_digest(step: int, members: Sequence[RingMember]) -> bytes:

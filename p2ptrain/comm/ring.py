@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -62,6 +63,10 @@ Stream = list[tuple[str, int, int]]
 """What travels on one connection, in order: (phase, round, segment) for every chunk of the segment."""
 
 AUTO_RING_MAX_MEMBERS = 3
+HELD_UP_S = 0.002
+"""A frame whose send waited this long waited for the link: its time and bytes measure the link.
+Frames that go out at once only show that the link kept up (the socket buffers absorb bursts)."""
+MIN_MEASURED_BYTES = 1 << 20
 
 __all__ = [
     "AllReduceError",
@@ -116,6 +121,8 @@ class _AllReduce:
         self.arrived: dict[int, int] = {}
         self.locks: dict[int, asyncio.Lock] = {}
         self.frames_queued = dict.fromkeys(self.out_peers(), 0)
+        self.held_up = {peer: [0, 0.0] for peer in self.out_peers()}
+        """peer → [bytes, seconds] of the frames whose send waited for the peer's link."""
         self.stats = RingStats()
         self.compressor = zstandard.ZstdCompressor(level=1) if settings.zstd else None
         self.decompressor = zstandard.ZstdDecompressor() if settings.zstd else None
@@ -180,8 +187,20 @@ class _AllReduce:
                     header["zstd"] = True
                 # counted before the call: write_frame queues the bytes before its first await
                 self.frames_queued[peer] += 1
+                sent_at = loop.time()
                 await write_frame(writer, header, payload, timeout=self.settings.failure_timeout)
+                waited = loop.time() - sent_at
+                if waited >= HELD_UP_S:  # the link (or the peer) was slower than we produce frames
+                    self.held_up[peer][0] += len(payload)
+                    self.held_up[peer][1] += waited
                 self.stats.bytes_sent += len(payload)
+
+    def link_rates(self) -> dict[bytes, float]:
+        """Bytes/s to each peer we sent to; inf where it never held our sends up long enough to tell."""
+        return {
+            self.keys[peer]: sent / seconds if sent >= MIN_MEASURED_BYTES and seconds > 0 else math.inf
+            for peer, (sent, seconds) in self.held_up.items()
+        }
 
     async def watch(self, peer: int, reader: asyncio.StreamReader) -> None:
         """A peer we dial never writes after the handshake and hangs up once it has all our frames.
@@ -350,6 +369,7 @@ async def ring_all_reduce(
         server.forget(step)
     await asyncio.get_running_loop().run_in_executor(None, plan.write_result, buffer)
     plan.stats.result = plan.finals
+    plan.stats.link_rates = plan.link_rates()
     plan.stats.seconds = time.monotonic() - started
     return plan.stats
 

@@ -57,10 +57,13 @@ async def serve_bootstrap(
     out.flush()
     page = None
     if dashboard:
-        from p2ptrain.swarm.membership import read_heartbeats
+        from p2ptrain.config import SwarmConfig
+        from p2ptrain.swarm.membership import SwarmView
         from p2ptrain.web.dashboard import serve_dashboard
 
-        page = await serve_dashboard(dashboard, lambda: read_heartbeats(dht, run_id), run_id, out)
+        # the default timeout: the bootstrap peer serves every run and reads no run's config
+        view = SwarmView(dht, run_id, SwarmConfig().heartbeat_timeout)
+        page = await serve_dashboard(dashboard, view.read, run_id, out)
     try:
         await stop.wait()
     finally:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,7 +37,12 @@ from p2ptrain.swarm.records import Heartbeat, NodeState
 log = logging.getLogger(__name__)
 
 Throughput = Mapping[tuple[bytes, bytes], float]
-"""Measured bytes/s from the first node to the second (for example from earlier all-reduces)."""
+"""Measured bytes/s from the first node to the second, from earlier all-reduces. A link that is
+absent never held its sender up: as fast as the sender could feed it, as far as anyone knows."""
+
+LINKS_FIELD = "links"
+"""Heartbeat `extra` field: {receiver key hex prefix: bytes/s} measured by the sender."""
+LINK_PREFIX_HEX = 16
 
 
 @dataclass(frozen=True)
@@ -81,10 +87,14 @@ def ring_order(keys: Sequence[bytes], step: int, throughput: Throughput | None =
     """The ring order every node computes alike.
 
     Base order: sha256(step, key), which rotates positions from step to step. With measured
-    throughput, a greedy tour: start at the base order's first node and always continue to the
-    unvisited node with the fastest measured link from the current one (unmeasured links count as
-    0; ties go to the base order). Cost O(n²): 10⁴ link look-ups at 100 nodes, 10⁶ at 1000, well
-    under a second in Python; exact tours (Held-Karp, O(2ⁿ·n²)) are out of reach beyond ~20.
+    throughput, the goal is the ring whose slowest link is fastest (a pipelined ring runs at its
+    slowest link's pace); unmeasured links count as fast. (1) A greedy tour: start at the base
+    order's first node and always continue to the unvisited node with the fastest link from the
+    current one, ties going to the base order. (2) The tour's closing link is never chosen by the
+    greedy step, so a few 2-opt moves follow: while the slowest link can be replaced by reversing
+    a stretch of the tour so that the new slowest link is faster, do the first such move (at most
+    `MAX_REPAIRS`). Cost O(n²) per step: ~10⁴ link look-ups at 100 nodes, ~10⁶ at 1000 (under a
+    second in Python); exact tours (Held-Karp, O(2ⁿ·n²)) are out of reach beyond ~20 nodes.
     """
     base = sorted(keys, key=lambda key: hashlib.sha256(step.to_bytes(8, "big") + key).digest())
     if not throughput or len(base) < 3:
@@ -93,10 +103,72 @@ def ring_order(keys: Sequence[bytes], step: int, throughput: Throughput | None =
     tour, left = [base[0]], set(base[1:])
     while left:
         here = tour[-1]
-        nxt = min(left, key=lambda key: (-throughput.get((here, key), 0.0), rank[key]))
+        nxt = min(left, key=lambda key: (-throughput.get((here, key), math.inf), rank[key]))
         tour.append(nxt)
         left.remove(nxt)
+    for _ in range(MAX_REPAIRS):
+        better = _repair_slowest_link(tour, throughput)
+        if better is None:
+            break
+        tour = better
     return tour
+
+
+MAX_REPAIRS = 8
+
+
+def _links(tour: Sequence[bytes], throughput: Throughput) -> list[float]:
+    return [throughput.get((tour[i], tour[(i + 1) % len(tour)]), math.inf) for i in range(len(tour))]
+
+
+def _repair_slowest_link(tour: list[bytes], throughput: Throughput) -> list[bytes] | None:
+    """The first 2-opt move that makes the slowest link faster, or None when none does. O(n)."""
+    n = len(tour)
+    links = _links(tour, throughput)
+    worst = min(links)
+    if worst == math.inf:
+        return None
+    cut = links.index(worst)
+    order = tour[cut + 1 :] + tour[: cut + 1]  # now the slowest link is the closing one, order[-1] → order[0]
+
+    def rate(a: int, b: int) -> float:
+        return throughput.get((order[a], order[b]), math.inf)
+
+    # Reversing order[0..end] keeps links end+1 → … → n-1, turns 0..end around, and adds the links
+    # order[0] → order[end+1] and order[n-1] → order[end] in place of the slowest one.
+    kept = [math.inf] * n  # kept[k]: slowest of the links order[k] → … → order[n-1]
+    for k in range(n - 2, -1, -1):
+        kept[k] = min(kept[k + 1], rate(k, k + 1))
+    turned = math.inf  # slowest of the reversed links order[k+1] → order[k] for k < end
+    for end in range(1, n - 1):
+        turned = min(turned, rate(end, end - 1))
+        if min(turned, kept[end + 1], rate(0, end + 1), rate(n - 1, end)) > worst:
+            return order[: end + 1][::-1] + order[end + 1 :]
+    return None
+
+
+def measured_links(ready: Iterable[Heartbeat]) -> dict[tuple[bytes, bytes], float]:
+    """The link rates the members of a step published in their ready records.
+
+    Only ready records count: they carry the same measurements from ready to syncing, so every
+    node that has read them computes the same ring. Prefixes that match no member are ignored.
+    """
+    beats = list(ready)
+    by_prefix = {beat.node_key.hex()[:LINK_PREFIX_HEX]: beat.node_key for beat in beats}
+    found: dict[tuple[bytes, bytes], float] = {}
+    for beat in beats:
+        links = beat.extra.get(LINKS_FIELD)
+        if not isinstance(links, dict):
+            continue
+        for prefix, rate in links.items():
+            receiver = by_prefix.get(prefix) if isinstance(prefix, str) else None
+            if receiver is not None and receiver != beat.node_key and _is_rate(rate):
+                found[(beat.node_key, receiver)] = float(rate)
+    return found
+
+
+def _is_rate(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
 
 
 def _others_at(heartbeats: Iterable[Heartbeat], step: int, me: bytes) -> bool:
@@ -119,6 +191,8 @@ def decide(
         # may just not have reached us), and otherwise only after the deadline.
         return None
     by_key = {beat.node_key: beat for beat in ready}
+    if throughput is None:
+        throughput = measured_links(ready)
     members = []
     for key in ring_order(list(by_key), step, throughput):
         host, port = parse_address(by_key[key].data_addr)  # type: ignore[misc]

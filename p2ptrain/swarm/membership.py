@@ -1,8 +1,12 @@
 """Heartbeats: publishing this node's signed record, and reading everyone's.
 
-A node is alive while its record has not expired (`heartbeat_timeout`) and its last record is
-not a deathrattle (state `dead`). Sequence numbers start at the wall clock in milliseconds and
-grow by one per record, so they keep growing across restarts of the same node.
+Clocks differ between hosts, and a DHT record's expiration is its sender's wall clock: a sender
+whose clock runs 5 s behind would see its 6 s records expire after 1 s everywhere else. So records
+live in the DHT for `heartbeat_timeout + max_clock_skew`, and liveness is judged by each reader on
+its own monotonic clock (`SwarmView`): a node is alive while its sequence number has advanced
+within the last `heartbeat_timeout` seconds and its last record is not a deathrattle (state
+`dead`). Sequence numbers start at the wall clock in milliseconds and grow by one per record, so
+they keep growing across restarts of the same node.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TextIO
 
@@ -28,7 +33,10 @@ DEATHRATTLE_TIMEOUT = 2.0
 
 
 class HeartbeatPublisher:
-    """Signs and stores this node's heartbeat; fields not given keep their last value."""
+    """Signs and stores this node's heartbeat; fields not given keep their last value.
+
+    `ttl` is the record's life in the DHT (`SwarmConfig.record_lifetime`), not the liveness timeout.
+    """
 
     def __init__(self, dht: SwarmDHT, identity: NodeIdentity, run_id: str, ttl: float, **fields: Any):
         self._dht = dht
@@ -49,10 +57,10 @@ class HeartbeatPublisher:
     async def publish(self, timeout: float | None = None, **changes: Any) -> bool:
         """Store a fresh record with `changes` applied; False when the DHT did not take it."""
         self._seq += 1
-        now = get_dht_time()
-        record = replace(
-            self.current, **changes, seq=self._seq, timestamp=time.time(), expiration=now + self._ttl
-        )
+        # Never below the last one: the DHT keeps the record that expires last, so after the wall
+        # clock stepped back (NTP) a lower expiration would leave the older record in place.
+        expiration = max(get_dht_time() + self._ttl, self.current.expiration + 0.001)
+        record = replace(self.current, **changes, seq=self._seq, timestamp=time.time(), expiration=expiration)
         self.current = record
         return await self._dht.store(
             heartbeat_key(record.run_id),
@@ -102,18 +110,54 @@ async def read_heartbeats(dht: SwarmDHT, run_id: str) -> list[Heartbeat]:
     return sorted(heartbeats, key=lambda beat: beat.node_key)
 
 
+class SwarmView:
+    """The heartbeats of one run as this node sees them, silent nodes left out.
+
+    A record counts while its sender's sequence number has advanced within `timeout` seconds of
+    this node's monotonic clock; no wall clock of another host takes part. A record seen for the
+    first time counts as fresh, so a node that has just started may count a silent one for up to
+    `timeout`. An older replica of a record (lower seq) never replaces the newest one seen.
+    """
+
+    def __init__(
+        self, dht: SwarmDHT, run_id: str, timeout: float, clock: Callable[[], float] = time.monotonic
+    ):
+        self._dht = dht
+        self.run_id = run_id
+        self._timeout = timeout
+        self._clock = clock
+        self._newest: dict[bytes, tuple[Heartbeat, float]] = {}
+        """node key → (newest record seen, when its seq was first seen)."""
+
+    async def read(self) -> list[Heartbeat]:
+        """Every heartbeat in the DHT whose sender is not silent, ordered by node key."""
+        return self.judge(await read_heartbeats(self._dht, self.run_id))
+
+    def judge(self, heartbeats: list[Heartbeat]) -> list[Heartbeat]:
+        """The non-silent subset of one DHT read (its records replaced by newer ones seen before)."""
+        now = self._clock()
+        newest: dict[bytes, tuple[Heartbeat, float]] = {}
+        for beat in heartbeats:
+            known = self._newest.get(beat.node_key)
+            newest[beat.node_key] = known if known and known[0].seq >= beat.seq else (beat, now)
+        self._newest = newest  # nodes gone from the DHT are forgotten
+        return [beat for beat, since in newest.values() if now - since <= self._timeout]
+
+
 def live(heartbeats: list[Heartbeat]) -> list[Heartbeat]:
-    """Nodes that have not sent a deathrattle (expired records are already gone from the DHT)."""
+    """Nodes that have not sent a deathrattle (a `SwarmView` has already left silent ones out)."""
     return [beat for beat in heartbeats if beat.state is not NodeState.DEAD]
 
 
-async def wait_for_nodes(config: Config, dht: SwarmDHT, stop: asyncio.Event, out: TextIO, count: int) -> None:
+async def wait_for_nodes(
+    config: Config, view: SwarmView, stop: asyncio.Event, out: TextIO, count: int
+) -> None:
     """Return once `count` live nodes are in the swarm table (UserError after election_timeout)."""
     if count <= 1:
         return
     print(f"waiting for {count} nodes to join", file=out, flush=True)
     deadline = time.monotonic() + config.swarm.election_timeout
-    while len(live(await read_heartbeats(dht, config.run.id))) < count and not stop.is_set():
+    while len(live(await view.read())) < count and not stop.is_set():
         if time.monotonic() > deadline:
             raise UserError(f"fewer than {count} nodes joined within {config.swarm.election_timeout:.0f} s")
         with contextlib.suppress(asyncio.TimeoutError):

@@ -14,11 +14,13 @@ import socket
 import sys
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
 from p2ptrain.config import Config
+from p2ptrain.faults import shift_wall_clock
 from p2ptrain.procs import set_parent_death_signal
 from p2ptrain.train.channel import (
     Averaged,
@@ -89,6 +91,7 @@ def _context(rank: int, world_size: int) -> RankContext:
 
 def main() -> int:
     set_parent_death_signal(signal.SIGKILL)
+    shift_wall_clock()  # the host's clock, as the agent sees it (a fault hook for tests)
     if os.getppid() != int(os.environ.get("P2PTRAIN_AGENT_PID", os.getppid())):
         return 1  # the agent died before the death signal was armed
     spec = json.loads(Path(os.environ["P2PTRAIN_RANK_SPEC"]).read_text())
@@ -113,17 +116,33 @@ def main() -> int:
         )
         trainer.run(skip_first_inner=bool(spec.get("skip_first_inner")))
         if dist.is_initialized():
-            dist.barrier()  # gloo aborts a rank whose peer tears the group down while it still talks
-    except ChannelError as exc:
-        print(f"rank {rank}: {exc}; stopping", file=sys.stderr)
+            dist.barrier()  # every rank is done with the group
+    except (ChannelError, CheckpointError) as exc:
+        what = f"{exc}; stopping" if isinstance(exc, ChannelError) else f"error: {exc}"
+        print(f"rank {rank}: {what}", file=sys.stderr)
+        _destroy_group()
         return 1
-    except CheckpointError as exc:
-        print(f"rank {rank}: error: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+    except BaseException:
+        _destroy_group()
+        raise
+    exit_without_teardown(0)
+
+
+def _destroy_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def exit_without_teardown(code: int) -> NoReturn:
+    """Exit once all ranks passed the final barrier and every file is written and closed.
+
+    Tearing gloo down (destroy_process_group, or the interpreter's own finalisation) can abort a
+    rank with SIGABRT ("terminate called without an active exception") while gloo's threads are
+    still winding down, seen on 2 cores under load; the work is done, so skip the teardown.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

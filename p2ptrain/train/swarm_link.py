@@ -40,7 +40,7 @@ from p2ptrain.identity import NodeIdentity
 from p2ptrain.identity import short_id as short_key
 from p2ptrain.swarm.dht import SwarmDHT
 from p2ptrain.swarm.election import swarm_ahead
-from p2ptrain.swarm.membership import HeartbeatPublisher, keep_alive, live, read_heartbeats, wait_for_nodes
+from p2ptrain.swarm.membership import HeartbeatPublisher, SwarmView, keep_alive, live, wait_for_nodes
 from p2ptrain.swarm.records import Heartbeat, NodeState
 from p2ptrain.sync import OuterSync, StepGivenUp, data_address, ring_settings
 from p2ptrain.train.channel import Averaged
@@ -127,7 +127,7 @@ class SwarmLink(SoloSwarm):
             self.dht,
             self.identity,
             self.config.run.id,
-            ttl=self.config.swarm.heartbeat_timeout,
+            ttl=self.config.swarm.record_lifetime,
             config_digest=self.config.digest(),
             data_addr=data_address(self.config, port),
             ckpt_addr=node.ckpt_announce or f"http://{host}:{ckpt_port}",
@@ -138,17 +138,20 @@ class SwarmLink(SoloSwarm):
             keep_alive(self.publisher, self.config.swarm.heartbeat_interval, stop)
         )
         if node.dashboard:
-            run_id = self.config.run.id
             self.dashboard = await serve_dashboard(
-                node.dashboard, lambda: read_heartbeats(self.dht, run_id), run_id, out
+                node.dashboard, self.sync.view.read, self.config.run.id, out
             )
-        await wait_for_nodes(self.config, self.dht, stop, out, self.config.swarm.wait_nodes)
+        await wait_for_nodes(self.config, self.sync.view, stop, out, self.config.swarm.wait_nodes)
         await self._check_config()
+
+    def _view(self) -> SwarmView:
+        assert self.sync is not None, "start() first"
+        return self.sync.view
 
     async def _check_config(self) -> None:
         """Refuse to join a run whose active members share settings other than ours (one line)."""
         me, digest = self.identity.public_key, self.config.digest()
-        beats = live(await read_heartbeats(self.dht, self.config.run.id))
+        beats = live(await self._view().read())
         others = [b for b in beats if b.node_key != me and b.state in ACTIVE and b.config_digest]
         if not others:
             return
@@ -163,7 +166,7 @@ class SwarmLink(SoloSwarm):
     async def _peers(self) -> list[Heartbeat]:
         """Live, active members of this run with this config, other than this node."""
         me, digest = self.identity.public_key, self.config.digest()
-        beats = live(await read_heartbeats(self.dht, self.config.run.id))
+        beats = live(await self._view().read())
         return [b for b in beats if b.node_key != me and b.state in ACTIVE and b.config_digest == digest]
 
     async def training(self, outer_step: int, **fields: Any) -> None:

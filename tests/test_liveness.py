@@ -1,0 +1,91 @@
+"""Liveness on the reader's own clock: a node is alive while its heartbeat sequence advances."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from p2ptrain.faults import shift_wall_clock
+from p2ptrain.swarm.membership import SwarmView
+from p2ptrain.swarm.records import Heartbeat, NodeState
+from tests.helpers import assert_one_line_error, cli
+
+
+class Clock:
+    """The reader's monotonic clock, advanced by the test."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def beat(index: int, seq: int, state: NodeState = NodeState.TRAINING, timestamp: float = 0.0) -> Heartbeat:
+    return Heartbeat(
+        run_id="r",
+        node_key=bytes([index]) * 32,
+        seq=seq,
+        timestamp=timestamp,
+        expiration=0.0,
+        state=state,
+    )
+
+
+def view(clock: Clock) -> SwarmView:
+    return SwarmView(dht=None, run_id="r", timeout=6.0, clock=clock)  # type: ignore[arg-type]
+
+
+def test_a_node_is_alive_while_its_sequence_advances_and_silent_after_the_timeout():
+    clock = Clock()
+    swarm = view(clock)
+    assert [b.seq for b in swarm.judge([beat(1, 10), beat(2, 20)])] == [10, 20]
+    for step in range(1, 10):  # node 1 keeps publishing, node 2 went silent at seq 20
+        clock.now += 1.0
+        seen = swarm.judge([beat(1, 10 + step), beat(2, 20)])
+        assert [b.node_key[0] for b in seen] == ([1, 2] if step <= 6 else [1]), step
+
+
+def test_wall_clock_timestamps_do_not_matter():
+    """A record from a host whose clock is hours off is judged by its sequence alone."""
+    clock = Clock()
+    swarm = view(clock)
+    far_past, far_future = beat(1, 5, timestamp=time.time() - 7200), beat(2, 5, timestamp=time.time() + 7200)
+    assert len(swarm.judge([far_past, far_future])) == 2
+    clock.now += 5.0
+    assert len(swarm.judge([replace(far_past, seq=6), replace(far_future, seq=6)])) == 2
+
+
+def test_an_older_replica_neither_revives_nor_replaces_the_newest_record():
+    clock = Clock()
+    swarm = view(clock)
+    swarm.judge([beat(1, 7, NodeState.READY)])
+    clock.now += 3.0
+    (seen,) = swarm.judge([beat(1, 6, NodeState.TRAINING)])  # a lagging replica
+    assert (seen.seq, seen.state) == (7, NodeState.READY)
+    clock.now += 3.5  # 6.5 s since seq 7 was first seen: the stale replica kept nothing alive
+    assert swarm.judge([beat(1, 6, NodeState.TRAINING)]) == []
+
+
+def test_a_node_gone_from_the_dht_is_forgotten_and_fresh_when_it_returns():
+    clock = Clock()
+    swarm = view(clock)
+    swarm.judge([beat(1, 3)])
+    clock.now += 10.0
+    assert swarm.judge([]) == []
+    assert [b.seq for b in swarm.judge([beat(1, 3)])] == [3]  # restarted node re-publishes
+
+
+def test_clock_offset_hook_shifts_the_wall_clock_only(monkeypatch):
+    true_time, true_monotonic = time.time, time.monotonic
+    monkeypatch.setenv("P2PTRAIN_INJECT_CLOCK_OFFSET", "-5")
+    monkeypatch.setattr(time, "time", time.time)  # restored after the test
+    monkeypatch.setattr(time, "time_ns", time.time_ns)
+    assert shift_wall_clock() == -5.0
+    assert abs(true_time() - 5.0 - time.time()) < 0.5
+    assert time.monotonic is true_monotonic
+
+
+def test_a_bad_clock_offset_is_one_line():
+    result = cli("config", "show", env={"P2PTRAIN_INJECT_CLOCK_OFFSET": "soon"})
+    assert_one_line_error(result, "P2PTRAIN_INJECT_CLOCK_OFFSET='soon'")
