@@ -3,7 +3,8 @@
 Read once per process from the environment:
 
     P2PTRAIN_INJECT_NAN_STEP=N        the pseudo-gradient of outer step N holds a NaN (trainer rank 0)
-    P2PTRAIN_INJECT_LATE=N:SECONDS    the node reports ready(N) SECONDS late: a straggler (trainer)
+    P2PTRAIN_INJECT_LATE=N:SECONDS    the node reports ready(N) SECONDS after it sees another node's
+                                      ready(N): a straggler, however fast each node computes (agent)
     P2PTRAIN_INJECT_DIE_IN_SYNC=N     the node SIGKILLs itself once the all-reduce of step N has data
                                       in flight, as a machine that loses power mid-reduce (agent)
     P2PTRAIN_INJECT_CLOCK_OFFSET=S    the process's wall clock (time.time) runs S seconds ahead (or

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +21,7 @@ from p2ptrain.comm.ring import ring_all_reduce
 from p2ptrain.config import Config
 from p2ptrain.faults import Faults
 from p2ptrain.swarm.dht import SwarmDHT
-from p2ptrain.swarm.election import LINK_PREFIX_HEX, LINKS_FIELD, Election, SwarmAhead, elect
+from p2ptrain.swarm.election import LINK_PREFIX_HEX, LINKS_FIELD, Election, SwarmAhead, elect, ready_for
 from p2ptrain.swarm.membership import HeartbeatPublisher, SwarmView, live
 from p2ptrain.swarm.records import NodeState
 
@@ -100,9 +101,22 @@ class OuterSync:
             }
         return extra
 
+    async def _straggle(self, step: int) -> None:
+        """P2PTRAIN_INJECT_LATE: be `late_seconds` later than the first other node ready for `step`."""
+        me, deadline = self.publisher.current.node_key, time.monotonic() + self.config.swarm.election_timeout
+        while time.monotonic() < deadline:
+            beats = live(await self.view.read())
+            if any(beat.node_key != me for beat in ready_for(beats, step)):
+                break
+            await asyncio.sleep(self.config.swarm.heartbeat_interval / 4)
+        log.warning("fault injection: reporting ready(%d) %.1f s late", step, self.faults.late_seconds)
+        await asyncio.sleep(self.faults.late_seconds)
+
     async def sync(self, step: int, vector: np.ndarray, tokens: int) -> SyncResult:
         """Average `vector` with the members of `step`; raises StepGivenUp when every attempt failed."""
         swarm = self.config.swarm
+        if step == self.faults.late_step:
+            await self._straggle(step)
         await self.publisher.publish(
             state=NodeState.READY, outer_step=step, tokens=tokens, extra=self._extra_with_links()
         )

@@ -25,6 +25,8 @@ class Outcome:
     seconds: float = 0.0
     failed_at: float = 0.0
     """time.time() when the error was raised, to bound detection time."""
+    link_rates: dict[int, float] | None = None
+    """Peer index → bytes/s this member measured sending to it (RingStats.link_rates)."""
 
 
 def member_data(index: int, length: int, outlier: bool) -> np.ndarray:
@@ -62,19 +64,23 @@ def _member(
                 os.kill(os.getpid(), signal.SIGKILL)
             if fault == "stall" and frames >= fault_after:
                 time.sleep(3600)  # a hung process: nothing moves, the sockets stay open
+            if fault == "slow":
+                time.sleep(fault_after / 1000)  # reads one frame per fault_after ms: a slow link into us
 
         if fault == "nan":
             buffer[length // 2] = np.nan
         started = time.monotonic()
         try:
-            await ring_all_reduce(server, step, members, buffer, progress)
+            stats = await ring_all_reduce(server, step, members, buffer, progress)
         except AllReduceError as exc:
             outbox.put(("done", Outcome(index, False, str(exc), time.monotonic() - started, time.time())))
             return
         finally:
             await server.close()
         np.save(Path(root) / f"result{index}.npy", buffer)
-        outbox.put(("done", Outcome(index, True, "", time.monotonic() - started)))
+        keys = [member.key for member in members]
+        rates = {keys.index(key): rate for key, rate in stats.link_rates.items()}
+        outbox.put(("done", Outcome(index, True, "", time.monotonic() - started, link_rates=rates)))
 
     asyncio.run(main())
 

@@ -88,7 +88,7 @@ def test_a_straggler_past_the_deadline_is_left_out_then_replays_the_step_and_rej
     run = ["--set", "train.max_steps=30", "--set", "swarm.wait_nodes=3"]
     run += ["--set", "swarm.straggler_deadline=4"]
     for name in ("a", "b", "c"):
-        env = {"P2PTRAIN_INJECT_LATE": "1:14"} if name == "c" else None  # ready(1) 14 s late
+        env = {"P2PTRAIN_INJECT_LATE": "1:8"} if name == "c" else None  # ready(1) 8 s after the others
         swarm.start_node(name, None, *run, train=True, env=env)
     for name in ("a", "b", "c"):
         assert swarm.children.wait(name, 300) == 0, swarm.log(name)

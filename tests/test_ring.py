@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from p2ptrain.comm.ring import RingSettings, segment_bounds, shares
+from p2ptrain.swarm.election import ring_order
 from tests.ring_procs import run_ring
 
 # Relative L2 error of the mean of independent N(0,1) vectors, block 256. The ring re-encodes a growing
@@ -127,3 +128,28 @@ def test_shares_and_segments():
     assert segment_bounds(100, 3, 256) == [0, 100, 100, 100]  # empty segments are fine
     with pytest.raises(ValueError):
         shares([type("M", (), {"weight": -1.0})()])  # type: ignore[list-item]
+
+
+def test_a_slow_link_is_measured_and_fast_links_are_not(tmp_path: Path):
+    """Member 2 reads one 256 KiB frame per 10 ms at most, so member 1's link to it runs below 26 MB/s
+    (3.7 MB/s measured on 2 busy cores); the links 0 → 1 and 2 → 0 keep up. 24 MB cross each link:
+    more than the socket buffers hide."""
+    settings = RingSettings(chunk_bytes=1 << 20, topology="ring")
+    outcomes, results, _ = run_ring(
+        tmp_path, 3, 18_000_000, settings=settings, faults={2: ("slow", 10)}, timeout=120
+    )
+    assert len(results) == 3, outcomes
+    slow = outcomes[1].link_rates[2]
+    ceiling = (1 << 18) / 0.010  # one frame (256 Ki values, 1 byte each) per 10 ms, plus its decoding
+    assert 0 < slow <= ceiling * 1.2, slow
+    for sender, receiver in [(0, 1), (2, 0)]:
+        assert outcomes[sender].link_rates[receiver] > 5 * slow, outcomes[sender].link_rates
+    keys = [bytes([i]) * 32 for i in range(3)]
+    measured = {
+        (keys[s], keys[r]): rate
+        for s in range(3)
+        for r, rate in outcomes[s].link_rates.items()
+        if rate < float("inf")
+    }
+    order = ring_order(keys, 0, measured)
+    assert (keys[1], keys[2]) not in {(order[i], order[(i + 1) % 3]) for i in range(3)}

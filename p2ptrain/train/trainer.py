@@ -143,7 +143,7 @@ class Trainer:
         self.inner_step = 0
         self.outer_step = 0
         self.skip_next_inner = False
-        self.faults = Faults.from_env()  # tests and drills: a NaN in Δ, a late Ready
+        self.faults = Faults.from_env()  # tests and drills: a NaN in Δ
         self.last_loss = math.nan
         self.metrics = (
             MetricsWriter(
@@ -285,8 +285,6 @@ class Trainer:
 
         None when the agent found the node off track and answered with a checkpoint to reload
         instead: every rank then loads it and the next outer step skips its inner phase."""
-        if self.outer_step == self.faults.late_step:
-            time.sleep(self.faults.late_seconds)  # fault injection: P2PTRAIN_INJECT_LATE (a straggler)
         started = time.monotonic()
         ready = self.prepare_outer(tokens)
         averaged = self.link.average(ready, self.buffer) if ready is not None else None
