@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from p2ptrain.comm.dataplane import RingMember, membership_digest
-from p2ptrain.swarm.records import Heartbeat, NodeState
+from p2ptrain.swarm.records import Heartbeat, NodeState, record_number
 
 log = logging.getLogger(__name__)
 
@@ -160,15 +160,17 @@ def measured_links(ready: Iterable[Heartbeat]) -> dict[tuple[bytes, bytes], floa
         links = beat.extra.get(LINKS_FIELD)
         if not isinstance(links, dict):
             continue
-        for prefix, rate in links.items():
+        for prefix, value in links.items():
             receiver = by_prefix.get(prefix) if isinstance(prefix, str) else None
-            if receiver is not None and receiver != beat.node_key and _is_rate(rate):
-                found[(beat.node_key, receiver)] = float(rate)
+            rate = record_number(value)
+            if (
+                receiver is not None
+                and receiver != beat.node_key
+                and rate is not None
+                and 0 < rate < math.inf
+            ):
+                found[(beat.node_key, receiver)] = rate
     return found
-
-
-def _is_rate(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
 
 
 def _others_at(heartbeats: Iterable[Heartbeat], step: int, me: bytes) -> bool:

@@ -160,6 +160,13 @@ def decode_heartbeat(value: bytes) -> Heartbeat:
     return Heartbeat(**fields)
 
 
+def record_number(value: Any) -> float | None:
+    """A float from an untrusted `extra` field of a record, or None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
+        return round(float(value), 4)
+    return None
+
+
 class HeartbeatValidator(RecordValidatorBase):
     """Accepts only records whose signature, key, subkey, expiration and sequence all check out.
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from p2ptrain.identity import short_id
 from p2ptrain.swarm.election import ring_order
-from p2ptrain.swarm.records import Heartbeat, NodeState
+from p2ptrain.swarm.records import Heartbeat, NodeState, record_number
 
 
 def last_ring(heartbeats: list[Heartbeat]) -> dict[str, Any] | None:
@@ -59,13 +59,6 @@ def status_json(heartbeats: list[Heartbeat], now: float | None = None) -> dict[s
             for beat in heartbeats
         ],
     }
-
-
-def record_number(value: Any) -> float | None:
-    """A float from an untrusted record field, or None."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
-        return round(float(value), 4)
-    return None
 
 
 def format_table(heartbeats: list[Heartbeat], now: float | None = None) -> str:

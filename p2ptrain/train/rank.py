@@ -103,6 +103,7 @@ def main() -> int:
     if rank == 0:
         sock = socket.socket(fileno=int(os.environ["P2PTRAIN_CHANNEL_FD"]))
         link = ChannelLink(RankChannel(sock), Path(spec["buffer_path"]))
+    done = False
     try:
         resume = Path(spec["resume"]) if spec.get("resume") else None
         trainer = Trainer(
@@ -117,20 +118,17 @@ def main() -> int:
         trainer.run(skip_first_inner=bool(spec.get("skip_first_inner")))
         if dist.is_initialized():
             dist.barrier()  # every rank is done with the group
-    except (ChannelError, CheckpointError) as exc:
-        what = f"{exc}; stopping" if isinstance(exc, ChannelError) else f"error: {exc}"
-        print(f"rank {rank}: {what}", file=sys.stderr)
-        _destroy_group()
+        done = True
+    except ChannelError as exc:
+        print(f"rank {rank}: {exc}; stopping", file=sys.stderr)
         return 1
-    except BaseException:
-        _destroy_group()
-        raise
+    except CheckpointError as exc:
+        print(f"rank {rank}: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if not done and dist.is_initialized():
+            dist.destroy_process_group()
     exit_without_teardown(0)
-
-
-def _destroy_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def exit_without_teardown(code: int) -> NoReturn:

@@ -20,8 +20,8 @@ from typing import Any
 
 from aiohttp import web
 
-from p2ptrain.swarm.records import Heartbeat
-from p2ptrain.swarm.status import record_number, status_json
+from p2ptrain.swarm.records import Heartbeat, record_number
+from p2ptrain.swarm.status import status_json
 from p2ptrain.web.server import start_app
 
 log = logging.getLogger(__name__)
