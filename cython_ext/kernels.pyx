@@ -6,14 +6,17 @@ minimum and step (fp32), and each value becomes round((x - min) / step), a byte 
 Per-block parameters keep a rare outlier from wrecking more than its own block.
 
 All loops release the GIL and run over blocks in parallel (OpenMP prange where the extension was
-built with OpenMP, serially otherwise). They work in place on caller-owned buffers: NumPy arrays,
+built with OpenMP, serially otherwise); `threads` caps the team of one call (0: all), for callers
+that already run several kernels at once on their own threads. They work in place on caller-owned buffers: NumPy arrays,
 torch CPU tensors (via .numpy()) or anything else exposing a contiguous buffer.
 Rounding is plain round-half-up in fp32 without FMA contraction, so every machine produces the
 same bytes for the same input.
 """
 
-from cython.parallel cimport prange
+from cython.parallel cimport parallel, prange, threadid
 from libc.math cimport fabsf, INFINITY
+
+import numpy as np
 
 cdef extern from *:
     """
@@ -28,24 +31,38 @@ cdef extern from *:
 
 cdef extern from *:
     """
-    /* The min/max scan of a block, written with GCC/Clang vector extensions: a compare-and-select
-       on 4-float vectors needs no fast-math (unlike a min/max reduction, which the compiler will
-       not vectorize without it) and picks exactly the values the scalar loop would. */
-    typedef float p2p_f4 __attribute__((vector_size(16)));
-    typedef int p2p_i4 __attribute__((vector_size(16)));
+    /* The element loops, in C so that each can be compiled twice: for AVX2 and for the baseline
+       ISA, picked once at load time (GCC/Clang target_clones on x86-64 with glibc). Both clones do
+       the same IEEE operations in the same order (no FMA: the build turns contraction off), so
+       every CPU produces the same bytes; AVX2 only does 8 floats per instruction instead of 4. */
+    #if defined(__x86_64__) && defined(__GLIBC__) && defined(__has_attribute)
+    #  if __has_attribute(target_clones)
+    #    define P2P_CLONES __attribute__((target_clones("avx2", "default")))
+    #  endif
+    #endif
+    #ifndef P2P_CLONES
+    #  define P2P_CLONES
+    #endif
 
-    static inline p2p_f4 p2p_load(const float *p) { p2p_f4 v; __builtin_memcpy(&v, p, 16); return v; }
-    static inline p2p_f4 p2p_pick(p2p_i4 take_a, p2p_f4 a, p2p_f4 b) {
-        return (p2p_f4)(((p2p_i4)a & take_a) | ((p2p_i4)b & ~take_a));
+    /* The min/max scan of a block, written with GCC/Clang vector extensions: a compare-and-select
+       on float vectors needs no fast-math (unlike a min/max reduction, which the compiler will
+       not vectorize without it) and picks exactly the values the scalar loop would. */
+    typedef float p2p_f8 __attribute__((vector_size(32)));
+    typedef int p2p_i8 __attribute__((vector_size(32)));
+
+    static inline p2p_f8 p2p_load(const float *p) { p2p_f8 v; __builtin_memcpy(&v, p, 32); return v; }
+    static inline p2p_f8 p2p_pick(p2p_i8 take_a, p2p_f8 a, p2p_f8 b) {
+        return (p2p_f8)(((p2p_i8)a & take_a) | ((p2p_i8)b & ~take_a));
     }
 
     /* n >= 1. poison becomes NaN iff some value is NaN or +-Inf (x * 0 is 0 for finite x). */
+    P2P_CLONES
     static void p2p_scan(const float *x, Py_ssize_t n, float *lo_out, float *hi_out, float *poison_out) {
-        const p2p_f4 zero = {0, 0, 0, 0};
-        p2p_f4 lo0 = {x[0], x[0], x[0], x[0]}, hi0 = lo0, lo1 = lo0, hi1 = lo0, z0 = zero, z1 = zero;
+        const p2p_f8 zero = {0};
+        p2p_f8 lo0 = zero + x[0], hi0 = lo0, lo1 = lo0, hi1 = lo0, z0 = zero, z1 = zero;
         Py_ssize_t i = 0;
-        for (; i + 8 <= n; i += 8) {
-            p2p_f4 a = p2p_load(x + i), b = p2p_load(x + i + 4);
+        for (; i + 16 <= n; i += 16) {
+            p2p_f8 a = p2p_load(x + i), b = p2p_load(x + i + 8);
             lo0 = p2p_pick(a < lo0, a, lo0);
             hi0 = p2p_pick(a > hi0, a, hi0);
             lo1 = p2p_pick(b < lo1, b, lo1);
@@ -54,7 +71,7 @@ cdef extern from *:
             z1 += b * zero;
         }
         float lo = x[0], hi = x[0], poison = 0;
-        for (int j = 0; j < 4; j++) {
+        for (int j = 0; j < 8; j++) {
             lo = lo0[j] < lo ? lo0[j] : lo;
             lo = lo1[j] < lo ? lo1[j] : lo;
             hi = hi0[j] > hi ? hi0[j] : hi;
@@ -70,8 +87,50 @@ cdef extern from *:
         *hi_out = hi;
         *poison_out = poison;
     }
+
+    /* codes[i] = round-half-up((x[i] * scale - low) * inv), at most 255. */
+    P2P_CLONES
+    static void p2p_quantize(const float *x, Py_ssize_t n, float scale, float low, float inv,
+                             unsigned char *codes) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            float q = (x[i] * scale - low) * inv + 0.5f;  /* >= 0.5 since x >= low */
+            q = q < 255.0f ? q : 255.0f;
+            codes[i] = (unsigned char)(int)q;
+        }
+    }
+
+    /* out[i] = low + codes[i] * step, or out[i] += that. */
+    P2P_CLONES
+    static void p2p_decode(const unsigned char *codes, Py_ssize_t n, float low, float step, float *out,
+                           int accumulate) {
+        if (accumulate) {
+            for (Py_ssize_t i = 0; i < n; i++) {
+                float decoded = low + codes[i] * step;
+                out[i] = out[i] + decoded;
+            }
+        } else {
+            for (Py_ssize_t i = 0; i < n; i++) out[i] = low + codes[i] * step;
+        }
+    }
+
+    /* out[i] = own[i] * scale + (low + codes[i] * step): a ring hop's fp32 partial sum. */
+    P2P_CLONES
+    static void p2p_scaled_add(const float *own, float scale, const unsigned char *codes, float low,
+                               float step, float *out, Py_ssize_t n) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            float decoded = low + codes[i] * step;
+            float mine = own[i] * scale;
+            out[i] = mine + decoded;
+        }
+    }
     """
     void p2p_scan(const float* x, Py_ssize_t n, float* lo_out, float* hi_out, float* poison_out) nogil
+    void p2p_quantize(const float* x, Py_ssize_t n, float scale, float low, float inv,
+                      unsigned char* codes) nogil
+    void p2p_decode(const unsigned char* codes, Py_ssize_t n, float low, float step, float* out,
+                    int accumulate) nogil
+    void p2p_scaled_add(const float* own, float scale, const unsigned char* codes, float low, float step,
+                        float* out, Py_ssize_t n) nogil
 
 
 def max_threads() -> int:
@@ -92,12 +151,17 @@ def _check(Py_ssize_t n, Py_ssize_t codes, Py_ssize_t params, Py_ssize_t block):
         raise ValueError(f"{params} block parameters for {_num_blocks(n, block)} blocks")
 
 
-cdef Py_ssize_t _encode_block(const float* x, Py_ssize_t n, unsigned char* codes, float* min_out,
-                              float* step_out) noexcept nogil:
-    """Encode one block; returns its count of non-finite values (then the block is all zeros)."""
+cdef Py_ssize_t _encode_block(const float* x, Py_ssize_t n, float scale, unsigned char* codes,
+                              float* min_out, float* step_out) noexcept nogil:
+    """Encode one block of x * scale (scale >= 0); returns its count of non-finite values (then the
+    block is all zeros).
+
+    Rounding is monotone, so the extremes of x * scale are the scaled extremes of x: the scan runs
+    on x, and the bytes equal those of encoding the multiplied vector.
+    """
     cdef Py_ssize_t i, bad = 0
-    cdef float low, high, nan_probe, step, inv, q
-    cdef float half = 0.5, top = 255
+    cdef float low, high, nan_probe, step, inv
+    cdef float top = 255
     p2p_scan(x, n, &low, &high, &nan_probe)
     if nan_probe != 0:  # rare: count exactly, and emit a harmless all-zero block
         for i in range(n):
@@ -107,27 +171,28 @@ cdef Py_ssize_t _encode_block(const float* x, Py_ssize_t n, unsigned char* codes
         min_out[0] = 0
         step_out[0] = 0
         return bad
+    low = low * scale
+    high = high * scale
     step = (high - low) / top
     inv = 0
     if step > 0:
         inv = 1 / step
     min_out[0] = low
     step_out[0] = step
-    for i in range(n):
-        q = (x[i] - low) * inv + half  # >= 0.5 since x >= low; at most 255.5 give or take an ulp
-        q = q if q < top else top
-        codes[i] = <unsigned char> (<int> q)
+    p2p_quantize(x, n, scale, low, inv, codes)
     return 0
 
 
 def quantize(const float[::1] values, unsigned char[::1] codes, float[::1] mins, float[::1] steps,
-             Py_ssize_t block):
-    """Encode `values` into `codes` with one (min, step) pair per block.
+             Py_ssize_t block, float scale=1, int threads=0):
+    """Encode `values` * `scale` (scale >= 0) into `codes` with one (min, step) pair per block.
 
     Returns the number of non-finite inputs; when it is not 0 the output must not be sent.
     """
     cdef Py_ssize_t n = values.shape[0]
     _check(n, codes.shape[0], min(mins.shape[0], steps.shape[0]), block)
+    if not scale >= 0:
+        raise ValueError(f"scale must be >= 0, got {scale}")
     cdef Py_ssize_t b, start, length
     cdef Py_ssize_t bad = 0
     if n == 0:
@@ -136,50 +201,85 @@ def quantize(const float[::1] values, unsigned char[::1] codes, float[::1] mins,
     cdef unsigned char* target = &codes[0]
     cdef float* min_out = &mins[0]
     cdef float* step_out = &steps[0]
-    for b in prange(_num_blocks(n, block), nogil=True, schedule="static"):
+    cdef int team = _team(threads)
+    for b in prange(_num_blocks(n, block), nogil=True, schedule="static", num_threads=team):
         start = b * block
         length = block if start + block <= n else n - start
-        bad += _encode_block(source + start, length, target + start, min_out + b, step_out + b)
+        bad += _encode_block(source + start, length, scale, target + start, min_out + b, step_out + b)
     return bad
 
 
-cdef void _decode_block(const unsigned char* codes, Py_ssize_t n, float low, float step, float* out,
-                       bint accumulate) noexcept nogil:
-    cdef Py_ssize_t i
-    cdef float decoded
-    if accumulate:
-        for i in range(n):
-            decoded = low + codes[i] * step
-            out[i] = out[i] + decoded
-    else:
-        for i in range(n):
-            out[i] = low + codes[i] * step
+def scaled_add_quantize(const float[::1] own, float scale, const unsigned char[::1] in_codes,
+                        const float[::1] in_mins, const float[::1] in_steps, unsigned char[::1] codes,
+                        float[::1] mins, float[::1] steps, Py_ssize_t block, int threads=0):
+    """Encode own * scale + decode(in) block by block: one ring hop in one pass over memory.
+
+    The sum of a block is formed in a small per-thread scratch buffer (in cache) and encoded at once;
+    the bytes equal those of multiply, dequantize_add and quantize run one after the other.
+    Returns the number of non-finite sums (then the output must not be sent).
+    """
+    cdef Py_ssize_t n = own.shape[0]
+    _check(n, codes.shape[0], min(mins.shape[0], steps.shape[0]), block)
+    _check(n, in_codes.shape[0], min(in_mins.shape[0], in_steps.shape[0]), block)
+    if not scale >= 0:
+        raise ValueError(f"scale must be >= 0, got {scale}")
+    if n == 0:
+        return 0
+    cdef int team = _team(threads)
+    cdef float[:, ::1] scratch = np.empty((team, min(block, n)), np.float32)
+    cdef float* scratch_at = &scratch[0, 0]
+    cdef Py_ssize_t width = scratch.shape[1]
+    cdef const float* mine = &own[0]
+    cdef const unsigned char* received = &in_codes[0]
+    cdef const float* received_min = &in_mins[0]
+    cdef const float* received_step = &in_steps[0]
+    cdef unsigned char* target = &codes[0]
+    cdef float* min_out = &mins[0]
+    cdef float* step_out = &steps[0]
+    cdef Py_ssize_t b, start, length
+    cdef Py_ssize_t bad = 0
+    cdef float* local
+    with nogil, parallel(num_threads=team):
+        local = scratch_at + threadid() * width
+        for b in prange(_num_blocks(n, block), schedule="static"):
+            start = b * block
+            length = block if start + block <= n else n - start
+            p2p_scaled_add(mine + start, scale, received + start, received_min[b], received_step[b],
+                           local, length)
+            bad += _encode_block(local, length, 1, target + start, min_out + b, step_out + b)
+    return bad
+
+
+cdef inline int _team(int threads) noexcept nogil:
+    """OpenMP threads for one call: `threads`, or all of them when 0."""
+    return threads if threads > 0 else p2p_max_threads()
 
 
 cdef void _decode(const unsigned char[::1] codes, const float[::1] mins, const float[::1] steps,
-                  float[::1] out, Py_ssize_t block, bint accumulate) noexcept nogil:
+                  float[::1] out, Py_ssize_t block, bint accumulate, int threads) noexcept nogil:
     cdef Py_ssize_t n = out.shape[0], b, start
     if n == 0:
         return
     cdef const unsigned char* source = &codes[0]
     cdef float* target = &out[0]
-    for b in prange(_num_blocks(n, block), schedule="static"):
+    cdef int team = _team(threads)
+    for b in prange(_num_blocks(n, block), schedule="static", num_threads=team):
         start = b * block
-        _decode_block(source + start, block if start + block <= n else n - start, mins[b], steps[b],
-                      target + start, accumulate)
+        p2p_decode(source + start, block if start + block <= n else n - start, mins[b], steps[b],
+                   target + start, accumulate)
 
 
 def dequantize(const unsigned char[::1] codes, const float[::1] mins, const float[::1] steps,
-               float[::1] out, Py_ssize_t block):
+               float[::1] out, Py_ssize_t block, int threads=0):
     """out[i] = min[b] + code[i] * step[b]."""
     _check(out.shape[0], codes.shape[0], min(mins.shape[0], steps.shape[0]), block)
     with nogil:
-        _decode(codes, mins, steps, out, block, False)
+        _decode(codes, mins, steps, out, block, False, threads)
 
 
 def dequantize_add(const unsigned char[::1] codes, const float[::1] mins, const float[::1] steps,
-                   float[::1] acc, Py_ssize_t block):
+                   float[::1] acc, Py_ssize_t block, int threads=0):
     """acc[i] += min[b] + code[i] * step[b]: the fp32 accumulation of one ring hop."""
     _check(acc.shape[0], codes.shape[0], min(mins.shape[0], steps.shape[0]), block)
     with nogil:
-        _decode(codes, mins, steps, acc, block, True)
+        _decode(codes, mins, steps, acc, block, True, threads)

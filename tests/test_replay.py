@@ -75,7 +75,8 @@ def test_a_result_of_another_step_size_or_with_gaps_is_refused(result: tuple[np.
     with pytest.raises(ReplayError, match="does not continue"):
         unpack_into(gap, 7, np.zeros(10_000, np.float32), BLOCK)
     poisoned = bytearray(pack_result(7, 256, BLOCK, encoded_chunks(values, [0, 256])))
-    poisoned[-8:-4] = np.float32(np.nan).tobytes()  # the block's min
+    payload_at = len(poisoned) - quant.payload_size(256, BLOCK)
+    poisoned[payload_at : payload_at + 4] = np.float32(np.nan).tobytes()  # the block's min
     with pytest.raises(ReplayError, match="non-finite"):
         unpack_into(bytes(poisoned), 7, np.zeros(256, np.float32), BLOCK)
 

@@ -131,16 +131,16 @@ def test_shares_and_segments():
 
 
 def test_a_slow_link_is_measured_and_fast_links_are_not(tmp_path: Path):
-    """Member 2 reads one 256 KiB frame per 10 ms at most, so member 1's link to it runs below 26 MB/s
-    (3.7 MB/s measured on 2 busy cores); the links 0 → 1 and 2 → 0 keep up. 24 MB cross each link:
-    more than the socket buffers hide."""
+    """Member 2 reads one 256 KiB frame per 30 ms at most, so member 1's link to it runs below
+    8.7 MB/s; the links 0 → 1 and 2 → 0 keep up (held up now and then by the two busy cores, at
+    90 MB/s or more). 24 MB cross each link: more than the socket buffers hide."""
     settings = RingSettings(chunk_bytes=1 << 20, topology="ring")
     outcomes, results, _ = run_ring(
-        tmp_path, 3, 18_000_000, settings=settings, faults={2: ("slow", 10)}, timeout=120
+        tmp_path, 3, 18_000_000, settings=settings, faults={2: ("slow", 30)}, timeout=120
     )
     assert len(results) == 3, outcomes
     slow = outcomes[1].link_rates[2]
-    ceiling = (1 << 18) / 0.010  # one frame (256 Ki values, 1 byte each) per 10 ms, plus its decoding
+    ceiling = (1 << 18) / 0.030  # one frame (256 Ki values, 1 byte each) per 30 ms, plus its decoding
     assert 0 < slow <= ceiling * 1.2, slow
     for sender, receiver in [(0, 1), (2, 0)]:
         assert outcomes[sender].link_rates[receiver] > 5 * slow, outcomes[sender].link_rates

@@ -30,7 +30,7 @@ def frame(header: dict, payload: bytes) -> bytes:
 def nan_params_payload(length: int) -> bytes:
     good = quant.encode_payload(np.ones(length, np.float32), 256)
     blocks = quant.num_blocks(length, 256)
-    return good[:length] + np.full(blocks, np.nan, np.float32).tobytes() + good[length + 4 * blocks :]
+    return np.full(blocks, np.nan, np.float32).tobytes() + bytes(good[4 * blocks :])  # NaN mins
 
 
 # The honest member (index 0) owns segment 1 and receives segment 0 from the bad one first:

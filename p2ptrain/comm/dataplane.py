@@ -19,13 +19,15 @@ from typing import Literal
 
 import numpy as np
 
-from p2ptrain.comm.handshake import Admission, accept_any, dial
+from p2ptrain.comm.handshake import MAX_LANES, Admission, accept_any, dial
 from p2ptrain.comm.wire import WireError
 from p2ptrain.identity import NodeIdentity, short_id
 
 log = logging.getLogger(__name__)
 
 Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+LaneKey = tuple[bytes, int]
+"""(peer key, lane): one of the `connections` parallel connections from that peer."""
 
 REFUSED_GRACE = 1.0
 """Seconds a refused or failed connect is retried before the member counts as gone."""
@@ -57,6 +59,13 @@ class RingSettings:
     zstd: bool = False
     topology: Literal["auto", "ring", "butterfly"] = "auto"
     """How the reduce-scatter travels; see ring.py. "auto" takes the ring up to 3 members."""
+    connections: int = 1
+    """Parallel TCP connections (lanes) to each peer; chunks take them in turn. More than one
+    helps on long fat links, where one TCP connection's window cannot fill the pipe."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.connections <= MAX_LANES:
+            raise ValueError(f"connections must be within 1..{MAX_LANES}, got {self.connections}")
 
 
 @dataclass
@@ -114,7 +123,7 @@ class DataPlaneServer:
         self.identity = identity
         self.settings = settings
         self._server: asyncio.Server | None = None
-        self._expected: dict[int, tuple[Admission, dict[bytes, asyncio.Future]]] = {}
+        self._expected: dict[int, tuple[Admission, dict[LaneKey, asyncio.Future]]] = {}
         self._changed = asyncio.Event()
         self._latest_step = -1
         self._completed_step = -1
@@ -140,11 +149,13 @@ class DataPlaneServer:
                 if not future.done():
                     future.cancel()
 
-    def expect(self, step: int, peers: Collection[bytes], digest: bytes) -> dict[bytes, asyncio.Future]:
-        """Register step `step`: one future per peer, resolved with its authenticated connection."""
+    def expect(self, step: int, peers: Collection[bytes], digest: bytes) -> dict[LaneKey, asyncio.Future]:
+        """Register step `step`: one future per peer and lane, resolved with its authenticated
+        connection."""
         loop = asyncio.get_running_loop()
-        futures = {key: loop.create_future() for key in peers}
-        self._expected[step] = (Admission(set(peers), digest), futures)
+        lanes = self.settings.connections
+        futures = {(key, lane): loop.create_future() for key in peers for lane in range(lanes)}
+        self._expected[step] = (Admission(set(peers), digest, lanes), futures)
         self._latest_step = max(self._latest_step, step)
         self._changed.set()
         self._changed = asyncio.Event()
@@ -169,8 +180,8 @@ class DataPlaneServer:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), remaining)
         admission, futures = self._expected[step]
-        waiting = {key for key, future in futures.items() if not future.done()}
-        return Admission(waiting, admission.digest) if waiting else None
+        waiting = {key for (key, _), future in futures.items() if not future.done()}
+        return Admission(waiting, admission.digest, admission.lanes) if waiting else None
 
     async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self._pending >= MAX_PENDING_HANDSHAKES:
@@ -189,7 +200,7 @@ class DataPlaneServer:
         finally:
             self._pending -= 1
         entry = self._expected.get(session.step)
-        future = entry[1].get(session.peer_key) if entry else None
+        future = entry[1].get((session.peer_key, session.lane)) if entry else None
         if future is None or future.done():
             writer.close()
             return
@@ -197,9 +208,14 @@ class DataPlaneServer:
 
 
 async def dial_member(
-    identity: NodeIdentity, member: RingMember, step: int, digest: bytes, settings: RingSettings
+    identity: NodeIdentity,
+    member: RingMember,
+    step: int,
+    digest: bytes,
+    settings: RingSettings,
+    lane: int = 0,
 ) -> Connection:
-    """Connect and authenticate to `member`.
+    """Connect and authenticate lane `lane` to `member`.
 
     A member publishes its address only once its server listens, so a refused connection means
     it is gone: that is retried only briefly (REFUSED_GRACE), not for the whole setup deadline.
@@ -220,7 +236,7 @@ async def dial_member(
             delay = min(delay * 2, 1.0)
             continue
         try:
-            await dial(reader, writer, identity, member.key, step, digest, settings.setup_timeout)
+            await dial(reader, writer, identity, member.key, step, digest, settings.setup_timeout, lane)
         except BaseException:
             writer.close()
             raise

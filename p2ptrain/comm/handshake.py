@@ -1,6 +1,6 @@
 """Mutual authentication of a data-plane connection between two members of one outer step.
 
-    dialer   → hello   {node_key, step, digest, nonce}
+    dialer   → hello   {node_key, step, digest, nonce, lane}
     listener → welcome {node_key, nonce, signature}     (or refuse {reason})
     dialer   → proof   {signature}
     listener → ok                                     (or refuse {reason})
@@ -8,6 +8,11 @@
 Each signature is Ed25519 over a transcript that binds both nonces, both keys, the role, the step
 and the membership digest: a recorded handshake cannot be replayed, a member of another step or
 another membership cannot get in, and the dialer knows it reached the member it meant to reach.
+`lane` numbers the parallel connections between one pair of members (comm.connections).
+
+The listener stops reading before it sends "ok", and the dialer sends nothing more until it has
+read "ok": after the handshake no byte of the data phase waits in asyncio's buffers, so the ring can
+take the raw socket (lanes.detach).
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from p2ptrain.identity import PUBLIC_KEY_BYTES, NodeIdentity, short_id, verify
 
 log = logging.getLogger(__name__)
 
-_DOMAIN = b"p2ptrain/ring-handshake/v1\0"
+_DOMAIN = b"p2ptrain/ring-handshake/v2\0"
+MAX_LANES = 16
 NONCE_BYTES = 32
 MAX_HANDSHAKE_FRAME = 1024
 
@@ -40,12 +46,14 @@ class Session:
     digest: bytes
     local_key: bytes
     peer_key: bytes
+    lane: int = 0
 
 
 def _transcript(
-    role: bytes, step: int, digest: bytes, dialer: bytes, listener: bytes, nonces: bytes
+    role: bytes, step: int, lane: int, digest: bytes, dialer: bytes, listener: bytes, nonces: bytes
 ) -> bytes:
-    return b"".join([_DOMAIN, role, step.to_bytes(8, "big"), digest, dialer, listener, nonces])
+    numbers = step.to_bytes(8, "big") + lane.to_bytes(1, "big")
+    return b"".join([_DOMAIN, role, numbers, digest, dialer, listener, nonces])
 
 
 def _bytes_field(header: dict, name: str, size: int) -> bytes:
@@ -63,6 +71,7 @@ async def dial(
     step: int,
     digest: bytes,
     timeout: float,
+    lane: int = 0,
 ) -> Session:
     """Authenticate an outgoing connection to `expected_peer`; raises HandshakeError or WireError."""
     nonce = secrets.token_bytes(NONCE_BYTES)
@@ -72,6 +81,7 @@ async def dial(
         "step": step,
         "digest": digest,
         "nonce": nonce,
+        "lane": lane,
     }
     await write_frame(writer, header, timeout=timeout)
     try:
@@ -85,24 +95,25 @@ async def dial(
         raise HandshakeError(f"reached {short_id(peer_key)} instead of {short_id(expected_peer)}")
     nonces = nonce + peer_nonce
     if not verify(
-        peer_key, signature, _transcript(b"L", step, digest, identity.public_key, peer_key, nonces)
+        peer_key, signature, _transcript(b"L", step, lane, digest, identity.public_key, peer_key, nonces)
     ):
         raise HandshakeError(f"{short_id(peer_key)} failed to prove its key")
-    proof = identity.sign(_transcript(b"D", step, digest, identity.public_key, peer_key, nonces))
+    proof = identity.sign(_transcript(b"D", step, lane, digest, identity.public_key, peer_key, nonces))
     await write_frame(writer, {"kind": "proof", "signature": proof}, timeout=timeout)
     try:
         expect(await read_frame(reader, timeout, MAX_HANDSHAKE_FRAME), "ok")
     except FrameError as exc:
         raise HandshakeError(str(exc)) from None
-    return Session(step, digest, identity.public_key, peer_key)
+    return Session(step, digest, identity.public_key, peer_key, lane)
 
 
 @dataclass(frozen=True)
 class Admission:
-    """Who may connect for one step: the allowed peer keys and the membership digest."""
+    """Who may connect for one step: the allowed peer keys, the membership digest, the lanes."""
 
     allowed: Collection[bytes]
     digest: bytes
+    lanes: int = 1
 
 
 Resolver = Callable[[int], Awaitable["Admission | None"]]
@@ -143,6 +154,9 @@ async def accept_any(
         step = hello.header.get("step")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise HandshakeError(f"malformed step {step!r}")
+        lane = hello.header.get("lane")
+        if not isinstance(lane, int) or isinstance(lane, bool) or not 0 <= lane < MAX_LANES:
+            raise HandshakeError(f"malformed lane {lane!r}")
         admission = await resolve(step)
         reason = None
         if admission is None:
@@ -151,27 +165,32 @@ async def accept_any(
             reason = "membership digest differs (the two nodes elected different members)"
         elif peer_key not in admission.allowed or peer_key == identity.public_key:
             reason = f"{short_id(peer_key)} is not a member of step {step}"
+        elif lane >= admission.lanes:
+            reason = f"lane {lane} of {admission.lanes} (the two nodes differ in comm.connections)"
         if reason or admission is None:
             raise HandshakeError(reason or "refused")
         digest = admission.digest
         nonce = secrets.token_bytes(NONCE_BYTES)
         nonces = peer_nonce + nonce
-        signature = identity.sign(_transcript(b"L", step, digest, peer_key, identity.public_key, nonces))
+        signature = identity.sign(
+            _transcript(b"L", step, lane, digest, peer_key, identity.public_key, nonces)
+        )
         await write_frame(
             writer,
             {"kind": "welcome", "node_key": identity.public_key, "nonce": nonce, "signature": signature},
             timeout=timeout,
         )
         proof = expect(await read_frame(reader, timeout, MAX_HANDSHAKE_FRAME), "proof")
-        transcript = _transcript(b"D", step, digest, peer_key, identity.public_key, nonces)
+        transcript = _transcript(b"D", step, lane, digest, peer_key, identity.public_key, nonces)
         if not verify(peer_key, _bytes_field(proof.header, "signature", 64), transcript):
             raise HandshakeError(f"{short_id(peer_key)} failed to prove its key")
     except (HandshakeError, FrameError) as exc:
         log.warning("refused data-plane connection: %s", exc)
         await _refuse(writer, str(exc))
         raise HandshakeError(str(exc)) from None
+    writer.transport.pause_reading()  # the rest of this connection is read from its raw socket
     await write_frame(writer, {"kind": "ok"}, timeout=timeout)
-    return Session(step, digest, identity.public_key, peer_key)
+    return Session(step, digest, identity.public_key, peer_key, lane)
 
 
 async def _refuse(writer: asyncio.StreamWriter, reason: str) -> None:

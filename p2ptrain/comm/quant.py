@@ -51,25 +51,31 @@ class NonFiniteError(ValueError):
     """The vector holds NaN or Inf: it must never be sent."""
 
 
-def quantize(values: np.ndarray, block: int, out: Encoded | None = None) -> Encoded:
-    """Encode a contiguous fp32 vector; raises NonFiniteError instead of encoding NaN/Inf."""
+def quantize(
+    values: np.ndarray, block: int, out: Encoded | None = None, scale: float = 1.0, threads: int = 0
+) -> Encoded:
+    """Encode a contiguous fp32 vector times `scale` (≥ 0); raises NonFiniteError instead of
+    encoding NaN/Inf. `threads` caps the kernel's OpenMP team (0: all cores)."""
     values = _as_f32(values)
     out = out or empty(values.shape[0], block)
-    bad = _kernels.quantize(values, out.codes, out.mins, out.steps, block)
+    _refuse_non_finite(_kernels.quantize(values, out.codes, out.mins, out.steps, block, scale, threads))
+    return out
+
+
+def _refuse_non_finite(bad: int) -> None:
     if bad:
         raise NonFiniteError(f"{bad} non-finite value(s) in the vector")
-    return out
 
 
-def dequantize(encoded: Encoded, out: np.ndarray | None = None) -> np.ndarray:
+def dequantize(encoded: Encoded, out: np.ndarray | None = None, threads: int = 0) -> np.ndarray:
     out = np.empty(encoded.size, np.float32) if out is None else out
-    _kernels.dequantize(encoded.codes, encoded.mins, encoded.steps, out, encoded.block)
+    _kernels.dequantize(encoded.codes, encoded.mins, encoded.steps, out, encoded.block, threads)
     return out
 
 
-def dequantize_add(encoded: Encoded, acc: np.ndarray) -> np.ndarray:
+def dequantize_add(encoded: Encoded, acc: np.ndarray, threads: int = 0) -> np.ndarray:
     """acc += decode(encoded), in place; returns acc."""
-    _kernels.dequantize_add(encoded.codes, encoded.mins, encoded.steps, acc, encoded.block)
+    _kernels.dequantize_add(encoded.codes, encoded.mins, encoded.steps, acc, encoded.block, threads)
     return acc
 
 
@@ -103,7 +109,7 @@ def reference_dequantize(encoded: Encoded) -> np.ndarray:
     return (encoded.mins[index] + encoded.codes.astype(np.float32) * encoded.steps[index]).astype(np.float32)
 
 
-# ---- one chunk on the wire: codes, then mins, then steps -----------------------------------------
+# ---- one chunk on the wire: mins, then steps, then codes ------------------------------------------
 
 
 class PayloadError(ValueError):
@@ -114,20 +120,66 @@ def payload_size(length: int, block: int) -> int:
     return length + 8 * num_blocks(length, block)
 
 
-def encode_payload(values: np.ndarray, block: int) -> bytes:
-    """Encode `values` as one wire payload; raises NonFiniteError for NaN/Inf."""
-    encoded = quantize(np.ascontiguousarray(values), block)
-    return encoded.codes.tobytes() + encoded.mins.tobytes() + encoded.steps.tobytes()
+Buffer = bytes | bytearray | memoryview
 
 
-def decode_payload(payload: bytes, length: int, block: int) -> Encoded:
-    """Views of a payload's codes and block parameters; sizes and values are checked, nothing copied."""
+def _payload_views(payload: Buffer, length: int, block: int) -> Encoded:
     blocks = num_blocks(length, block)
+    mins = np.frombuffer(payload, np.float32, blocks, 0)  # block parameters first: 4-byte aligned
+    steps = np.frombuffer(payload, np.float32, blocks, 4 * blocks)
+    codes = np.frombuffer(payload, np.uint8, length, 8 * blocks)
+    return Encoded(codes, mins, steps, block)
+
+
+def encode_payload(
+    values: np.ndarray, block: int, scale: float = 1.0, threads: int = 0, out: Buffer | None = None
+) -> Buffer:
+    """Encode `values` * `scale` straight into one wire payload (into `out` when given: a writable
+    buffer of payload_size bytes); raises NonFiniteError for NaN/Inf."""
+    payload = _output(out, values.shape[0], block)
+    views = _payload_views(payload, values.shape[0], block)
+    quantize(np.ascontiguousarray(values), block, views, scale, threads)
+    return payload
+
+
+def add_encode_payload(
+    own: np.ndarray, scale: float, received: Encoded, threads: int = 0, out: Buffer | None = None
+) -> Buffer:
+    """Encode `own` * `scale` + decode(`received`) into one wire payload (one ring hop, one pass)."""
+    own = _as_f32(own)
+    payload = _output(out, own.shape[0], received.block)
+    views = _payload_views(payload, own.shape[0], received.block)
+    bad = _kernels.scaled_add_quantize(
+        own,
+        scale,
+        received.codes,
+        received.mins,
+        received.steps,
+        views.codes,
+        views.mins,
+        views.steps,
+        views.block,
+        threads,
+    )
+    _refuse_non_finite(bad)
+    return payload
+
+
+def _output(out: Buffer | None, length: int, block: int) -> Buffer:
+    size = payload_size(length, block)
+    if out is None:
+        return bytearray(size)
+    if len(out) != size:
+        raise ValueError(f"output of {len(out)} bytes for a payload of {size}")
+    return out
+
+
+def decode_payload(payload: Buffer, length: int, block: int) -> Encoded:
+    """Views of a payload's codes and block parameters; sizes and values are checked, nothing copied."""
     if len(payload) != payload_size(length, block):
         raise PayloadError(f"payload of {len(payload)} bytes for {length} values")
-    codes = np.frombuffer(payload, np.uint8, length)
-    mins = np.frombuffer(payload, np.float32, blocks, length)
-    steps = np.frombuffer(payload, np.float32, blocks, length + 4 * blocks)
+    encoded = _payload_views(payload, length, block)
+    mins, steps = encoded.mins, encoded.steps
     if not (np.isfinite(mins).all() and np.isfinite(steps).all() and (steps >= 0).all()):
         raise PayloadError("non-finite or negative block parameters in a contribution")
-    return Encoded(codes, mins, steps, block)
+    return encoded

@@ -15,13 +15,18 @@ chunks (`chunk_bytes`). Two reduce-scatter topologies share one all-gather:
   unchanged, and every member, the owner included, decodes the same bytes: bit-identical results.
 
 `RingSettings.topology = "auto"` takes the ring up to 3 members (where it meets the 1 % error
-budget) and the butterfly above. Chunks are pipelined: a chunk goes out as soon as what it depends
-on came in, and the kernels (which release the GIL) run on worker threads while the event loop
-keeps the sockets busy. Weights are part of the membership, hence of its digest: each member scales
-its own values by its share of the total.
+budget) and the butterfly above. Weights are part of the membership, hence of its digest: each
+member scales its own values by its share of the total.
+
+Connections are set up and authenticated on the event loop; the transfer itself runs on threads,
+one per connection and direction, with blocking socket calls (lanes.py) and the kernels (which
+release the GIL): a chunk goes out as soon as what it depends on came in, while the next one is
+already on the wire. With `connections` = M, each pair of members holds M connections ("lanes")
+and the chunks of a stream take them in turn. The event loop meanwhile watches the connections we
+only send on, so a peer that hangs up early is noticed at once.
 
 Failure is all-or-nothing. Any error — a member that dies, stalls past `failure_timeout`, sends a
-malformed frame or non-finite block parameters, or our own NaN/Inf — closes all of this member's
+malformed frame or non-finite block parameters, or our own NaN/Inf — shuts all of this member's
 connections, which makes its peers fail at once too, and raises AllReduceError. The caller's buffer
 is read, never written, until every frame arrived; then the encoded result is decoded into it.
 """
@@ -29,20 +34,24 @@ is read, never written, until every frame arrived; then the encoded result is de
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import logging
 import math
+import os
+import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import zstandard
 
-from p2ptrain.comm import quant
+from p2ptrain.comm import lanes, quant
 from p2ptrain.comm.dataplane import (
     AllReduceError,
     Connection,
     DataPlaneServer,
+    LaneKey,
     RingMember,
     RingSettings,
     RingStats,
@@ -53,14 +62,20 @@ from p2ptrain.comm.dataplane import (
     shares,
 )
 from p2ptrain.comm.handshake import HandshakeError
-from p2ptrain.comm.wire import FrameError, PeerClosed, PeerTimeout, WireError, read_frame, write_frame
+from p2ptrain.comm.wire import FrameError, PeerClosed, WireError
 from p2ptrain.identity import short_id
 
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str, int, int], None]
+"""Called with (phase, round, chunk) after each frame is received, on the receiving thread."""
 Stream = list[tuple[str, int, int]]
-"""What travels on one connection, in order: (phase, round, segment) for every chunk of the segment."""
+"""What travels from one member to another, in order: (phase, round, segment) for every chunk of
+the segment."""
+FrameSpec = tuple[str, int, int, int, int]
+"""One frame of a stream: (phase, round, chunk, start, stop)."""
+SlotKey = tuple[str, int, int]
+Payload = bytes | bytearray | memoryview
 
 AUTO_RING_MAX_MEMBERS = 3
 HELD_UP_S = 0.002
@@ -87,6 +102,40 @@ def choose_topology(settings: RingSettings, members: int) -> str:
     return "ring" if members <= AUTO_RING_MAX_MEMBERS else "butterfly"
 
 
+class _Aborted(Exception):
+    """Another thread of this all-reduce failed first; this one stops quietly."""
+
+
+class _Slots:
+    """Payloads handed from the thread that produced them to the one thread that sends them on,
+    each with the spare buffer it lies in (None when it lies in the result), to give back once sent."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._items: dict[SlotKey, tuple[Payload, bytearray | None]] = {}
+        self._aborted = False
+
+    def put(self, key: SlotKey, payload: Payload, spare: bytearray | None = None) -> None:
+        with self._changed:
+            self._items[key] = (payload, spare)
+            self._changed.notify_all()
+
+    def take(self, key: SlotKey) -> tuple[Payload, bytearray | None]:
+        """Wait for `key`'s payload. Every failure calls `abort`, so the wait always ends: the
+        payload comes from a receive that has its own deadline."""
+        with self._changed:
+            while key not in self._items:
+                if self._aborted:
+                    raise _Aborted
+                self._changed.wait()
+            return self._items.pop(key)
+
+    def abort(self) -> None:
+        with self._changed:
+            self._aborted = True
+            self._changed.notify_all()
+
+
 class _AllReduce:
     """One member's part in one all-reduce; see the module docstring for the schedule."""
 
@@ -103,7 +152,7 @@ class _AllReduce:
         self.index = index
         self.keys = [member.key for member in members]
         self.own = own  # the caller's buffer: read only, never written before success
-        self.share = np.float32(shares(members)[index])
+        self.share = float(np.float32(shares(members)[index]))
         self.settings = settings
         self.block = settings.block
         self.step = step
@@ -114,18 +163,33 @@ class _AllReduce:
         bounds = segment_bounds(own.shape[0], self.n, self.block)
         chunk = max(self.block, (settings.chunk_bytes // 4 // self.block) * self.block)
         self.chunks = [chunk_bounds(bounds[s], bounds[s + 1], chunk) for s in range(self.n)]
-        self.finals: list[tuple[int, int, bytes]] = []
+        largest = max(stop - start for chunks in self.chunks for start, stop in chunks)
+        self.largest_payload = quant.payload_size(largest, self.block)
+        self.max_payload = self.largest_payload + 64  # zstd may grow a payload a little
+        self.result = np.empty(quant.payload_size(own.shape[0], self.block), np.uint8)
+        """The encoded result, each chunk at its place: received or encoded straight into it, so
+        the bulk of the data is never copied and lands in one allocation (huge pages where the
+        system has them) instead of fresh pages for every frame."""
+        self.finals: list[tuple[int, int, Payload]] = []
         """Encoded chunks of the result; decoded into the caller's buffer only once all succeeded."""
-        self.outbox: dict[tuple[str, int, int], asyncio.Future[bytes]] = {}
+        self.spares: list[bytearray] = []
+        """Buffers of ring partial sums already sent, for the next ones."""
+        self.slots = _Slots()
+        self.lock = threading.Lock()  # guards the counters and lists below, and `failure`
+        owned = len(self.chunks[(index + 1) % self.n])
+        self.chunk_locks = [threading.Lock() for _ in range(owned)]
         self.partial: dict[int, np.ndarray] = {}  # butterfly: chunk index -> fp32 sum so far
         self.arrived: dict[int, int] = {}
-        self.locks: dict[int, asyncio.Lock] = {}
         self.frames_queued = dict.fromkeys(self.out_peers(), 0)
         self.held_up = {peer: [0, 0.0] for peer in self.out_peers()}
         """peer → [bytes, seconds] of the frames whose send waited for the peer's link."""
         self.stats = RingStats()
-        self.compressor = zstandard.ZstdCompressor(level=1) if settings.zstd else None
-        self.decompressor = zstandard.ZstdDecompressor() if settings.zstd else None
+        workers = (len(self.out_peers()) + len(self.in_peers())) * settings.connections
+        self.threads = max(1, (os.cpu_count() or 1) // workers)
+        """OpenMP threads per kernel call: the transfer threads already run kernels side by side,
+        and more threads than cores make OpenMP spin (measured: twice the CPU time on 2 cores)."""
+        self.failure: BaseException | None = None
+        self.sockets: list[socket.socket] = []
 
     # ---- who talks to whom, and what goes on each connection ----------------------------------
 
@@ -158,38 +222,53 @@ class _AllReduce:
             stream += [("ag", rnd, (i - rnd) % n) for rnd in range(n - 1)]
         return stream
 
-    def frames_in(self, stream: Stream) -> int:
-        return sum(len(self.chunks[segment]) for _, _, segment in stream)
+    def frames(self, stream: Stream, lane: int | None = None) -> list[FrameSpec]:
+        """The frames of a stream in order; with `lane`, only those that lane carries."""
+        every = [
+            (phase, rnd, chunk, start, stop)
+            for phase, rnd, segment in stream
+            for chunk, (start, stop) in enumerate(self.chunks[segment])
+        ]
+        return every if lane is None else every[lane :: self.settings.connections]
 
-    # ---- sending ----------------------------------------------------------------------------
+    # ---- failure: the first error wins and stops everything ----------------------------------
 
-    def slot(self, key: tuple[str, int, int]) -> asyncio.Future[bytes]:
-        if key not in self.outbox:
-            self.outbox[key] = asyncio.get_running_loop().create_future()
-        return self.outbox[key]
+    def fail(self, exc: BaseException) -> None:
+        with self.lock:
+            if self.failure is not None:
+                return
+            self.failure = exc
+        self.slots.abort()
+        for sock in self.sockets:
+            lanes.shut(sock)
 
-    def deliver(self, key: tuple[str, int, int], payload: bytes) -> None:
-        slot = self.slot(key)
-        if not slot.done():
-            slot.set_result(payload)
+    # ---- sending (one thread per outgoing lane) -----------------------------------------------
 
-    async def send_to(self, peer: int, writer: asyncio.StreamWriter) -> None:
-        loop = asyncio.get_running_loop()
-        for phase, rnd, segment in self.send_stream(peer):
-            for chunk, (start, stop) in enumerate(self.chunks[segment]):
-                if phase == "rs" and (rnd == 0 or self.topology == "butterfly"):
-                    payload = await loop.run_in_executor(None, self._encode_own, start, stop)
-                else:
-                    payload = await self.slot((phase, rnd, chunk))
-                header = {"kind": phase, "step": self.step, "round": rnd, "chunk": chunk, "n": stop - start}
-                if self.compressor is not None:
-                    payload = self.compressor.compress(payload)
-                    header["zstd"] = True
-                # counted before the call: write_frame queues the bytes before its first await
+    def send_lane(self, peer: int, lane: int, sock: socket.socket) -> None:
+        compressor = zstandard.ZstdCompressor(level=1) if self.settings.zstd else None
+        scratch = bytearray(self.largest_payload)  # our own encoded chunks, one at a time
+        for phase, rnd, chunk, start, stop in self.frames(self.send_stream(peer), lane):
+            payload: Payload
+            spare = None
+            if phase == "rs" and (rnd == 0 or self.topology == "butterfly"):
+                out = memoryview(scratch)[: quant.payload_size(stop - start, self.block)]
+                payload = quant.encode_payload(
+                    self.own[start:stop], self.block, self.share, self.threads, out
+                )
+            else:
+                payload, spare = self.slots.take((phase, rnd, chunk))
+            header = {"kind": phase, "step": self.step, "round": rnd, "chunk": chunk, "n": stop - start}
+            if compressor is not None:
+                payload = compressor.compress(payload)
+                header["zstd"] = True
+            with self.lock:  # counted before the send: the peer may hang up as soon as it has all
                 self.frames_queued[peer] += 1
-                sent_at = loop.time()
-                await write_frame(writer, header, payload, timeout=self.settings.failure_timeout)
-                waited = loop.time() - sent_at
+            sent_at = time.monotonic()
+            lanes.send_frame(sock, header, payload, self.settings.failure_timeout)
+            waited = time.monotonic() - sent_at
+            with self.lock:
+                if spare is not None:  # in the kernel now: the buffer can take the next partial sum
+                    self.spares.append(spare)
                 if waited >= HELD_UP_S:  # the link (or the peer) was slower than we produce frames
                     self.held_up[peer][0] += len(payload)
                     self.held_up[peer][1] += waited
@@ -202,103 +281,200 @@ class _AllReduce:
             for peer, (sent, seconds) in self.held_up.items()
         }
 
-    async def watch(self, peer: int, reader: asyncio.StreamReader) -> None:
-        """A peer we dial never writes after the handshake and hangs up once it has all our frames.
+    def hung_up(self, peer: int, state: str) -> None:
+        """A peer we only send to made its connection readable: it never writes after the handshake
+        and hangs up once it has all our frames, so anything else means it failed."""
+        if state == "data":
+            self.fail(FrameError(f"{short_id(self.keys[peer])} wrote on a connection it must only read"))
+        elif self.frames_queued[peer] < len(self.frames(self.send_stream(peer))):
+            self.fail(PeerClosed(f"{short_id(self.keys[peer])} closed the connection"))
 
-        End of stream before we queued our last frame to it therefore means it failed.
-        """
-        with contextlib.suppress(ConnectionError, OSError):
-            await reader.read(1)
-        if self.frames_queued[peer] < self.frames_in(self.send_stream(peer)):
-            raise PeerClosed(f"{short_id(self.keys[peer])} closed the connection")
+    # ---- receiving (one thread per incoming lane) ---------------------------------------------
 
-    # ---- receiving --------------------------------------------------------------------------
-
-    async def receive_from(self, peer: int, reader: asyncio.StreamReader) -> None:
-        largest = max(stop - start for chunks in self.chunks for start, stop in chunks)
-        max_payload = quant.payload_size(largest, self.block) + 64
-        for phase, rnd, segment in self.receive_stream(peer):
-            for chunk, (start, stop) in enumerate(self.chunks[segment]):
-                frame = await read_frame(reader, self.settings.failure_timeout, max_payload)
-                expected = (phase, self.step, rnd, chunk, stop - start)
-                got = tuple(frame.header.get(key) for key in ("kind", "step", "round", "chunk", "n"))
-                if got != expected:
-                    raise FrameError(f"expected frame {expected}, got {got}")
-                payload = frame.payload
+    def receive_lane(self, peer: int, lane: int, sock: socket.socket) -> None:
+        decompressor = zstandard.ZstdDecompressor() if self.settings.zstd else None
+        scratch = memoryview(bytearray(self.largest_payload))  # reduce-scatter frames, used at once
+        for spec in self.frames(self.receive_stream(peer), lane):
+            phase, rnd, chunk, start, stop = spec
+            place = functools.partial(self._place, spec, scratch)
+            frame = lanes.recv_frame(sock, self.settings.failure_timeout, self.max_payload, place)
+            expected, got = self._identity(spec), _identity(frame.header)
+            if got != expected:
+                raise FrameError(f"expected frame {expected}, got {got}")
+            payload: Payload = frame.payload
+            with self.lock:
                 self.stats.bytes_received += len(payload)
-                if frame.header.get("zstd"):
-                    payload = self._decompress(payload, stop - start)
-                try:
-                    encoded = quant.decode_payload(payload, stop - start, self.block)
-                except quant.PayloadError as exc:
-                    raise FrameError(str(exc)) from None
-                await self._absorb(phase, rnd, chunk, start, stop, encoded, payload)
+            if frame.header.get("zstd"):
+                payload = self._decompress(decompressor, payload, stop - start)
+            try:
+                encoded = quant.decode_payload(payload, stop - start, self.block)
+            except quant.PayloadError as exc:
+                raise FrameError(str(exc)) from None
+            self._absorb(phase, rnd, chunk, start, stop, encoded, payload)
+            with self.lock:
                 self.stats.frames += 1
-                if self.progress is not None:
-                    self.progress(phase, rnd, chunk)
+            if self.progress is not None:
+                self.progress(phase, rnd, chunk)
 
-    async def _absorb(
-        self, phase: str, rnd: int, chunk: int, start: int, stop: int, encoded: quant.Encoded, payload: bytes
+    def _identity(self, spec: FrameSpec) -> tuple:
+        phase, rnd, chunk, start, stop = spec
+        return (phase, self.step, rnd, chunk, stop - start)
+
+    def _place(self, spec: FrameSpec, scratch: memoryview, header: dict, length: int) -> memoryview | None:
+        """The buffer an expected frame's payload is received into: its place in the result for
+        the all-gather, `scratch` for the reduce-scatter (used up before the next frame)."""
+        phase, _, _, start, stop = spec
+        size = quant.payload_size(stop - start, self.block)
+        if _identity(header) != self._identity(spec) or length != size or header.get("zstd"):
+            return None  # a fresh buffer; the checks after the read refuse what is wrong
+        return self.placed(start, stop) if phase == "ag" else scratch[:size]
+
+    def _absorb(
+        self,
+        phase: str,
+        rnd: int,
+        chunk: int,
+        start: int,
+        stop: int,
+        encoded: quant.Encoded,
+        payload: Payload,
     ) -> None:
-        loop = asyncio.get_running_loop()
         if phase == "ag":
-            self.finals.append((start, stop, payload))
+            with self.lock:
+                self.finals.append((start, stop, payload))
             if rnd < self.n - 2:
-                self.deliver(("ag", rnd + 1, chunk), payload)
+                self.slots.put(("ag", rnd + 1, chunk), payload)
         elif self.topology == "ring":
-            partial = await loop.run_in_executor(None, self._add_own_and_encode, encoded, start, stop)
+            own = self.own[start:stop]
             if rnd < self.n - 2:
-                self.deliver(("rs", rnd + 1, chunk), partial)
+                spare = self._spare()
+                out = memoryview(spare)[: quant.payload_size(stop - start, self.block)]
+                partial = quant.add_encode_payload(own, self.share, encoded, self.threads, out)
+                self.slots.put(("rs", rnd + 1, chunk), partial, spare)
             else:  # the last hop: this member owns the reduced chunk, encoded once for everyone
-                self._finish_chunk(chunk, start, stop, partial)
+                final = quant.add_encode_payload(
+                    own, self.share, encoded, self.threads, self.placed(start, stop)
+                )
+                self._finish_chunk(chunk, start, stop, final)
         else:
-            lock = self.locks.setdefault(chunk, asyncio.Lock())
-            async with lock:  # contributions to one chunk arrive from every peer at once
-                await loop.run_in_executor(None, self._accumulate, encoded, chunk, start, stop)
+            with self.chunk_locks[chunk]:  # contributions to one chunk arrive from every peer at once
+                if chunk not in self.partial:
+                    self.partial[chunk] = np.multiply(self.own[start:stop], np.float32(self.share))
+                quant.dequantize_add(encoded, self.partial[chunk], self.threads)
                 self.arrived[chunk] = self.arrived.get(chunk, 0) + 1
                 if self.arrived[chunk] == self.n - 1:
-                    final = await loop.run_in_executor(
-                        None, quant.encode_payload, self.partial.pop(chunk), self.block
+                    final = quant.encode_payload(
+                        self.partial.pop(chunk), self.block, 1.0, self.threads, self.placed(start, stop)
                     )
                     self._finish_chunk(chunk, start, stop, final)
 
-    def _finish_chunk(self, chunk: int, start: int, stop: int, payload: bytes) -> None:
-        self.finals.append((start, stop, payload))
-        self.deliver(("ag", 0, chunk), payload)
+    def placed(self, start: int, stop: int) -> memoryview:
+        """Where the encoded chunk [start, stop) lies in `result` (chunks start on a block boundary)."""
+        offset = start + 8 * (start // self.block)
+        return memoryview(self.result)[offset : offset + quant.payload_size(stop - start, self.block)]
 
-    def _decompress(self, payload: bytes, length: int) -> bytes:
-        if self.decompressor is None:
+    def _spare(self) -> bytearray:
+        with self.lock:
+            if self.spares:
+                return self.spares.pop()
+        return bytearray(self.largest_payload)
+
+    def _finish_chunk(self, chunk: int, start: int, stop: int, payload: Payload) -> None:
+        with self.lock:
+            self.finals.append((start, stop, payload))
+        self.slots.put(("ag", 0, chunk), payload)
+
+    def _decompress(
+        self, decompressor: zstandard.ZstdDecompressor | None, payload: Payload, length: int
+    ) -> bytes:
+        if decompressor is None:
             raise FrameError("zstd frame, but zstd is off for this all-reduce")
         try:
-            return self.decompressor.decompress(
-                payload, max_output_size=quant.payload_size(length, self.block)
-            )
+            return decompressor.decompress(payload, max_output_size=quant.payload_size(length, self.block))
         except zstandard.ZstdError as exc:
             raise FrameError(f"bad zstd payload: {exc}") from None
-
-    # ---- kernels, on worker threads ------------------------------------------------------------
-
-    def _scaled_own(self, start: int, stop: int) -> np.ndarray:
-        """This member's weighted contribution to one chunk, in a fresh chunk-sized buffer."""
-        return np.multiply(self.own[start:stop], self.share)
-
-    def _encode_own(self, start: int, stop: int) -> bytes:
-        return quant.encode_payload(self._scaled_own(start, stop), self.block)
-
-    def _add_own_and_encode(self, encoded: quant.Encoded, start: int, stop: int) -> bytes:
-        partial = self._scaled_own(start, stop)
-        quant.dequantize_add(encoded, partial)
-        return quant.encode_payload(partial, self.block)
-
-    def _accumulate(self, encoded: quant.Encoded, chunk: int, start: int, stop: int) -> None:
-        if chunk not in self.partial:
-            self.partial[chunk] = self._scaled_own(start, stop)
-        quant.dequantize_add(encoded, self.partial[chunk])
 
     def write_result(self, buffer: np.ndarray) -> None:
         """Decode every final chunk into `buffer`: the same bytes on every member, so the same floats."""
         for start, stop, payload in self.finals:
             quant.dequantize(quant.decode_payload(payload, stop - start, self.block), buffer[start:stop])
+
+
+def _identity(header: dict) -> tuple:
+    """What a data frame's header says it is: (kind, step, round, chunk, value count)."""
+    return tuple(header.get(key) for key in ("kind", "step", "round", "chunk", "n"))
+
+
+class _Transfer:
+    """The threads that move one all-reduce's frames, and how the event loop waits for them."""
+
+    def __init__(self, plan: _AllReduce, loop: asyncio.AbstractEventLoop):
+        self.plan = plan
+        self.loop = loop
+        self.finished: asyncio.Future[None] = loop.create_future()
+        self.threads: list[threading.Thread] = []
+        self.watched: dict[int, socket.socket] = {}
+        """fd → each socket we only send on, watched by the event loop."""
+        self.running = 0
+
+    def start(
+        self, outgoing: dict[tuple[int, int], socket.socket], incoming: dict[tuple[int, int], socket.socket]
+    ) -> None:
+        plan = self.plan
+        plan.sockets = [*outgoing.values(), *incoming.values()]
+        for (peer, lane), sock in outgoing.items():
+            self._spawn(f"send-{peer}.{lane}", plan.send_lane, peer, lane, sock)
+            self.watched[sock.fileno()] = sock
+            self.loop.add_reader(sock.fileno(), self._readable, peer, sock)
+        for (peer, lane), sock in incoming.items():
+            self._spawn(f"recv-{peer}.{lane}", plan.receive_lane, peer, lane, sock)
+
+    def _spawn(self, name: str, work: Callable[[int, int, socket.socket], None], *args: object) -> None:
+        thread = threading.Thread(
+            target=self._run, args=(work, *args), name=f"p2ptrain-ring-{name}", daemon=True
+        )
+        self.threads.append(thread)
+        self.running += 1
+        thread.start()
+
+    def _run(self, work: Callable[..., None], *args: object) -> None:
+        try:
+            work(*args)
+        except _Aborted:
+            pass
+        except BaseException as exc:  # handed to the waiting coroutine
+            self.plan.fail(exc)
+        finally:
+            self.loop.call_soon_threadsafe(self._thread_done)
+
+    def _thread_done(self) -> None:
+        self.running -= 1
+        if (self.running == 0 or self.plan.failure is not None) and not self.finished.done():
+            self.finished.set_result(None)
+
+    def _readable(self, peer: int, sock: socket.socket) -> None:
+        state = lanes.readable_state(sock)
+        if state == "idle":
+            return
+        self.loop.remove_reader(sock.fileno())
+        del self.watched[sock.fileno()]
+        self.plan.hung_up(peer, state)
+        if self.plan.failure is not None and not self.finished.done():
+            self.finished.set_result(None)
+
+    def stop(self) -> None:
+        """Stop watching, wake every thread still blocked (they exit at once) and close the sockets."""
+        for fd in self.watched:
+            self.loop.remove_reader(fd)
+        self.watched.clear()
+        self.plan.fail(_Aborted())  # a no-op after success or after an earlier failure
+        for sock in self.plan.sockets:
+            sock.close()
+
+    def join(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for thread in self.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 async def ring_all_reduce(
@@ -324,28 +500,25 @@ async def ring_all_reduce(
             raise AllReduceError(f"step {step}: this node's contribution holds NaN or Inf")
         return RingStats(seconds=time.monotonic() - started)
     # NaN/Inf of ours are caught where a chunk is encoded, before anything is sent; the error then
-    # closes every connection, so the others fail at once instead of waiting for a timeout.
+    # shuts every connection, so the others fail at once instead of waiting for a timeout.
+    loop = asyncio.get_running_loop()
     plan = _AllReduce(keys.index(identity.public_key), members, buffer, settings, step, progress)
     digest = membership_digest(step, members)
     incoming = server.expect(step, [keys[peer] for peer in plan.in_peers()], digest)
     connections: list[Connection] = []
-    tasks: list[asyncio.Task[None]] = []
+    transfer = _Transfer(plan, loop)
     try:
         outgoing = await _connect(plan, members, incoming, server, step, digest, connections)
-        workers = [asyncio.create_task(plan.send_to(peer, writer)) for peer, (_, writer) in outgoing.items()]
-        workers += [
-            asyncio.create_task(plan.receive_from(peer, incoming[keys[peer]].result()[0]))
-            for peer in plan.in_peers()
-        ]
-        tasks = workers + [
-            asyncio.create_task(plan.watch(peer, reader)) for peer, (reader, _) in outgoing.items()
-        ]
-        pending: set[asyncio.Task[None]] = set(tasks)
-        while not all(worker.done() for worker in workers):
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                task.result()  # the first failure propagates at once
-        await _flush([writer for _, writer in outgoing.values()], settings.failure_timeout)
+        transfer.start(
+            {slot: lanes.detach(writer) for slot, (_, writer) in outgoing.items()},
+            {
+                (keys.index(key), lane): lanes.detach(future.result()[1])
+                for (key, lane), future in incoming.items()
+            },
+        )
+        await transfer.finished
+        if plan.failure is not None:
+            raise plan.failure
         server.completed(step)
     except AllReduceError as exc:
         log.warning("all-reduce of step %d failed: %s", step, exc)
@@ -359,55 +532,48 @@ async def ring_all_reduce(
         log.warning("all-reduce of step %d failed, connections dropped: %s", step, exc)
         raise AllReduceError(f"step {step}: {exc}") from exc
     finally:
-        for task in tasks:
-            if not task.done():
-                task.cancel()
-            elif not task.cancelled():
-                task.exception()  # a second failure after the first is expected, not news
+        transfer.stop()
+        for future in incoming.values():  # accepted, but the step failed before they were used
+            if future.done() and not future.cancelled() and future.exception() is None:
+                future.result()[1].close()
         for _, writer in connections:
             writer.close()
         server.forget(step)
-    await asyncio.get_running_loop().run_in_executor(None, plan.write_result, buffer)
+        if not asyncio.current_task().cancelling():  # type: ignore[union-attr]
+            await asyncio.to_thread(transfer.join, settings.failure_timeout)
+    await loop.run_in_executor(None, plan.write_result, buffer)
     plan.stats.result = plan.finals
     plan.stats.link_rates = plan.link_rates()
     plan.stats.seconds = time.monotonic() - started
     return plan.stats
 
 
-async def _flush(writers: list[asyncio.StreamWriter], timeout: float) -> None:
-    """Wait until every byte we queued has reached the kernel, so closing the socket loses nothing
-    even if the caller's event loop is busy right after we return."""
-    for writer in writers:
-        writer.transport.set_write_buffer_limits(high=0)
-    try:
-        await asyncio.wait_for(asyncio.gather(*(writer.drain() for writer in writers)), timeout)
-    except asyncio.TimeoutError:
-        raise PeerTimeout("peers did not take our last frames within the deadline") from None
-    except (ConnectionError, OSError) as exc:
-        raise PeerClosed(f"connection lost while flushing: {exc}") from None
-
-
 async def _connect(
     plan: _AllReduce,
     members: Sequence[RingMember],
-    incoming: dict[bytes, asyncio.Future[Connection]],
+    incoming: dict[LaneKey, asyncio.Future[Connection]],
     server: DataPlaneServer,
     step: int,
     digest: bytes,
     connections: list[Connection],
-) -> dict[int, Connection]:
-    """Dial every out-peer and wait for every in-peer; all connections land in `connections`."""
+) -> dict[tuple[int, int], Connection]:
+    """Dial every lane to every out-peer and wait for every lane of every in-peer; all connections
+    land in `connections`. Returns the outgoing ones by (peer, lane)."""
     settings = server.settings
 
-    async def dial_one(peer: int) -> tuple[int, Connection]:
-        connection = await dial_member(server.identity, members[peer], step, digest, settings)
+    async def dial_one(peer: int, lane: int) -> tuple[tuple[int, int], Connection]:
+        connection = await dial_member(server.identity, members[peer], step, digest, settings, lane)
         connections.append(connection)
-        return peer, connection
+        return (peer, lane), connection
 
-    dials = [asyncio.create_task(dial_one(peer)) for peer in plan.out_peers()]
+    dials = [
+        asyncio.create_task(dial_one(peer, lane))
+        for peer in plan.out_peers()
+        for lane in range(settings.connections)
+    ]
     try:
         outgoing = dict(await asyncio.gather(*dials))
-        for key, future in incoming.items():
+        for (key, _), future in incoming.items():
             try:
                 connections.append(await asyncio.wait_for(asyncio.shield(future), settings.setup_timeout))
             except asyncio.TimeoutError:

@@ -22,7 +22,7 @@ import msgpack
 from p2ptrain.untrusted import UndecodableError, unpack_untrusted
 
 MAGIC = b"P2PT"
-VERSION = 1
+VERSION = 2
 PREFIX = struct.Struct("!4sBHI")
 MAX_HEADER_BYTES = 4096
 DEFAULT_MAX_PAYLOAD = 256 << 20
@@ -47,7 +47,7 @@ class PeerTimeout(WireError):
 @dataclass(frozen=True)
 class Frame:
     header: dict[str, Any]
-    payload: bytes = b""
+    payload: bytes | memoryview = b""
 
     @property
     def kind(self) -> str:

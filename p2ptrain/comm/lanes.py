@@ -1,0 +1,143 @@
+"""Blocking frame I/O on the raw sockets of one all-reduce, for the ring's worker threads.
+
+Connections are dialed, accepted and authenticated on the event loop (dataplane.py, handshake.py);
+then `detach` takes each socket out of asyncio and the bulk transfer runs on plain threads with
+blocking calls. asyncio's streams copy every byte three times while holding the GIL; here a whole
+payload moves with one `recv_into(…, MSG_WAITALL)` or one `sendmsg`, straight between the kernel
+and our buffers, and the GIL is released for the whole wait. Deadlines are kernel socket timeouts
+(SO_RCVTIMEO, SO_SNDTIMEO): Python's own socket timeouts would make the socket non-blocking and
+wake the thread for every segment that arrives (measured: twice the CPU time of the ring on 2 cores).
+
+The frame format is wire.py's, with the same checks: every length is validated before anything is
+allocated, and every frame must arrive within its deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import struct
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+from p2ptrain.comm.wire import (
+    PREFIX,
+    Frame,
+    PeerClosed,
+    PeerTimeout,
+    decode_header,
+    encode_frame,
+    parse_prefix,
+)
+
+
+def detach(writer: asyncio.StreamWriter) -> socket.socket:
+    """The connection's socket as a blocking socket of our own; the asyncio transport is dropped.
+
+    The handshake pauses reading before its last message, so no frame of the data phase sits in
+    asyncio's buffers. Closing the transport closes only its descriptor (ours is a duplicate), and
+    asyncio never shuts a socket down on close, so the connection itself stays open.
+    """
+    transport = writer.transport
+    transport.pause_reading()
+    if transport.get_write_buffer_size():
+        raise PeerClosed("handshake bytes still unsent when the data phase began")
+    raw = transport.get_extra_info("socket")
+    sock = socket.socket(raw.family, raw.type, raw.proto, fileno=os.dup(raw.fileno()))
+    transport.abort()
+    sock.setblocking(True)
+    return sock
+
+
+def _kernel_timeout(sock: socket.socket, option: int, deadline: float, what: str) -> None:
+    """Bound the next blocking call on `sock` by `deadline` (a partial transfer returns then)."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise PeerTimeout(f"{what} within the deadline")
+    seconds = int(left)
+    micros = max(1, int((left - seconds) * 1e6)) if seconds == 0 else int((left - seconds) * 1e6)
+    sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("@ll", seconds, micros))
+
+
+def _recv_exactly(sock: socket.socket, view: memoryview, deadline: float) -> None:
+    got = 0
+    while got < len(view):
+        pending = f"no complete frame ({len(view) - got} bytes pending)"
+        _kernel_timeout(sock, socket.SO_RCVTIMEO, deadline, pending)
+        try:
+            count = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
+        except BlockingIOError:  # the kernel timeout passed with nothing received
+            raise PeerTimeout(f"{pending} within the deadline") from None
+        except OSError as exc:
+            raise PeerClosed(f"connection lost: {exc}") from None
+        if count == 0:
+            raise PeerClosed(f"connection closed after {got} of {len(view)} bytes")
+        got += count
+
+
+Placement = Callable[[dict[str, Any], int], "memoryview | None"]
+"""Where a frame's payload should land, given its header and payload length: a view of exactly that
+many bytes, or None for a fresh buffer."""
+
+
+def recv_frame(
+    sock: socket.socket, timeout: float, max_payload: int, place: Placement | None = None
+) -> Frame:
+    """Read one whole frame within `timeout` seconds. The payload is received straight into the
+    buffer `place` picks for it (no copies); its length was checked against `max_payload` first."""
+    deadline = time.monotonic() + timeout
+    prefix = bytearray(PREFIX.size)
+    _recv_exactly(sock, memoryview(prefix), deadline)
+    header_len, payload_len = parse_prefix(bytes(prefix), max_payload)
+    head = bytearray(header_len)
+    _recv_exactly(sock, memoryview(head), deadline)
+    header = decode_header(bytes(head))
+    target = place(header, payload_len) if place is not None else None
+    payload = memoryview(bytearray(payload_len)) if target is None else target
+    if len(payload) != payload_len:
+        raise ValueError(f"placement of {len(payload)} bytes for a {payload_len}-byte payload")
+    if payload_len:
+        _recv_exactly(sock, payload, deadline)
+    return Frame(header, payload)
+
+
+def send_frame(sock: socket.socket, header: Mapping[str, Any], payload: Any, timeout: float) -> None:
+    """Hand one frame to the kernel within `timeout` seconds; the payload is sent from where it lies."""
+    deadline = time.monotonic() + timeout
+    views = [memoryview(part).cast("B") for part in encode_frame(header, payload)]
+    views = [view for view in views if len(view)]
+    while views:
+        _kernel_timeout(sock, socket.SO_SNDTIMEO, deadline, "peer did not take the frame")
+        try:
+            sent = sock.sendmsg(views)
+        except BlockingIOError:  # the kernel timeout passed with nothing sent
+            raise PeerTimeout("peer did not take the frame within the deadline") from None
+        except OSError as exc:
+            raise PeerClosed(f"connection lost: {exc}") from None
+        while sent and views:
+            if sent >= len(views[0]):
+                sent -= len(views[0])
+                views.pop(0)
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
+
+
+def readable_state(sock: socket.socket) -> Literal["idle", "closed", "data"]:
+    """What made a socket that the peer must never write to readable: nothing (a spurious wake-up),
+    the peer closing (or resetting) it, or bytes it should not have sent."""
+    try:
+        return "data" if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) else "closed"
+    except BlockingIOError:
+        return "idle"
+    except OSError:
+        return "closed"
+
+
+def shut(sock: socket.socket) -> None:
+    """Wake every thread blocked on `sock` (they get an error at once); the caller closes it later."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
