@@ -1,12 +1,13 @@
 """The int8 ring all-reduce against torch.distributed gloo (fp32), 3 member processes.
 
-    python -m benchmarks.allreduce --json [--mib 64] [--rounds 5] [--bandwidth MBIT]
+    python -m benchmarks.allreduce --json [--mib 64] [--rounds 5] [--bandwidth MBIT] [--connections M]
 
 Every member holds its own N(0,1) fp32 vector. A gloo barrier starts each round; a round's time is
 the slowest member's, and the figures are medians over the rounds. `rel_err` is the ring's relative
 L2 error against the exact fp32 mean. Without --bandwidth the members talk over 127.0.0.1; with it,
 each runs in its own network namespace whose uplink tc limits to MBIT, and `link_util` = (ideal wire
-time of the int8 ring at that bandwidth) / (measured time).
+time of the int8 ring at that bandwidth) / (measured time). --connections M gives the ring M
+parallel TCP connections per neighbour (comm.connections).
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ def _data(rank: int, length: int) -> np.ndarray:
     return np.random.default_rng(rank).standard_normal(length).astype(np.float32)
 
 
-def worker(rank: int, host: str, master: str, length: int, rounds: int, out: Path) -> None:
+def worker(
+    rank: int, host: str, master: str, length: int, rounds: int, out: Path, connections: int = 1
+) -> None:
     """One member: `rounds` ring all-reduces, then `rounds` gloo all-reduces, timings to `out`."""
     import torch
     import torch.distributed as dist
@@ -49,7 +52,8 @@ def worker(rank: int, host: str, master: str, length: int, rounds: int, out: Pat
 
     async def ring_rounds() -> tuple[list[float], np.ndarray]:
         identity = load_or_create_identity(out.parent / f"id{rank}")
-        server = DataPlaneServer(identity, RingSettings(block=BLOCK, failure_timeout=120, setup_timeout=60))
+        settings = RingSettings(block=BLOCK, failure_timeout=120, setup_timeout=60, connections=connections)
+        server = DataPlaneServer(identity, settings)
         listen_host, port = await server.start(host)
         everyone: list[Any] = [None] * WORLD
         dist.all_gather_object(everyone, (identity.public_key, listen_host, port))
@@ -108,7 +112,7 @@ def _run_members(commands: list[list[str]], root: Path, timeout: float) -> list[
     return json.loads((root / "times.json").read_text())
 
 
-def run(mib: int, rounds: int, bandwidth: float | None) -> dict[str, Any]:
+def run(mib: int, rounds: int, bandwidth: float | None, connections: int = 1) -> dict[str, Any]:
     length = (mib << 20) // 4
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -131,6 +135,8 @@ def run(mib: int, rounds: int, bandwidth: float | None) -> dict[str, Any]:
                 str(rounds),
                 "--out",
                 str(out),
+                "--connections",
+                str(connections),
             ]
 
         timeout = 120 + rounds * (4 * length * 8 / (bandwidth * 1e6) * 2 if bandwidth else 5)
@@ -157,6 +163,7 @@ def run(mib: int, rounds: int, bandwidth: float | None) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "members": WORLD,
         "mib": mib,
+        "connections": connections,
         "rounds": rounds,
         "int8_ring_s": round(ring_s, 4),
         "gloo_fp32_s": round(gloo_s, 4),
@@ -182,14 +189,21 @@ def main() -> None:
     arguments.add_argument(
         "--bandwidth", type=float, metavar="MBIT", help="limit each member's uplink to MBIT"
     )
+    arguments.add_argument(
+        "--connections", type=int, default=1, metavar="M", help="TCP connections per ring neighbour"
+    )
     arguments.add_argument("--worker", type=int, help=argparse_hidden())
     arguments.add_argument("--host", help=argparse_hidden())
     arguments.add_argument("--master", help=argparse_hidden())
     arguments.add_argument("--length", type=int, help=argparse_hidden())
     arguments.add_argument("--out", help=argparse_hidden())
     args = arguments.parse_args()
+    if not 1 <= args.connections <= 16:
+        arguments.error("--connections must be within 1..16")
     if args.worker is not None:
-        worker(args.worker, args.host, args.master, args.length, args.rounds, Path(args.out))
+        worker(
+            args.worker, args.host, args.master, args.length, args.rounds, Path(args.out), args.connections
+        )
         return
     # SIGTERM unwinds like Ctrl+C, so the network namespaces are always deleted
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -197,7 +211,7 @@ def main() -> None:
         report({"skipped": True, "reason": "--bandwidth needs root for network namespaces and tc"}, args.json)
         return
     try:
-        summary = run(args.mib, args.rounds, args.bandwidth)
+        summary = run(args.mib, args.rounds, args.bandwidth, args.connections)
     except Exception as exc:
         from benchmarks.netns import NamespacesUnavailable
 

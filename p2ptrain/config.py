@@ -185,6 +185,8 @@ class CommConfig(Section):
     chunk_bytes: int = Field(4 << 20, ge=1 << 12)
     """Pipelining unit of the ring all-reduce, in fp32 bytes (a quarter of that on the wire)."""
     connections: int = Field(1, ge=1, le=16)
+    """Parallel TCP connections to each ring peer; chunks take them in turn (long fat links, where
+    one connection's window cannot fill the pipe)."""
     zstd: bool = False
     failure_timeout: float = Field(5.0, gt=0, le=600)
     topology: Literal["auto", "ring", "butterfly"] = "auto"
@@ -208,11 +210,19 @@ class Config(Section):
     )
     """Training settings each node may choose for itself (its hardware's), outside the digest."""
 
+    RING_FIELDS: ClassVar[frozenset[str]] = frozenset(
+        {"quant_block", "chunk_bytes", "connections", "zstd", "topology"}
+    )
+    """Data-plane settings every member of a ring must agree on (frame sizes, lanes, encoding)."""
+
     def shared(self) -> dict[str, Any]:
-        """What every member of a run must share: run id, model, inner and outer optimisation."""
+        """What every member of a run must share: run id, model, inner and outer optimisation, and
+        the shape of the all-reduce."""
         shared = {name: getattr(self, name).model_dump() for name in ("run", "model", "outer")}
         train = self.train.model_dump()
         shared["train"] = {key: value for key, value in train.items() if key not in self.LOCAL_TRAIN_FIELDS}
+        comm = self.comm.model_dump()
+        shared["comm"] = {key: value for key, value in comm.items() if key in self.RING_FIELDS}
         return shared
 
     def digest(self) -> str:

@@ -50,6 +50,7 @@ def ring_settings(config: Config) -> RingSettings:
         failure_timeout=comm.failure_timeout,
         zstd=comm.zstd,
         topology=comm.topology,
+        connections=comm.connections,
         setup_timeout=max(comm.failure_timeout, config.swarm.heartbeat_timeout),
     )
 

@@ -91,6 +91,9 @@ def test_digest_covers_the_model_but_not_local_settings():
     base = load_config("debug", environ={})
     assert base.digest() == load_config("debug", environ={}, overrides=["node.work_dir=/x"]).digest()
     assert base.digest() != load_config("debug", environ={}, overrides=["model.dim=64"]).digest()
+    # the shape of the all-reduce must match too; its deadline may differ
+    assert base.digest() != load_config("debug", environ={}, overrides=["comm.connections=2"]).digest()
+    assert base.digest() == load_config("debug", environ={}, overrides=["comm.failure_timeout=9"]).digest()
 
 
 def test_config_show_prints_resolved_values():

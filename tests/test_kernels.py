@@ -8,9 +8,12 @@ import pytest
 from p2ptrain import _kernels
 from p2ptrain.comm.quant import (
     NonFiniteError,
+    add_encode_payload,
+    decode_payload,
     dequantize,
     dequantize_add,
     empty,
+    encode_payload,
     quantize,
     reference_dequantize,
     reference_quantize,
@@ -25,6 +28,38 @@ def test_kernels_match_the_reference_bit_for_bit(n: int, block: int):
     assert np.array_equal(encoded.codes, expected.codes)
     assert np.array_equal(encoded.mins, expected.mins) and np.array_equal(encoded.steps, expected.steps)
     assert np.array_equal(dequantize(encoded), reference_dequantize(expected))
+
+
+@pytest.mark.parametrize("n", [1, 257, 10_007])
+@pytest.mark.parametrize("scale", [0.0, 1 / 3, 0.7, 1.0])
+def test_scaled_encoding_equals_encoding_the_multiplied_vector(n: int, scale: float):
+    """The ring encodes weight × values in one pass; the bytes must be those of the two steps."""
+    values = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    expected = reference_quantize(np.multiply(values, np.float32(scale)), 256)
+    encoded = quantize(values, 256, scale=scale)
+    assert np.array_equal(encoded.codes, expected.codes)
+    assert np.array_equal(encoded.mins, expected.mins) and np.array_equal(encoded.steps, expected.steps)
+
+
+@pytest.mark.parametrize("n", [1, 300, 10_007])
+@pytest.mark.parametrize("block", [16, 256])
+def test_a_fused_ring_hop_equals_its_three_steps(n: int, block: int):
+    """add_encode_payload = multiply, dequantize_add, quantize — byte for byte, with the wire layout."""
+    rng = np.random.default_rng(n)
+    own, other = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    received = decode_payload(encode_payload(other, block), n, block)
+    partial = np.multiply(own, np.float32(0.25))
+    partial += reference_dequantize(received)
+    expected = reference_quantize(partial, block)
+    out = bytearray(len(encode_payload(own, block)))
+    fused = decode_payload(add_encode_payload(own, 0.25, received, threads=1, out=memoryview(out)), n, block)
+    assert np.array_equal(fused.codes, expected.codes)
+    assert np.array_equal(fused.mins, expected.mins) and np.array_equal(fused.steps, expected.steps)
+    with pytest.raises(ValueError, match="output of"):
+        add_encode_payload(own, 0.25, received, out=bytearray(3))
+    own[n // 2] = np.inf
+    with pytest.raises(NonFiniteError):
+        add_encode_payload(own, 0.25, received)
 
 
 def test_error_is_within_half_a_step():

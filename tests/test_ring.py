@@ -54,6 +54,20 @@ def test_weighted_mean_is_bit_identical_on_every_member(tmp_path: Path, n: int, 
     assert relative_error(first, weighted_mean(inputs, weights)) <= bound
 
 
+@pytest.mark.parametrize(("n", "topology", "connections"), [(3, "ring", 2), (5, "butterfly", 3)])
+def test_parallel_connections_per_peer(tmp_path: Path, n: int, topology: str, connections: int):
+    """Chunks take the lanes in turn; more lanes than some segments have chunks leaves lanes idle."""
+    settings = RingSettings(chunk_bytes=1 << 16, topology=topology, connections=connections)
+    weights = [1.0, 0.0] + [2.0] * (n - 2)
+    outcomes, results, inputs = run_ring(tmp_path, n, 60_001, weights=weights, settings=settings)
+    assert all(outcome.ok for outcome in outcomes.values()) and len(results) == n, outcomes
+    first = results[0]
+    assert all(np.array_equal(first.view(np.uint32), other.view(np.uint32)) for other in results.values())
+    assert relative_error(first, weighted_mean(inputs, weights)) <= BUDGET
+    with pytest.raises(ValueError, match="connections"):
+        RingSettings(connections=0)
+
+
 def test_zero_weight_member_and_uneven_sizes(tmp_path: Path):
     weights = [3.0, 0.0, 1.0]
     # 1013 values: not divisible by 3 members, by the 256-value block, nor by the chunk
@@ -90,9 +104,15 @@ def test_zstd_on_the_wire(tmp_path: Path, topology: str):
     assert relative_error(results[0], weighted_mean(inputs, [1.0] * 3)) <= 0.01
 
 
-@pytest.mark.parametrize(("n", "topology"), [(3, "ring"), (5, "ring"), (5, "butterfly")])
-def test_member_killed_mid_reduce_fails_every_survivor_quickly(tmp_path: Path, n: int, topology: str):
-    settings = RingSettings(chunk_bytes=1 << 16, failure_timeout=5.0, topology=topology)
+@pytest.mark.parametrize(
+    ("n", "topology", "connections"), [(3, "ring", 1), (5, "ring", 1), (5, "butterfly", 1), (3, "ring", 3)]
+)
+def test_member_killed_mid_reduce_fails_every_survivor_quickly(
+    tmp_path: Path, n: int, topology: str, connections: int
+):
+    settings = RingSettings(
+        chunk_bytes=1 << 16, failure_timeout=5.0, topology=topology, connections=connections
+    )
     outcomes, results, _ = run_ring(tmp_path, n, 400_000, settings=settings, faults={1: ("kill", 3)})
     survivors = [i for i in range(n) if i != 1]
     assert sorted(outcomes) == survivors, outcomes

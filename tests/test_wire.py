@@ -180,13 +180,14 @@ def handshake(
     digest=DIGEST,
     dial_step=5,
     dial_digest=DIGEST,
+    lane=0,
 ):
     async def server(reader, writer):
         return await accept(reader, writer, listener, members, step, digest, timeout=5)
 
     async def client(reader, writer):
         return await dial(
-            reader, writer, dialer, expected or listener.public_key, dial_step, dial_digest, timeout=5
+            reader, writer, dialer, expected or listener.public_key, dial_step, dial_digest, 5, lane
         )
 
     return run(with_server(server, client))
@@ -200,11 +201,20 @@ def test_handshake_between_members(nodes: Nodes):
 
 @pytest.mark.parametrize(
     ("case", "reason"),
-    [("non-member", "is not a member"), ("step", "step 6"), ("digest", "membership digest differs")],
+    [
+        ("non-member", "is not a member"),
+        ("step", "step 6"),
+        ("digest", "membership digest differs"),
+        ("lane", "differ in comm.connections"),
+    ],
 )
 def test_handshake_refusals_are_logged_on_both_sides(nodes: Nodes, caplog, case: str, reason: str):
     members = {nodes.a.public_key, nodes.b.public_key}
-    kwargs = {"dial_step": 6} if case == "step" else {"dial_digest": b"x" * 32} if case == "digest" else {}
+    kwargs: dict = {
+        "step": {"dial_step": 6},
+        "digest": {"dial_digest": b"x" * 32},
+        "lane": {"lane": 1},  # the listener expects one connection per peer
+    }.get(case, {})
     dialer = nodes.c if case == "non-member" else nodes.b
     with caplog.at_level(logging.WARNING, logger="p2ptrain.comm.handshake"):
         accepted, dialed = handshake(nodes.a, dialer, members, **kwargs)
