@@ -241,3 +241,42 @@ async def dial_member(
             writer.close()
             raise
         return reader, writer
+
+
+async def connect_lanes(
+    server: DataPlaneServer,
+    members: Sequence[RingMember],
+    out_peers: Sequence[int],
+    incoming: dict[LaneKey, asyncio.Future[Connection]],
+    step: int,
+    digest: bytes,
+    connections: list[Connection],
+) -> dict[tuple[int, int], Connection]:
+    """Dial every lane to every out-peer and wait for every lane of every in-peer; all connections
+    land in `connections`. Returns the outgoing ones by (peer, lane)."""
+    settings = server.settings
+
+    async def dial_one(peer: int, lane: int) -> tuple[tuple[int, int], Connection]:
+        connection = await dial_member(server.identity, members[peer], step, digest, settings, lane)
+        connections.append(connection)
+        return (peer, lane), connection
+
+    dials = [
+        asyncio.create_task(dial_one(peer, lane))
+        for peer in out_peers
+        for lane in range(settings.connections)
+    ]
+    try:
+        outgoing = dict(await asyncio.gather(*dials))
+        for (key, _), future in incoming.items():
+            try:
+                connections.append(await asyncio.wait_for(asyncio.shield(future), settings.setup_timeout))
+            except asyncio.TimeoutError:
+                raise AllReduceError(
+                    f"{short_id(key)} did not connect within {settings.setup_timeout:.0f} s"
+                ) from None
+    except BaseException:
+        for task in dials:
+            task.cancel()
+        raise
+    return outgoing

@@ -18,9 +18,9 @@ chunks (`chunk_bytes`). Two reduce-scatter topologies share one all-gather:
 budget) and the butterfly above. Weights are part of the membership, hence of its digest: each
 member scales its own values by its share of the total.
 
-Connections are set up and authenticated on the event loop; the transfer itself runs on threads,
-one per connection and direction, with blocking socket calls (lanes.py) and the kernels (which
-release the GIL): a chunk goes out as soon as what it depends on came in, while the next one is
+Connections are set up and authenticated on the event loop; the transfer itself runs on threads
+(transfer.py), one per connection and direction, with blocking socket calls (lanes.py) and the
+kernels (which release the GIL): a chunk goes out as soon as what it depends on came in, while the next one is
 already on the wire. With `connections` = M, each pair of members holds M connections ("lanes")
 and the chunks of a stream take them in turn. The event loop meanwhile watches the connections we
 only send on, so a peer that hangs up early is noticed at once.
@@ -51,17 +51,17 @@ from p2ptrain.comm.dataplane import (
     AllReduceError,
     Connection,
     DataPlaneServer,
-    LaneKey,
     RingMember,
     RingSettings,
     RingStats,
     chunk_bounds,
-    dial_member,
+    connect_lanes,
     membership_digest,
     segment_bounds,
     shares,
 )
 from p2ptrain.comm.handshake import HandshakeError
+from p2ptrain.comm.transfer import Payload, Slots, Transfer
 from p2ptrain.comm.wire import FrameError, PeerClosed, WireError
 from p2ptrain.identity import short_id
 
@@ -74,8 +74,6 @@ Stream = list[tuple[str, int, int]]
 the segment."""
 FrameSpec = tuple[str, int, int, int, int]
 """One frame of a stream: (phase, round, chunk, start, stop)."""
-SlotKey = tuple[str, int, int]
-Payload = bytes | bytearray | memoryview
 
 AUTO_RING_MAX_MEMBERS = 3
 HELD_UP_S = 0.002
@@ -100,40 +98,6 @@ def choose_topology(settings: RingSettings, members: int) -> str:
     if settings.topology != "auto":
         return settings.topology
     return "ring" if members <= AUTO_RING_MAX_MEMBERS else "butterfly"
-
-
-class _Aborted(Exception):
-    """Another thread of this all-reduce failed first; this one stops quietly."""
-
-
-class _Slots:
-    """Payloads handed from the thread that produced them to the one thread that sends them on,
-    each with the spare buffer it lies in (None when it lies in the result), to give back once sent."""
-
-    def __init__(self) -> None:
-        self._changed = threading.Condition()
-        self._items: dict[SlotKey, tuple[Payload, bytearray | None]] = {}
-        self._aborted = False
-
-    def put(self, key: SlotKey, payload: Payload, spare: bytearray | None = None) -> None:
-        with self._changed:
-            self._items[key] = (payload, spare)
-            self._changed.notify_all()
-
-    def take(self, key: SlotKey) -> tuple[Payload, bytearray | None]:
-        """Wait for `key`'s payload. Every failure calls `abort`, so the wait always ends: the
-        payload comes from a receive that has its own deadline."""
-        with self._changed:
-            while key not in self._items:
-                if self._aborted:
-                    raise _Aborted
-                self._changed.wait()
-            return self._items.pop(key)
-
-    def abort(self) -> None:
-        with self._changed:
-            self._aborted = True
-            self._changed.notify_all()
 
 
 class _AllReduce:
@@ -174,7 +138,7 @@ class _AllReduce:
         """Encoded chunks of the result; decoded into the caller's buffer only once all succeeded."""
         self.spares: list[bytearray] = []
         """Buffers of ring partial sums already sent, for the next ones."""
-        self.slots = _Slots()
+        self.slots = Slots()
         self.lock = threading.Lock()  # guards the counters and lists below, and `failure`
         owned = len(self.chunks[(index + 1) % self.n])
         self.chunk_locks = [threading.Lock() for _ in range(owned)]
@@ -405,78 +369,6 @@ def _identity(header: dict) -> tuple:
     return tuple(header.get(key) for key in ("kind", "step", "round", "chunk", "n"))
 
 
-class _Transfer:
-    """The threads that move one all-reduce's frames, and how the event loop waits for them."""
-
-    def __init__(self, plan: _AllReduce, loop: asyncio.AbstractEventLoop):
-        self.plan = plan
-        self.loop = loop
-        self.finished: asyncio.Future[None] = loop.create_future()
-        self.threads: list[threading.Thread] = []
-        self.watched: dict[int, socket.socket] = {}
-        """fd → each socket we only send on, watched by the event loop."""
-        self.running = 0
-
-    def start(
-        self, outgoing: dict[tuple[int, int], socket.socket], incoming: dict[tuple[int, int], socket.socket]
-    ) -> None:
-        plan = self.plan
-        plan.sockets = [*outgoing.values(), *incoming.values()]
-        for (peer, lane), sock in outgoing.items():
-            self._spawn(f"send-{peer}.{lane}", plan.send_lane, peer, lane, sock)
-            self.watched[sock.fileno()] = sock
-            self.loop.add_reader(sock.fileno(), self._readable, peer, sock)
-        for (peer, lane), sock in incoming.items():
-            self._spawn(f"recv-{peer}.{lane}", plan.receive_lane, peer, lane, sock)
-
-    def _spawn(self, name: str, work: Callable[[int, int, socket.socket], None], *args: object) -> None:
-        thread = threading.Thread(
-            target=self._run, args=(work, *args), name=f"p2ptrain-ring-{name}", daemon=True
-        )
-        self.threads.append(thread)
-        self.running += 1
-        thread.start()
-
-    def _run(self, work: Callable[..., None], *args: object) -> None:
-        try:
-            work(*args)
-        except _Aborted:
-            pass
-        except BaseException as exc:  # handed to the waiting coroutine
-            self.plan.fail(exc)
-        finally:
-            self.loop.call_soon_threadsafe(self._thread_done)
-
-    def _thread_done(self) -> None:
-        self.running -= 1
-        if (self.running == 0 or self.plan.failure is not None) and not self.finished.done():
-            self.finished.set_result(None)
-
-    def _readable(self, peer: int, sock: socket.socket) -> None:
-        state = lanes.readable_state(sock)
-        if state == "idle":
-            return
-        self.loop.remove_reader(sock.fileno())
-        del self.watched[sock.fileno()]
-        self.plan.hung_up(peer, state)
-        if self.plan.failure is not None and not self.finished.done():
-            self.finished.set_result(None)
-
-    def stop(self) -> None:
-        """Stop watching, wake every thread still blocked (they exit at once) and close the sockets."""
-        for fd in self.watched:
-            self.loop.remove_reader(fd)
-        self.watched.clear()
-        self.plan.fail(_Aborted())  # a no-op after success or after an earlier failure
-        for sock in self.plan.sockets:
-            sock.close()
-
-    def join(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        for thread in self.threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-
-
 async def ring_all_reduce(
     server: DataPlaneServer,
     step: int,
@@ -506,13 +398,13 @@ async def ring_all_reduce(
     digest = membership_digest(step, members)
     incoming = server.expect(step, [keys[peer] for peer in plan.in_peers()], digest)
     connections: list[Connection] = []
-    transfer = _Transfer(plan, loop)
+    transfer = Transfer(plan, loop)
     try:
-        outgoing = await _connect(plan, members, incoming, server, step, digest, connections)
+        outgoing = await connect_lanes(server, members, plan.out_peers(), incoming, step, digest, connections)
         transfer.start(
-            {slot: lanes.detach(writer) for slot, (_, writer) in outgoing.items()},
+            {slot: transfer.adopt(writer) for slot, (_, writer) in outgoing.items()},
             {
-                (keys.index(key), lane): lanes.detach(future.result()[1])
+                (keys.index(key), lane): transfer.adopt(future.result()[1])
                 for (key, lane), future in incoming.items()
             },
         )
@@ -546,42 +438,3 @@ async def ring_all_reduce(
     plan.stats.link_rates = plan.link_rates()
     plan.stats.seconds = time.monotonic() - started
     return plan.stats
-
-
-async def _connect(
-    plan: _AllReduce,
-    members: Sequence[RingMember],
-    incoming: dict[LaneKey, asyncio.Future[Connection]],
-    server: DataPlaneServer,
-    step: int,
-    digest: bytes,
-    connections: list[Connection],
-) -> dict[tuple[int, int], Connection]:
-    """Dial every lane to every out-peer and wait for every lane of every in-peer; all connections
-    land in `connections`. Returns the outgoing ones by (peer, lane)."""
-    settings = server.settings
-
-    async def dial_one(peer: int, lane: int) -> tuple[tuple[int, int], Connection]:
-        connection = await dial_member(server.identity, members[peer], step, digest, settings, lane)
-        connections.append(connection)
-        return (peer, lane), connection
-
-    dials = [
-        asyncio.create_task(dial_one(peer, lane))
-        for peer in plan.out_peers()
-        for lane in range(settings.connections)
-    ]
-    try:
-        outgoing = dict(await asyncio.gather(*dials))
-        for (key, _), future in incoming.items():
-            try:
-                connections.append(await asyncio.wait_for(asyncio.shield(future), settings.setup_timeout))
-            except asyncio.TimeoutError:
-                raise AllReduceError(
-                    f"{short_id(key)} did not connect within {settings.setup_timeout:.0f} s"
-                ) from None
-    except BaseException:
-        for task in dials:
-            task.cancel()
-        raise
-    return outgoing

@@ -1,0 +1,150 @@
+"""The threads that move one all-reduce's frames, and how the event loop waits for them.
+
+ring.py decides what goes where (the plan); this module runs it: one thread per connection and
+direction over the sockets detached from asyncio (lanes.py), a hand-over of payloads from the
+threads that produce them to the threads that send them on, first-error-wins failure, and the
+event loop's watch over the connections we only send on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from p2ptrain.comm import lanes
+
+SlotKey = tuple[str, int, int]
+"""(phase, round, chunk) of a frame whose payload another thread produces."""
+Payload = bytes | bytearray | memoryview
+
+
+class Plan(Protocol):
+    """What the transfer needs from one member's schedule (ring._AllReduce)."""
+
+    sockets: list[socket.socket]
+    failure: BaseException | None
+
+    def send_lane(self, peer: int, lane: int, sock: socket.socket) -> None: ...
+
+    def receive_lane(self, peer: int, lane: int, sock: socket.socket) -> None: ...
+
+    def hung_up(self, peer: int, state: str) -> None: ...
+
+    def fail(self, exc: BaseException) -> None: ...
+
+
+class Aborted(Exception):
+    """Another thread of this all-reduce failed first; this one stops quietly."""
+
+
+class Slots:
+    """Payloads handed from the thread that produced them to the one thread that sends them on,
+    each with the spare buffer it lies in (None when it lies in the result), to give back once sent."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._items: dict[SlotKey, tuple[Payload, bytearray | None]] = {}
+        self._aborted = False
+
+    def put(self, key: SlotKey, payload: Payload, spare: bytearray | None = None) -> None:
+        with self._changed:
+            self._items[key] = (payload, spare)
+            self._changed.notify_all()
+
+    def take(self, key: SlotKey) -> tuple[Payload, bytearray | None]:
+        """Wait for `key`'s payload. Every failure calls `abort`, so the wait always ends: the
+        payload comes from a receive that has its own deadline."""
+        with self._changed:
+            while key not in self._items:
+                if self._aborted:
+                    raise Aborted
+                self._changed.wait()
+            return self._items.pop(key)
+
+    def abort(self) -> None:
+        with self._changed:
+            self._aborted = True
+            self._changed.notify_all()
+
+
+class Transfer:
+    """The threads that move one all-reduce's frames, and how the event loop waits for them."""
+
+    def __init__(self, plan: Plan, loop: asyncio.AbstractEventLoop):
+        self.plan = plan
+        self.loop = loop
+        self.finished: asyncio.Future[None] = loop.create_future()
+        self.threads: list[threading.Thread] = []
+        self.watched: dict[int, socket.socket] = {}
+        """fd → each socket we only send on, watched by the event loop."""
+        self.running = 0
+
+    def adopt(self, writer: asyncio.StreamWriter) -> socket.socket:
+        """Take a connection's socket out of asyncio; `stop` closes it whatever happens next."""
+        sock = lanes.detach(writer)
+        self.plan.sockets.append(sock)
+        return sock
+
+    def start(
+        self, outgoing: dict[tuple[int, int], socket.socket], incoming: dict[tuple[int, int], socket.socket]
+    ) -> None:
+        plan = self.plan
+        for (peer, lane), sock in outgoing.items():
+            self._spawn(f"send-{peer}.{lane}", plan.send_lane, peer, lane, sock)
+            self.watched[sock.fileno()] = sock
+            self.loop.add_reader(sock.fileno(), self._readable, peer, sock)
+        for (peer, lane), sock in incoming.items():
+            self._spawn(f"recv-{peer}.{lane}", plan.receive_lane, peer, lane, sock)
+
+    def _spawn(self, name: str, work: Callable[[int, int, socket.socket], None], *args: object) -> None:
+        thread = threading.Thread(
+            target=self._run, args=(work, *args), name=f"p2ptrain-ring-{name}", daemon=True
+        )
+        self.threads.append(thread)
+        self.running += 1
+        thread.start()
+
+    def _run(self, work: Callable[..., None], *args: object) -> None:
+        try:
+            work(*args)
+        except Aborted:
+            pass
+        except BaseException as exc:  # handed to the waiting coroutine
+            self.plan.fail(exc)
+        finally:
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+                self.loop.call_soon_threadsafe(self._thread_done)
+
+    def _thread_done(self) -> None:
+        self.running -= 1
+        if (self.running == 0 or self.plan.failure is not None) and not self.finished.done():
+            self.finished.set_result(None)
+
+    def _readable(self, peer: int, sock: socket.socket) -> None:
+        state = lanes.readable_state(sock)
+        if state == "idle":
+            return
+        self.loop.remove_reader(sock.fileno())
+        del self.watched[sock.fileno()]
+        self.plan.hung_up(peer, state)
+        if self.plan.failure is not None and not self.finished.done():
+            self.finished.set_result(None)
+
+    def stop(self) -> None:
+        """Stop watching, wake every thread still blocked (they exit at once) and close the sockets."""
+        for fd in self.watched:
+            self.loop.remove_reader(fd)
+        self.watched.clear()
+        self.plan.fail(Aborted())  # a no-op after success or after an earlier failure
+        for sock in self.plan.sockets:
+            sock.close()
+
+    def join(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for thread in self.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
