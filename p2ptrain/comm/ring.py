@@ -61,7 +61,8 @@ from p2ptrain.comm.dataplane import (
     shares,
 )
 from p2ptrain.comm.handshake import HandshakeError
-from p2ptrain.comm.transfer import Payload, Slots, Transfer
+from p2ptrain.comm.quant import Buffer
+from p2ptrain.comm.transfer import Slots, Transfer
 from p2ptrain.comm.wire import FrameError, PeerClosed, WireError
 from p2ptrain.identity import short_id
 
@@ -134,7 +135,7 @@ class _AllReduce:
         """The encoded result, each chunk at its place: received or encoded straight into it, so
         the bulk of the data is never copied and lands in one allocation (huge pages where the
         system has them) instead of fresh pages for every frame."""
-        self.finals: list[tuple[int, int, Payload]] = []
+        self.finals: list[tuple[int, int, Buffer]] = []
         """Encoded chunks of the result; decoded into the caller's buffer only once all succeeded."""
         self.spares: list[bytearray] = []
         """Buffers of ring partial sums already sent, for the next ones."""
@@ -212,7 +213,7 @@ class _AllReduce:
         compressor = zstandard.ZstdCompressor(level=1) if self.settings.zstd else None
         scratch = bytearray(self.largest_payload)  # our own encoded chunks, one at a time
         for phase, rnd, chunk, start, stop in self.frames(self.send_stream(peer), lane):
-            payload: Payload
+            payload: Buffer
             spare = None
             if phase == "rs" and (rnd == 0 or self.topology == "butterfly"):
                 out = memoryview(scratch)[: quant.payload_size(stop - start, self.block)]
@@ -262,10 +263,10 @@ class _AllReduce:
             phase, rnd, chunk, start, stop = spec
             place = functools.partial(self._place, spec, scratch)
             frame = lanes.recv_frame(sock, self.settings.failure_timeout, self.max_payload, place)
-            expected, got = self._identity(spec), _identity(frame.header)
+            expected, got = self._expected(spec), _identity(frame.header)
             if got != expected:
                 raise FrameError(f"expected frame {expected}, got {got}")
-            payload: Payload = frame.payload
+            payload: Buffer = frame.payload
             with self.lock:
                 self.stats.bytes_received += len(payload)
             if frame.header.get("zstd"):
@@ -280,7 +281,8 @@ class _AllReduce:
             if self.progress is not None:
                 self.progress(phase, rnd, chunk)
 
-    def _identity(self, spec: FrameSpec) -> tuple:
+    def _expected(self, spec: FrameSpec) -> tuple:
+        """The identity (see `_identity`) the frame `spec` must arrive with."""
         phase, rnd, chunk, start, stop = spec
         return (phase, self.step, rnd, chunk, stop - start)
 
@@ -289,7 +291,7 @@ class _AllReduce:
         the all-gather, `scratch` for the reduce-scatter (used up before the next frame)."""
         phase, _, _, start, stop = spec
         size = quant.payload_size(stop - start, self.block)
-        if _identity(header) != self._identity(spec) or length != size or header.get("zstd"):
+        if _identity(header) != self._expected(spec) or length != size or header.get("zstd"):
             return None  # a fresh buffer; the checks after the read refuse what is wrong
         return self.placed(start, stop) if phase == "ag" else scratch[:size]
 
@@ -301,7 +303,7 @@ class _AllReduce:
         start: int,
         stop: int,
         encoded: quant.Encoded,
-        payload: Payload,
+        payload: Buffer,
     ) -> None:
         if phase == "ag":
             with self.lock:
@@ -343,13 +345,13 @@ class _AllReduce:
                 return self.spares.pop()
         return bytearray(self.largest_payload)
 
-    def _finish_chunk(self, chunk: int, start: int, stop: int, payload: Payload) -> None:
+    def _finish_chunk(self, chunk: int, start: int, stop: int, payload: Buffer) -> None:
         with self.lock:
             self.finals.append((start, stop, payload))
         self.slots.put(("ag", 0, chunk), payload)
 
     def _decompress(
-        self, decompressor: zstandard.ZstdDecompressor | None, payload: Payload, length: int
+        self, decompressor: zstandard.ZstdDecompressor | None, payload: Buffer, length: int
     ) -> bytes:
         if decompressor is None:
             raise FrameError("zstd frame, but zstd is off for this all-reduce")

@@ -17,10 +17,10 @@ from collections.abc import Callable
 from typing import Protocol
 
 from p2ptrain.comm import lanes
+from p2ptrain.comm.quant import Buffer
 
 SlotKey = tuple[str, int, int]
 """(phase, round, chunk) of a frame whose payload another thread produces."""
-Payload = bytes | bytearray | memoryview
 
 
 class Plan(Protocol):
@@ -48,15 +48,15 @@ class Slots:
 
     def __init__(self) -> None:
         self._changed = threading.Condition()
-        self._items: dict[SlotKey, tuple[Payload, bytearray | None]] = {}
+        self._items: dict[SlotKey, tuple[Buffer, bytearray | None]] = {}
         self._aborted = False
 
-    def put(self, key: SlotKey, payload: Payload, spare: bytearray | None = None) -> None:
+    def put(self, key: SlotKey, payload: Buffer, spare: bytearray | None = None) -> None:
         with self._changed:
             self._items[key] = (payload, spare)
             self._changed.notify_all()
 
-    def take(self, key: SlotKey) -> tuple[Payload, bytearray | None]:
+    def take(self, key: SlotKey) -> tuple[Buffer, bytearray | None]:
         """Wait for `key`'s payload. Every failure calls `abort`, so the wait always ends: the
         payload comes from a receive that has its own deadline."""
         with self._changed:
@@ -122,6 +122,10 @@ class Transfer:
 
     def _thread_done(self) -> None:
         self.running -= 1
+        self._settle()
+
+    def _settle(self) -> None:
+        """Wake the coroutine once every thread is done, or at the first failure."""
         if (self.running == 0 or self.plan.failure is not None) and not self.finished.done():
             self.finished.set_result(None)
 
@@ -132,8 +136,7 @@ class Transfer:
         self.loop.remove_reader(sock.fileno())
         del self.watched[sock.fileno()]
         self.plan.hung_up(peer, state)
-        if self.plan.failure is not None and not self.finished.done():
-            self.finished.set_result(None)
+        self._settle()
 
     def stop(self) -> None:
         """Stop watching, wake every thread still blocked (they exit at once) and close the sockets."""
