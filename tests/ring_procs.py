@@ -27,6 +27,7 @@ class Outcome:
     """time.time() when the error was raised, to bound detection time."""
     link_rates: dict[int, float] | None = None
     """Peer index → bytes/s this member measured sending to it (RingStats.link_rates)."""
+    attempts: int = 1
 
 
 def member_data(index: int, length: int, outlier: bool) -> np.ndarray:
@@ -47,6 +48,7 @@ def _member(
     outbox: Any,
     fault: str | None,
     fault_after: int,
+    retries: int,
 ) -> None:
     async def main() -> None:
         identity = load_or_create_identity(Path(root) / f"id{index}")
@@ -70,17 +72,29 @@ def _member(
         if fault == "nan":
             buffer[length // 2] = np.nan
         started = time.monotonic()
+        attempts = 0
         try:
-            stats = await ring_all_reduce(server, step, members, buffer, progress)
-        except AllReduceError as exc:
-            outbox.put(("done", Outcome(index, False, str(exc), time.monotonic() - started, time.time())))
-            return
+            while True:
+                attempts += 1
+                # "stale_view": the first fault_after attempts elect another order (another digest),
+                # as a node whose view of the ready records lags; every member retries at once.
+                view = members[::-1] if fault == "stale_view" and attempts <= fault_after else members
+                try:
+                    stats = await ring_all_reduce(server, step, view, buffer, progress)
+                    break
+                except AllReduceError as exc:
+                    if attempts >= retries:
+                        seconds = time.monotonic() - started
+                        outcome = Outcome(index, False, str(exc), seconds, time.time(), attempts=attempts)
+                        outbox.put(("done", outcome))
+                        return
         finally:
             await server.close()
         np.save(Path(root) / f"result{index}.npy", buffer)
         keys = [member.key for member in members]
         rates = {keys.index(key): rate for key, rate in stats.link_rates.items()}
-        outbox.put(("done", Outcome(index, True, "", time.monotonic() - started, link_rates=rates)))
+        outcome = Outcome(index, True, "", time.monotonic() - started, link_rates=rates, attempts=attempts)
+        outbox.put(("done", outcome))
 
     asyncio.run(main())
 
@@ -95,8 +109,12 @@ def run_ring(
     settings: RingSettings | None = None,
     faults: dict[int, tuple[str, int]] | None = None,
     timeout: float = 60.0,
+    retries: int = 1,
 ) -> tuple[dict[int, Outcome], dict[int, np.ndarray], list[np.ndarray]]:
-    """Run one all-reduce over `n` member processes; returns outcomes, results and the inputs."""
+    """Run one all-reduce over `n` member processes; returns outcomes, results and the inputs.
+
+    With `retries` > 1 each member tries again at once after an AllReduceError, as OuterSync does.
+    """
     context = mp.get_context("spawn")
     outbox = context.Queue()
     inboxes = [context.Queue() for _ in range(n)]
@@ -105,7 +123,18 @@ def run_ring(
     processes = [
         context.Process(
             target=_member,
-            args=(i, str(root), length, outlier, settings, 11, inboxes[i], outbox, *faults.get(i, (None, 0))),
+            args=(
+                i,
+                str(root),
+                length,
+                outlier,
+                settings,
+                11,
+                inboxes[i],
+                outbox,
+                *faults.get(i, (None, 0)),
+                retries,
+            ),
             daemon=True,
         )
         for i in range(n)

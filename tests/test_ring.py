@@ -173,3 +173,18 @@ def test_a_slow_link_is_measured_and_fast_links_are_not(tmp_path: Path):
     }
     order = ring_order(keys, 0, measured)
     assert (keys[1], keys[2]) not in {(order[i], order[(i + 1) % 3]) for i in range(3)}
+
+
+@pytest.mark.parametrize("n", [3, 5])
+def test_members_retrying_at_once_after_a_stale_view_converge(tmp_path: Path, n: int):
+    """One member first elects another order (its view lags); all retry without pause, as OuterSync
+    does. A re-dial must not land in a peer's failing earlier attempt, or the members keep failing
+    each other in lock-step until their retries run out."""
+    settings = RingSettings(chunk_bytes=1 << 16, failure_timeout=2.0)
+    outcomes, results, inputs = run_ring(
+        tmp_path, n, 100_000, settings=settings, faults={1: ("stale_view", 1)}, retries=20
+    )
+    assert len(results) == n, outcomes
+    assert all(np.array_equal(results[0], other) for other in results.values())
+    assert relative_error(results[0], weighted_mean(inputs, [1.0] * n)) <= BUDGET
+    assert max(outcome.attempts for outcome in outcomes.values()) <= 3, outcomes

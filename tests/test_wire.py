@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2ptrain.comm.handshake import HandshakeError, accept, dial
+from p2ptrain.comm.dataplane import DataPlaneServer, RingMember, RingSettings, dial_member
+from p2ptrain.comm.handshake import AttemptBehind, HandshakeError, accept, dial
 from p2ptrain.comm.wire import (
     MAGIC,
     PREFIX,
@@ -244,6 +245,40 @@ def test_dialer_detects_the_wrong_listener(nodes: Nodes):
     )
     assert isinstance(dialed, HandshakeError) and "instead of" in str(dialed)
     assert isinstance(accepted, WireError)  # the dialer hung up without its proof
+
+
+def test_attempts_of_one_step_never_mix(nodes: Nodes):
+    """A dialer behind the listener's attempt learns the listener's number; one ahead abandons the
+    listener's attempt and gets into its next one (same step, same members, same digest)."""
+    settings = RingSettings(setup_timeout=10.0, failure_timeout=5.0)
+
+    async def main() -> None:
+        server = DataPlaneServer(nodes.a, settings)
+        host, port = await server.start()
+        member = RingMember(nodes.a.public_key, host, port)
+        try:
+            server.expect(5, [nodes.b.public_key], DIGEST)
+            server.forget(5)  # attempt 0 failed here
+            current = server.expect(5, [nodes.b.public_key], DIGEST)
+            assert current.attempt == 1
+            with pytest.raises(AttemptBehind) as behind:
+                await dial_member(nodes.b, member, 5, DIGEST, settings, attempt=0)
+            assert behind.value.attempt == 1 and not current.abandoned.is_set()
+
+            ahead = asyncio.create_task(dial_member(nodes.b, member, 5, DIGEST, settings, attempt=3))
+            await current.abandoned.wait()  # the dialer moved on: this attempt cannot succeed
+            assert "attempt 3" in current.reason and not ahead.done()
+            server.forget(5)
+            following = server.expect(5, [nodes.b.public_key], DIGEST)
+            assert following.attempt == 3
+            _, writer = await asyncio.wait_for(ahead, 10)
+            _, accepted = await asyncio.wait_for(following.incoming[(nodes.b.public_key, 0)], 10)
+            writer.close()
+            accepted.close()
+        finally:
+            await server.close()
+
+    run(main())
 
 
 def test_garbage_instead_of_a_handshake(nodes: Nodes):

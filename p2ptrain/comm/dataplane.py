@@ -4,6 +4,12 @@ Every node listens on one TCP port. For each all-reduce step the schedule (ring.
 which peers may connect and under which membership digest; the server authenticates each incoming
 connection (handshake.py) and hands it to the waiting step. Peers that dial before this node has
 reached the step wait (bounded) instead of being refused.
+
+Each try of a step is an attempt with a number (see handshake.py). The server keeps, per step, the
+lowest number the next attempt may take: one past the last attempt here, or the highest a peer has
+shown. A peer at a later attempt abandons ours at once (its connection into ours is gone, so ours
+cannot succeed) and dials again into our next; a peer at an earlier one is refused with ours. So the
+members of a step converge on one attempt instead of failing each other's dying attempts in turn.
 """
 
 from __future__ import annotations
@@ -13,17 +19,27 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Awaitable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 import numpy as np
 
-from p2ptrain.comm.handshake import MAX_LANES, Admission, accept_any, dial
+from p2ptrain.comm.handshake import (
+    MAX_LANES,
+    Admission,
+    AttemptBehind,
+    PeerBusy,
+    Refusal,
+    Session,
+    accept_any,
+    dial,
+)
 from p2ptrain.comm.wire import WireError
 from p2ptrain.identity import NodeIdentity, short_id
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 LaneKey = tuple[bytes, int]
@@ -31,6 +47,10 @@ LaneKey = tuple[bytes, int]
 
 REFUSED_GRACE = 1.0
 """Seconds a refused or failed connect is retried before the member counts as gone."""
+BUSY_RETRY_MAX = 0.5
+"""Longest pause between dials to a member still in an earlier attempt (within setup_timeout)."""
+KEPT_STEPS = 4
+"""Steps whose next attempt number the server remembers (older ones cannot come back)."""
 MAX_PENDING_HANDSHAKES = 64
 """Unauthenticated connections a node holds at once; more are closed at once (bounded memory)."""
 
@@ -116,6 +136,43 @@ def chunk_bounds(start: int, stop: int, chunk: int) -> list[tuple[int, int]]:
     return [(offset, min(offset + chunk, stop)) for offset in range(start, stop, chunk)] or [(start, start)]
 
 
+@dataclass
+class Registration:
+    """One attempt of one step on this node: who may connect, and their connections as they arrive.
+
+    `abandoned` is set when a peer shows it has moved to a later attempt; it ends the attempt while
+    it is still connecting (`unless_abandoned`). Once data flows, the peer's closed connections do.
+    """
+
+    attempt: int
+    admission: Admission
+    incoming: dict[LaneKey, asyncio.Future[Connection]]
+    claimed: set[LaneKey] = field(default_factory=set)
+    abandoned: asyncio.Event = field(default_factory=asyncio.Event)
+    reason: str = ""
+
+    def abandon(self, reason: str) -> None:
+        if not self.abandoned.is_set():
+            self.reason = reason
+            self.abandoned.set()
+
+    async def unless_abandoned(self, work: Awaitable[T]) -> T:
+        """`work`'s result, or AllReduceError as soon as a peer has given this attempt up."""
+        task = asyncio.ensure_future(work)
+        watch = asyncio.ensure_future(self.abandoned.wait())
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        if task.cancelled() and self.abandoned.is_set():
+            raise AllReduceError(self.reason)
+        return task.result()
+
+
 class DataPlaneServer:
     """A node's listening socket; hands each incoming ring connection to the step that expects it."""
 
@@ -123,7 +180,8 @@ class DataPlaneServer:
         self.identity = identity
         self.settings = settings
         self._server: asyncio.Server | None = None
-        self._expected: dict[int, tuple[Admission, dict[LaneKey, asyncio.Future]]] = {}
+        self._expected: dict[int, Registration] = {}
+        self._next_attempt: dict[int, int] = {}
         self._changed = asyncio.Event()
         self._latest_step = -1
         self._completed_step = -1
@@ -144,25 +202,36 @@ class DataPlaneServer:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
-        for _, futures in self._expected.values():
-            for future in futures.values():
+        for registration in self._expected.values():
+            for future in registration.incoming.values():
                 if not future.done():
                     future.cancel()
 
-    def expect(self, step: int, peers: Collection[bytes], digest: bytes) -> dict[LaneKey, asyncio.Future]:
-        """Register step `step`: one future per peer and lane, resolved with its authenticated
-        connection."""
+    def expect(self, step: int, peers: Collection[bytes], digest: bytes) -> Registration:
+        """Register an attempt of step `step`: one future per peer and lane, resolved with its
+        authenticated connection."""
         loop = asyncio.get_running_loop()
         lanes = self.settings.connections
         futures = {(key, lane): loop.create_future() for key in peers for lane in range(lanes)}
-        self._expected[step] = (Admission(set(peers), digest, lanes), futures)
+        attempt = self._next_attempt.get(step, 0)
+        registration = Registration(attempt, Admission(set(peers), digest, lanes), futures)
+        self._expected[step] = registration
+        self.learn_attempt(step, attempt)
         self._latest_step = max(self._latest_step, step)
         self._changed.set()
         self._changed = asyncio.Event()
-        return futures
+        return registration
 
     def forget(self, step: int) -> None:
-        self._expected.pop(step, None)
+        registration = self._expected.pop(step, None)
+        if registration is not None:
+            self.learn_attempt(step, registration.attempt + 1)
+
+    def learn_attempt(self, step: int, attempt: int) -> None:
+        """The next attempt of `step` here takes at least number `attempt`."""
+        self._next_attempt[step] = max(self._next_attempt.get(step, 0), attempt)
+        for old in sorted(self._next_attempt)[:-KEPT_STEPS]:
+            del self._next_attempt[old]
 
     def completed(self, step: int) -> None:
         """The all-reduce of `step` succeeded here: dials for it (or older) are refused at once."""
@@ -179,9 +248,25 @@ class DataPlaneServer:
                 return None
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), remaining)
-        admission, futures = self._expected[step]
-        waiting = {key for (key, _), future in futures.items() if not future.done()}
-        return Admission(waiting, admission.digest, admission.lanes) if waiting else None
+        return self._expected[step].admission
+
+    def _claim(self, session: Session) -> Refusal | None:
+        """None when the attempt registered now for the session's step takes this connection."""
+        step, attempt = session.step, session.attempt
+        registration = self._expected.get(step)
+        if registration is None or registration.admission.digest != session.digest:
+            return Refusal(f"no attempt of step {step} with that membership is open here now", retry=True)
+        if attempt > registration.attempt:
+            self.learn_attempt(step, attempt)
+            registration.abandon(f"step {step}: {short_id(session.peer_key)} is at attempt {attempt}")
+            return Refusal(f"still in attempt {registration.attempt} of step {step}", retry=True)
+        if attempt < registration.attempt:
+            return Refusal(f"attempt {attempt} of step {step} is over here", attempt=registration.attempt)
+        lane = (session.peer_key, session.lane)
+        if lane in registration.claimed:
+            return Refusal(f"lane {session.lane} of attempt {attempt} is taken here")
+        registration.claimed.add(lane)
+        return None
 
     async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self._pending >= MAX_PENDING_HANDSHAKES:
@@ -191,7 +276,7 @@ class DataPlaneServer:
         self._pending += 1
         try:
             session = await accept_any(
-                reader, writer, self.identity, self._admission, self.settings.failure_timeout
+                reader, writer, self.identity, self._admission, self.settings.failure_timeout, self._claim
             )
         except WireError as exc:
             log.info("data-plane connection dropped: %s", exc)
@@ -199,10 +284,12 @@ class DataPlaneServer:
             return
         finally:
             self._pending -= 1
-        entry = self._expected.get(session.step)
-        future = entry[1].get((session.peer_key, session.lane)) if entry else None
+        registration = self._expected.get(session.step)
+        future = None
+        if registration is not None and registration.attempt == session.attempt:
+            future = registration.incoming.get((session.peer_key, session.lane))
         if future is None or future.done():
-            writer.close()
+            writer.close()  # the attempt ended while "ok" was on its way
             return
         future.set_result((reader, writer))
 
@@ -214,29 +301,42 @@ async def dial_member(
     digest: bytes,
     settings: RingSettings,
     lane: int = 0,
+    attempt: int = 0,
 ) -> Connection:
-    """Connect and authenticate lane `lane` to `member`.
+    """Connect and authenticate lane `lane` of attempt `attempt` to `member`.
 
     A member publishes its address only once its server listens, so a refused connection means
-    it is gone: that is retried only briefly (REFUSED_GRACE), not for the whole setup deadline.
+    it is gone: that is retried only briefly (REFUSED_GRACE), not for the whole setup deadline. A
+    member still in an earlier attempt of the step (PeerBusy) is dialed again until setup_timeout.
     """
-    deadline = time.monotonic() + min(settings.setup_timeout, REFUSED_GRACE)
-    delay = 0.05
+    started = time.monotonic()
+    refused_deadline = started + min(settings.setup_timeout, REFUSED_GRACE)
+    busy_deadline = started + settings.setup_timeout
+    refused_delay, busy_delay = 0.05, 0.02
     while True:
         try:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(member.host, member.port), settings.failure_timeout
             )
         except (OSError, asyncio.TimeoutError) as exc:
-            if time.monotonic() + delay > deadline:
+            if time.monotonic() + refused_delay > refused_deadline:
                 raise AllReduceError(
                     f"cannot connect to {short_id(member.key)} at {member.host}:{member.port}: {exc}"
                 ) from None
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            await asyncio.sleep(refused_delay)
+            refused_delay = min(refused_delay * 2, 1.0)
             continue
         try:
-            await dial(reader, writer, identity, member.key, step, digest, settings.setup_timeout, lane)
+            await dial(
+                reader, writer, identity, member.key, step, digest, settings.setup_timeout, lane, attempt
+            )
+        except PeerBusy as exc:
+            writer.close()
+            if time.monotonic() + busy_delay > busy_deadline:
+                raise AllReduceError(f"step {step}: {exc} for {settings.setup_timeout:.0f} s") from None
+            await asyncio.sleep(busy_delay)
+            busy_delay = min(busy_delay * 2, BUSY_RETRY_MAX)
+            continue
         except BaseException:
             writer.close()
             raise
@@ -247,7 +347,7 @@ async def connect_lanes(
     server: DataPlaneServer,
     members: Sequence[RingMember],
     out_peers: Sequence[int],
-    incoming: dict[LaneKey, asyncio.Future[Connection]],
+    registration: Registration,
     step: int,
     digest: bytes,
     connections: list[Connection],
@@ -257,9 +357,26 @@ async def connect_lanes(
     settings = server.settings
 
     async def dial_one(peer: int, lane: int) -> tuple[tuple[int, int], Connection]:
-        connection = await dial_member(server.identity, members[peer], step, digest, settings, lane)
+        try:
+            connection = await dial_member(
+                server.identity, members[peer], step, digest, settings, lane, registration.attempt
+            )
+        except AttemptBehind as exc:
+            server.learn_attempt(step, exc.attempt)
+            raise AllReduceError(f"step {step}: {exc}") from None
         connections.append(connection)
         return (peer, lane), connection
+
+    async def connect_all() -> dict[tuple[int, int], Connection]:
+        outgoing = dict(await asyncio.gather(*dials))
+        for (key, _), future in registration.incoming.items():
+            try:
+                connections.append(await asyncio.wait_for(asyncio.shield(future), settings.setup_timeout))
+            except asyncio.TimeoutError:
+                raise AllReduceError(
+                    f"{short_id(key)} did not connect within {settings.setup_timeout:.0f} s"
+                ) from None
+        return outgoing
 
     dials = [
         asyncio.create_task(dial_one(peer, lane))
@@ -267,16 +384,7 @@ async def connect_lanes(
         for lane in range(settings.connections)
     ]
     try:
-        outgoing = dict(await asyncio.gather(*dials))
-        for (key, _), future in incoming.items():
-            try:
-                connections.append(await asyncio.wait_for(asyncio.shield(future), settings.setup_timeout))
-            except asyncio.TimeoutError:
-                raise AllReduceError(
-                    f"{short_id(key)} did not connect within {settings.setup_timeout:.0f} s"
-                ) from None
-    except BaseException:
+        return await registration.unless_abandoned(connect_all())
+    finally:
         for task in dials:
             task.cancel()
-        raise
-    return outgoing

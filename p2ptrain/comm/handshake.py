@@ -1,14 +1,21 @@
 """Mutual authentication of a data-plane connection between two members of one outer step.
 
-    dialer   → hello   {node_key, step, digest, nonce, lane}
+    dialer   → hello   {node_key, step, attempt, digest, nonce, lane}
     listener → welcome {node_key, nonce, signature}     (or refuse {reason})
     dialer   → proof   {signature}
-    listener → ok                                     (or refuse {reason})
+    listener → ok                                     (or refuse {reason[, retry | attempt]})
 
-Each signature is Ed25519 over a transcript that binds both nonces, both keys, the role, the step
-and the membership digest: a recorded handshake cannot be replayed, a member of another step or
-another membership cannot get in, and the dialer knows it reached the member it meant to reach.
-`lane` numbers the parallel connections between one pair of members (comm.connections).
+Each signature is Ed25519 over a transcript that binds both nonces, both keys, the role, the step,
+the attempt and the membership digest: a recorded handshake cannot be replayed, a member of another
+step or another membership cannot get in, and the dialer knows it reached the member it meant to
+reach. `lane` numbers the parallel connections between one pair of members (comm.connections).
+
+`attempt` numbers the tries of one step. A failed all-reduce is retried with the same members, hence
+the same digest, and members give an attempt up at slightly different times: without the number a
+re-dial could land in a peer's dying earlier attempt. Once the dialer has proven its key the listener
+compares attempts: a dialer that is ahead is asked to `retry` (the listener drops its own, older
+attempt and dials into the newer one), a dialer that is behind is told the listener's `attempt` and
+starts its next try there.
 
 The listener stops reading before it sends "ok", and the dialer sends nothing more until it has
 read "ok": after the handshake no byte of the data phase waits in asyncio's buffers, so the ring can
@@ -28,7 +35,7 @@ from p2ptrain.identity import PUBLIC_KEY_BYTES, NodeIdentity, short_id, verify
 
 log = logging.getLogger(__name__)
 
-_DOMAIN = b"p2ptrain/ring-handshake/v2\0"
+_DOMAIN = b"p2ptrain/ring-handshake/v3\0"
 MAX_LANES = 16
 NONCE_BYTES = 32
 MAX_HANDSHAKE_FRAME = 1024
@@ -36,6 +43,21 @@ MAX_HANDSHAKE_FRAME = 1024
 
 class HandshakeError(WireError):
     """The peer is not who it should be, or not a member of this step (reason in the message)."""
+
+
+class PeerBusy(HandshakeError):
+    """The peer accepted our proof but is still in an earlier attempt of the step: dial again."""
+
+
+class AttemptBehind(HandshakeError):
+    """The peer is at a later attempt of the step than ours (`attempt`): this one is lost."""
+
+    def __init__(self, message: str, attempt: int):
+        super().__init__(message)
+        self.attempt = attempt
+
+
+MAX_ATTEMPT = (1 << 31) - 1
 
 
 @dataclass(frozen=True)
@@ -47,13 +69,31 @@ class Session:
     local_key: bytes
     peer_key: bytes
     lane: int = 0
+    attempt: int = 0
 
 
-def _transcript(
-    role: bytes, step: int, lane: int, digest: bytes, dialer: bytes, listener: bytes, nonces: bytes
-) -> bytes:
-    numbers = step.to_bytes(8, "big") + lane.to_bytes(1, "big")
-    return b"".join([_DOMAIN, role, numbers, digest, dialer, listener, nonces])
+@dataclass(frozen=True)
+class Refusal:
+    """Why a listener does not take an authenticated connection now (see the module docstring)."""
+
+    reason: str
+    retry: bool = False
+    attempt: int | None = None
+    """The listener's attempt, when the dialer's is older."""
+
+
+def _transcript(role: bytes, session: Session, dialer: bytes, listener: bytes, nonces: bytes) -> bytes:
+    numbers = (
+        session.step.to_bytes(8, "big") + session.lane.to_bytes(1, "big") + session.attempt.to_bytes(4, "big")
+    )
+    return b"".join([_DOMAIN, role, numbers, session.digest, dialer, listener, nonces])
+
+
+def _int_field(header: dict, name: str, limit: int) -> int:
+    value = header.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < limit:
+        raise HandshakeError(f"malformed {name} {value!r}")
+    return value
 
 
 def _bytes_field(header: dict, name: str, size: int) -> bytes:
@@ -72,13 +112,19 @@ async def dial(
     digest: bytes,
     timeout: float,
     lane: int = 0,
+    attempt: int = 0,
 ) -> Session:
-    """Authenticate an outgoing connection to `expected_peer`; raises HandshakeError or WireError."""
+    """Authenticate an outgoing connection to `expected_peer`.
+
+    Raises PeerBusy (dial again), AttemptBehind (start the next attempt at the peer's), other
+    HandshakeErrors, or WireError.
+    """
     nonce = secrets.token_bytes(NONCE_BYTES)
     header = {
         "kind": "hello",
         "node_key": identity.public_key,
         "step": step,
+        "attempt": attempt,
         "digest": digest,
         "nonce": nonce,
         "lane": lane,
@@ -93,18 +139,24 @@ async def dial(
     signature = _bytes_field(welcome.header, "signature", 64)
     if peer_key != expected_peer:
         raise HandshakeError(f"reached {short_id(peer_key)} instead of {short_id(expected_peer)}")
+    session = Session(step, digest, identity.public_key, peer_key, lane, attempt)
     nonces = nonce + peer_nonce
-    if not verify(
-        peer_key, signature, _transcript(b"L", step, lane, digest, identity.public_key, peer_key, nonces)
-    ):
+    if not verify(peer_key, signature, _transcript(b"L", session, identity.public_key, peer_key, nonces)):
         raise HandshakeError(f"{short_id(peer_key)} failed to prove its key")
-    proof = identity.sign(_transcript(b"D", step, lane, digest, identity.public_key, peer_key, nonces))
+    proof = identity.sign(_transcript(b"D", session, identity.public_key, peer_key, nonces))
     await write_frame(writer, {"kind": "proof", "signature": proof}, timeout=timeout)
+    answer = await read_frame(reader, timeout, MAX_HANDSHAKE_FRAME)
+    if answer.kind == "refuse":
+        reason = f"{short_id(peer_key)}: {answer.header.get('reason', 'no reason given')}"
+        if answer.header.get("retry") is True:
+            raise PeerBusy(reason)
+        if "attempt" in answer.header:
+            raise AttemptBehind(reason, _int_field(answer.header, "attempt", MAX_ATTEMPT + 1))
     try:
-        expect(await read_frame(reader, timeout, MAX_HANDSHAKE_FRAME), "ok")
+        expect(answer, "ok")
     except FrameError as exc:
         raise HandshakeError(str(exc)) from None
-    return Session(step, digest, identity.public_key, peer_key, lane)
+    return session
 
 
 @dataclass(frozen=True)
@@ -117,6 +169,8 @@ class Admission:
 
 
 Resolver = Callable[[int], Awaitable["Admission | None"]]
+Claim = Callable[[Session], "Refusal | None"]
+"""Called once the dialer has proven its key: None takes the connection."""
 
 
 async def accept(
@@ -142,8 +196,10 @@ async def accept_any(
     identity: NodeIdentity,
     resolve: Resolver,
     timeout: float,
+    claim: Claim | None = None,
 ) -> Session:
-    """Authenticate an incoming connection; `resolve(step)` says who may connect for that step.
+    """Authenticate an incoming connection; `resolve(step)` says who may connect for that step, and
+    `claim` whether the authenticated connection is wanted now.
 
     A refusal is sent to the peer, logged, and raised as HandshakeError.
     """
@@ -151,12 +207,9 @@ async def accept_any(
     try:
         peer_key = _bytes_field(hello.header, "node_key", PUBLIC_KEY_BYTES)
         peer_nonce = _bytes_field(hello.header, "nonce", NONCE_BYTES)
-        step = hello.header.get("step")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise HandshakeError(f"malformed step {step!r}")
-        lane = hello.header.get("lane")
-        if not isinstance(lane, int) or isinstance(lane, bool) or not 0 <= lane < MAX_LANES:
-            raise HandshakeError(f"malformed lane {lane!r}")
+        step = _int_field(hello.header, "step", 1 << 63)
+        lane = _int_field(hello.header, "lane", MAX_LANES)
+        attempt = _int_field(hello.header, "attempt", MAX_ATTEMPT + 1)
         admission = await resolve(step)
         reason = None
         if admission is None:
@@ -169,34 +222,41 @@ async def accept_any(
             reason = f"lane {lane} of {admission.lanes} (the two nodes differ in comm.connections)"
         if reason or admission is None:
             raise HandshakeError(reason or "refused")
-        digest = admission.digest
+        session = Session(step, admission.digest, identity.public_key, peer_key, lane, attempt)
         nonce = secrets.token_bytes(NONCE_BYTES)
         nonces = peer_nonce + nonce
-        signature = identity.sign(
-            _transcript(b"L", step, lane, digest, peer_key, identity.public_key, nonces)
-        )
+        signature = identity.sign(_transcript(b"L", session, peer_key, identity.public_key, nonces))
         await write_frame(
             writer,
             {"kind": "welcome", "node_key": identity.public_key, "nonce": nonce, "signature": signature},
             timeout=timeout,
         )
         proof = expect(await read_frame(reader, timeout, MAX_HANDSHAKE_FRAME), "proof")
-        transcript = _transcript(b"D", step, lane, digest, peer_key, identity.public_key, nonces)
+        transcript = _transcript(b"D", session, peer_key, identity.public_key, nonces)
         if not verify(peer_key, _bytes_field(proof.header, "signature", 64), transcript):
             raise HandshakeError(f"{short_id(peer_key)} failed to prove its key")
     except (HandshakeError, FrameError) as exc:
         log.warning("refused data-plane connection: %s", exc)
-        await _refuse(writer, str(exc))
+        await _refuse(writer, {"reason": str(exc)})
         raise HandshakeError(str(exc)) from None
+    refusal = claim(session) if claim is not None else None
+    if refusal is not None:
+        log.info("sent %s to another attempt: %s", short_id(peer_key), refusal.reason)
+        answer: dict = {"reason": refusal.reason, "retry": refusal.retry}
+        if refusal.attempt is not None:
+            answer["attempt"] = refusal.attempt
+        await _refuse(writer, answer)
+        raise HandshakeError(refusal.reason)
     writer.transport.pause_reading()  # the rest of this connection is read from its raw socket
     await write_frame(writer, {"kind": "ok"}, timeout=timeout)
-    return Session(step, digest, identity.public_key, peer_key, lane)
+    return session
 
 
-async def _refuse(writer: asyncio.StreamWriter, reason: str) -> None:
+async def _refuse(writer: asyncio.StreamWriter, fields: dict) -> None:
     """Tell the peer why, best effort, and close."""
+    header = {"kind": "refuse", **fields, "reason": str(fields.get("reason", ""))[:200]}
     try:
-        await write_frame(writer, {"kind": "refuse", "reason": reason[:200]}, timeout=1.0)
+        await write_frame(writer, header, timeout=1.0)
     except WireError:
         pass
     finally:
