@@ -3,7 +3,8 @@
     python -m benchmarks.allreduce --json [--mib 64] [--rounds 5] [--bandwidth MBIT] [--connections M]
 
 Every member holds its own N(0,1) fp32 vector. A gloo barrier starts each round; a round's time is
-the slowest member's, and the figures are medians over the rounds. `rel_err` is the ring's relative
+the slowest member's, and the figures are medians over the rounds (each round's own time is in
+`int8_ring_rounds_s` and `gloo_fp32_rounds_s`). `rel_err` is the ring's relative
 L2 error against the exact fp32 mean. Without --bandwidth the members talk over 127.0.0.1; with it,
 each runs in its own network namespace whose uplink tc limits to MBIT, and `link_util` = (ideal wire
 time of the int8 ring at that bandwidth) / (measured time). --connections M gives the ring M
@@ -156,10 +157,12 @@ def run(mib: int, rounds: int, bandwidth: float | None, connections: int = 1) ->
         result = np.load(root / "ring.npy")
     exact = np.mean([_data(rank, length).astype(np.float64) for rank in range(WORLD)], axis=0)
 
-    def slowest(index: int) -> float:
-        return statistics.median(max(member[index][i] for member in times) for i in range(rounds))
+    def slowest(index: int) -> list[float]:
+        """Per round, the slowest member's seconds: a round is over when its last member is done."""
+        return [max(member[index][i] for member in times) for i in range(rounds)]
 
-    ring_s, gloo_s = slowest(0), slowest(1)
+    ring_rounds, gloo_rounds = slowest(0), slowest(1)
+    ring_s, gloo_s = statistics.median(ring_rounds), statistics.median(gloo_rounds)
     summary: dict[str, Any] = {
         "members": WORLD,
         "mib": mib,
@@ -169,6 +172,8 @@ def run(mib: int, rounds: int, bandwidth: float | None, connections: int = 1) ->
         "gloo_fp32_s": round(gloo_s, 4),
         "ring_vs_gloo": round(ring_s / gloo_s, 3),
         "rel_err": round(float(np.linalg.norm(result - exact) / np.linalg.norm(exact)), 5),
+        "int8_ring_rounds_s": [round(seconds, 4) for seconds in ring_rounds],
+        "gloo_fp32_rounds_s": [round(seconds, 4) for seconds in gloo_rounds],
     }
     if bandwidth is not None:
         wire_bytes = 2 * (WORLD - 1) / WORLD * length * (1 + 8 / BLOCK)

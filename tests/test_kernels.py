@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -12,6 +14,7 @@ from p2ptrain.comm.quant import (
     decode_payload,
     dequantize,
     dequantize_add,
+    dequantize_chunks,
     empty,
     encode_payload,
     quantize,
@@ -77,6 +80,20 @@ def test_dequantize_add_accumulates_in_place():
     expected = acc + reference_dequantize(reference_quantize(values, 256))
     result = dequantize_add(quantize(values, 256), acc)
     assert result is acc and np.array_equal(acc, expected)
+
+
+@pytest.mark.parametrize("sizes", [[1000], [256, 512, 7], [300] * 9 + [1]])
+def test_chunks_decoded_over_threads_land_in_their_places(sizes: list[int]):
+    rng = np.random.default_rng(len(sizes))
+    bounds = np.cumsum([0, *sizes])
+    values = rng.standard_normal(int(bounds[-1])).astype(np.float32)
+    chunks = [(int(a), int(b), quantize(values[a:b], 256)) for a, b in itertools.pairwise(bounds)]
+    out = np.full_like(values, np.nan)
+    dequantize_chunks(chunks, out)
+    expected = np.concatenate(
+        [reference_dequantize(reference_quantize(values[a:b], 256)) for a, b, _ in chunks]
+    )
+    assert np.array_equal(out, expected)
 
 
 def test_an_outlier_only_costs_its_own_block():

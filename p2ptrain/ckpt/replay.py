@@ -89,8 +89,7 @@ def unpack_into(data: bytes, step: int, buffer: np.ndarray, block: int) -> None:
     if position != buffer.shape[0] or offset != len(data):
         left = len(data) - offset
         raise ReplayError(f"result covers {position} of {buffer.shape[0]} values, {left} bytes left over")
-    for start, stop, encoded in decoded:  # only once all of it checked out: the buffer stays intact
-        quant.dequantize(encoded, buffer[start:stop])
+    quant.dequantize_chunks(decoded, buffer)  # only once all of it checked out: the buffer stays intact
 
 
 @dataclass(frozen=True)

@@ -362,8 +362,11 @@ class _AllReduce:
 
     def write_result(self, buffer: np.ndarray) -> None:
         """Decode every final chunk into `buffer`: the same bytes on every member, so the same floats."""
-        for start, stop, payload in self.finals:
-            quant.dequantize(quant.decode_payload(payload, stop - start, self.block), buffer[start:stop])
+        chunks = [
+            (start, stop, quant.decode_payload(payload, stop - start, self.block))
+            for start, stop, payload in self.finals
+        ]
+        quant.dequantize_chunks(chunks, buffer)
 
 
 def _identity(header: dict) -> tuple:
@@ -398,11 +401,14 @@ async def ring_all_reduce(
     loop = asyncio.get_running_loop()
     plan = _AllReduce(keys.index(identity.public_key), members, buffer, settings, step, progress)
     digest = membership_digest(step, members)
-    incoming = server.expect(step, [keys[peer] for peer in plan.in_peers()], digest)
+    registration = server.expect(step, [keys[peer] for peer in plan.in_peers()], digest)
+    incoming = registration.incoming
     connections: list[Connection] = []
     transfer = Transfer(plan, loop)
     try:
-        outgoing = await connect_lanes(server, members, plan.out_peers(), incoming, step, digest, connections)
+        outgoing = await connect_lanes(
+            server, members, plan.out_peers(), registration, step, digest, connections
+        )
         transfer.start(
             {slot: transfer.adopt(writer) for slot, (_, writer) in outgoing.items()},
             {
