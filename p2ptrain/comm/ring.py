@@ -18,11 +18,12 @@ chunks (`chunk_bytes`). Two reduce-scatter topologies share one all-gather:
 budget) and the butterfly above. Weights are part of the membership, hence of its digest: each
 member scales its own values by its share of the total.
 
-Connections are set up and authenticated on the event loop; the transfer itself runs on threads
-(transfer.py), one per connection and direction, with blocking socket calls (lanes.py) and the
-kernels (which release the GIL): a chunk goes out as soon as what it depends on came in, while the next one is
-already on the wire. With `connections` = M, each pair of members holds M connections ("lanes")
-and the chunks of a stream take them in turn. The event loop meanwhile watches the connections we
+Who sends which frames to whom is schedule.py. Connections are set up and authenticated on the
+event loop; the transfer itself runs on threads (transfer.py), one per connection and direction,
+with blocking socket calls (lanes.py) and the kernels (which release the GIL): a chunk goes out as
+soon as what it depends on came in, while the next one is already on the wire. With `connections`
+= M, each pair of members holds M connections ("lanes") and the chunks of a stream take them in
+turn. The event loop meanwhile watches the connections we
 only send on, so a peer that hangs up early is noticed at once.
 
 Failure is all-or-nothing. Any error — a member that dies, stalls past `failure_timeout`, sends a
@@ -54,7 +55,6 @@ from p2ptrain.comm.dataplane import (
     RingMember,
     RingSettings,
     RingStats,
-    chunk_bounds,
     connect_lanes,
     membership_digest,
     segment_bounds,
@@ -62,6 +62,7 @@ from p2ptrain.comm.dataplane import (
 )
 from p2ptrain.comm.handshake import HandshakeError
 from p2ptrain.comm.quant import Buffer
+from p2ptrain.comm.schedule import FrameSpec, Schedule, choose_topology
 from p2ptrain.comm.transfer import Slots, Transfer
 from p2ptrain.comm.wire import FrameError, PeerClosed, WireError
 from p2ptrain.identity import short_id
@@ -70,13 +71,6 @@ log = logging.getLogger(__name__)
 
 Progress = Callable[[str, int, int], None]
 """Called with (phase, round, chunk) after each frame is received, on the receiving thread."""
-Stream = list[tuple[str, int, int]]
-"""What travels from one member to another, in order: (phase, round, segment) for every chunk of
-the segment."""
-FrameSpec = tuple[str, int, int, int, int]
-"""One frame of a stream: (phase, round, chunk, start, stop)."""
-
-AUTO_RING_MAX_MEMBERS = 3
 HELD_UP_S = 0.002
 """A frame whose send waited this long waited for the link: its time and bytes measure the link.
 Frames that go out at once only show that the link kept up (the socket buffers absorb bursts)."""
@@ -93,12 +87,6 @@ __all__ = [
     "segment_bounds",
     "shares",
 ]
-
-
-def choose_topology(settings: RingSettings, members: int) -> str:
-    if settings.topology != "auto":
-        return settings.topology
-    return "ring" if members <= AUTO_RING_MAX_MEMBERS else "butterfly"
 
 
 class _AllReduce:
@@ -122,12 +110,9 @@ class _AllReduce:
         self.block = settings.block
         self.step = step
         self.progress = progress
-        self.topology = choose_topology(settings, self.n)
-        self.successor = (index + 1) % self.n
-        self.predecessor = (index - 1) % self.n
-        bounds = segment_bounds(own.shape[0], self.n, self.block)
-        chunk = max(self.block, (settings.chunk_bytes // 4 // self.block) * self.block)
-        self.chunks = [chunk_bounds(bounds[s], bounds[s + 1], chunk) for s in range(self.n)]
+        self.schedule = Schedule.of(index, self.n, own.shape[0], settings)
+        self.topology, self.chunks = self.schedule.topology, self.schedule.chunks
+        self.out_peers, self.in_peers = self.schedule.out_peers, self.schedule.in_peers
         largest = max(stop - start for chunks in self.chunks for start, stop in chunks)
         self.largest_payload = quant.payload_size(largest, self.block)
         self.max_payload = self.largest_payload + 64  # zstd may grow a payload a little
@@ -156,46 +141,6 @@ class _AllReduce:
         self.failure: BaseException | None = None
         self.sockets: list[socket.socket] = []
 
-    # ---- who talks to whom, and what goes on each connection ----------------------------------
-
-    def others(self) -> list[int]:
-        return [peer for peer in range(self.n) if peer != self.index]
-
-    def out_peers(self) -> list[int]:
-        return self.others() if self.topology == "butterfly" else [self.successor]
-
-    def in_peers(self) -> list[int]:
-        return self.others() if self.topology == "butterfly" else [self.predecessor]
-
-    def send_stream(self, peer: int) -> Stream:
-        n, i = self.n, self.index
-        if self.topology == "ring":
-            stream = [("rs", rnd, (i - rnd) % n) for rnd in range(n - 1)]
-        else:
-            stream = [("rs", 0, (peer + 1) % n)]
-        if peer == self.successor:
-            stream += [("ag", rnd, (i + 1 - rnd) % n) for rnd in range(n - 1)]
-        return stream
-
-    def receive_stream(self, peer: int) -> Stream:
-        n, i = self.n, self.index
-        if self.topology == "ring":
-            stream = [("rs", rnd, (i - rnd - 1) % n) for rnd in range(n - 1)]
-        else:
-            stream = [("rs", 0, (i + 1) % n)]
-        if peer == self.predecessor:
-            stream += [("ag", rnd, (i - rnd) % n) for rnd in range(n - 1)]
-        return stream
-
-    def frames(self, stream: Stream, lane: int | None = None) -> list[FrameSpec]:
-        """The frames of a stream in order; with `lane`, only those that lane carries."""
-        every = [
-            (phase, rnd, chunk, start, stop)
-            for phase, rnd, segment in stream
-            for chunk, (start, stop) in enumerate(self.chunks[segment])
-        ]
-        return every if lane is None else every[lane :: self.settings.connections]
-
     # ---- failure: the first error wins and stops everything ----------------------------------
 
     def fail(self, exc: BaseException) -> None:
@@ -212,7 +157,7 @@ class _AllReduce:
     def send_lane(self, peer: int, lane: int, sock: socket.socket) -> None:
         compressor = zstandard.ZstdCompressor(level=1) if self.settings.zstd else None
         scratch = bytearray(self.largest_payload)  # our own encoded chunks, one at a time
-        for phase, rnd, chunk, start, stop in self.frames(self.send_stream(peer), lane):
+        for phase, rnd, chunk, start, stop in self.schedule.frames(self.schedule.send_stream(peer), lane):
             payload: Buffer
             spare = None
             if phase == "rs" and (rnd == 0 or self.topology == "butterfly"):
@@ -251,7 +196,7 @@ class _AllReduce:
         and hangs up once it has all our frames, so anything else means it failed."""
         if state == "data":
             self.fail(FrameError(f"{short_id(self.keys[peer])} wrote on a connection it must only read"))
-        elif self.frames_queued[peer] < len(self.frames(self.send_stream(peer))):
+        elif self.frames_queued[peer] < len(self.schedule.frames(self.schedule.send_stream(peer))):
             self.fail(PeerClosed(f"{short_id(self.keys[peer])} closed the connection"))
 
     # ---- receiving (one thread per incoming lane) ---------------------------------------------
@@ -259,7 +204,7 @@ class _AllReduce:
     def receive_lane(self, peer: int, lane: int, sock: socket.socket) -> None:
         decompressor = zstandard.ZstdDecompressor() if self.settings.zstd else None
         scratch = memoryview(bytearray(self.largest_payload))  # reduce-scatter frames, used at once
-        for spec in self.frames(self.receive_stream(peer), lane):
+        for spec in self.schedule.frames(self.schedule.receive_stream(peer), lane):
             phase, rnd, chunk, start, stop = spec
             place = functools.partial(self._place, spec, scratch)
             frame = lanes.recv_frame(sock, self.settings.failure_timeout, self.max_payload, place)

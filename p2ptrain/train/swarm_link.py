@@ -149,7 +149,11 @@ class SwarmLink(SoloSwarm):
         return self.sync.view
 
     async def _check_config(self) -> None:
-        """Refuse to join a run whose active members share settings other than ours (one line)."""
+        """Refuse (one line) to be in a run whose active members mostly share other settings.
+
+        Checked on joining and again before every outer step: a node's first read of the DHT may
+        not show the others yet, and a node of another config is never elected with them, so it
+        would otherwise train alone beside the run."""
         me, digest = self.identity.public_key, self.config.digest()
         beats = live(await self._view().read())
         others = [b for b in beats if b.node_key != me and b.state in ACTIVE and b.config_digest]
@@ -176,6 +180,7 @@ class SwarmLink(SoloSwarm):
     async def average(self, step: int, vector: np.ndarray, tokens: int) -> tuple[Averaged, str]:
         """(what happened, a note to print) — the vector is averaged in place when members > 0."""
         assert self.sync is not None
+        await self._check_config()
         started = time.monotonic()
         try:
             result = await self.sync.sync(step, vector, tokens)

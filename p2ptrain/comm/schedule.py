@@ -1,0 +1,92 @@
+"""Who talks to whom in one all-reduce, and which frames travel on each connection (see ring.py).
+
+Member i owns segment i+1 mod n; every segment is cut into chunks on block boundaries. A stream is
+what one member sends another, in order; its frames are the chunks of the stream's segments, and
+with M lanes per pair of members the frames take the lanes in turn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from p2ptrain.comm.dataplane import RingSettings, chunk_bounds, segment_bounds
+
+Stream = list[tuple[str, int, int]]
+"""What travels from one member to another, in order: (phase, round, segment) for every chunk of
+the segment. Phases: "rs" (reduce-scatter), "ag" (all-gather)."""
+FrameSpec = tuple[str, int, int, int, int]
+"""One frame of a stream: (phase, round, chunk, start, stop)."""
+
+AUTO_RING_MAX_MEMBERS = 3
+
+
+def choose_topology(settings: RingSettings, members: int) -> str:
+    if settings.topology != "auto":
+        return settings.topology
+    return "ring" if members <= AUTO_RING_MAX_MEMBERS else "butterfly"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One member's view of the all-reduce's traffic: the same function of (n, length, settings) on
+    every member, so what one sends is exactly what its peer expects."""
+
+    index: int
+    n: int
+    topology: str
+    chunks: list[list[tuple[int, int]]]
+    """Per segment, the (start, stop) of its chunks."""
+    lanes: int
+
+    @classmethod
+    def of(cls, index: int, n: int, length: int, settings: RingSettings) -> Schedule:
+        bounds = segment_bounds(length, n, settings.block)
+        chunk = max(settings.block, (settings.chunk_bytes // 4 // settings.block) * settings.block)
+        chunks = [chunk_bounds(bounds[s], bounds[s + 1], chunk) for s in range(n)]
+        return cls(index, n, choose_topology(settings, n), chunks, settings.connections)
+
+    @property
+    def successor(self) -> int:
+        return (self.index + 1) % self.n
+
+    @property
+    def predecessor(self) -> int:
+        return (self.index - 1) % self.n
+
+    def others(self) -> list[int]:
+        return [peer for peer in range(self.n) if peer != self.index]
+
+    def out_peers(self) -> list[int]:
+        return self.others() if self.topology == "butterfly" else [self.successor]
+
+    def in_peers(self) -> list[int]:
+        return self.others() if self.topology == "butterfly" else [self.predecessor]
+
+    def send_stream(self, peer: int) -> Stream:
+        n, i = self.n, self.index
+        if self.topology == "ring":
+            stream = [("rs", rnd, (i - rnd) % n) for rnd in range(n - 1)]
+        else:
+            stream = [("rs", 0, (peer + 1) % n)]
+        if peer == self.successor:
+            stream += [("ag", rnd, (i + 1 - rnd) % n) for rnd in range(n - 1)]
+        return stream
+
+    def receive_stream(self, peer: int) -> Stream:
+        n, i = self.n, self.index
+        if self.topology == "ring":
+            stream = [("rs", rnd, (i - rnd - 1) % n) for rnd in range(n - 1)]
+        else:
+            stream = [("rs", 0, (i + 1) % n)]
+        if peer == self.predecessor:
+            stream += [("ag", rnd, (i - rnd) % n) for rnd in range(n - 1)]
+        return stream
+
+    def frames(self, stream: Stream, lane: int | None = None) -> list[FrameSpec]:
+        """The frames of a stream in order; with `lane`, only those that lane carries."""
+        every = [
+            (phase, rnd, chunk, start, stop)
+            for phase, rnd, segment in stream
+            for chunk, (start, stop) in enumerate(self.chunks[segment])
+        ]
+        return every if lane is None else every[lane :: self.lanes]
