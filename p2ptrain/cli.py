@@ -292,12 +292,14 @@ def cmd_join(args: argparse.Namespace) -> int:
     if args.drill or args.observe:
         return _join_without_training(args, config, peers)
     from p2ptrain.identity import load_or_create_identity
-    from p2ptrain.node import identity_dir, start_node_dht
-    from p2ptrain.train.agent import TrainingNode
 
     _check_trainable(config)
-    identity = load_or_create_identity(identity_dir(config))
+    identity = load_or_create_identity(config.node.identity_dir)
     resume = _resume_path(args.resume, config, identity.short_id)
+    # only now the heavy imports (hivemind and the trainer): bad settings fail in seconds
+    from p2ptrain.node import start_node_dht
+    from p2ptrain.train.agent import TrainingNode
+
     if not peers:
         print("no --peer or PEER given: training alone (no network)", flush=True)
         _run_until_signal(

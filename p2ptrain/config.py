@@ -66,6 +66,11 @@ class NodeConfig(Section):
     nproc: int = Field(0, ge=0, le=64)
     """Trainer ranks on this node; 0: one per visible GPU, one on a CPU-only machine."""
 
+    @property
+    def identity_dir(self) -> Path:
+        """Where node.key and p2p.key live: `identity`, or else `work_dir`."""
+        return Path(self.identity or self.work_dir).expanduser()
+
 
 class SwarmConfig(Section):
     peers: list[str] = []

@@ -24,10 +24,6 @@ from p2ptrain.swarm.status import format_table
 log = logging.getLogger(__name__)
 
 
-def identity_dir(config: Config) -> Path:
-    return Path(config.node.identity or config.node.work_dir).expanduser()
-
-
 def dht_settings(config: Config, *, p2p_key: Path | None, client_mode: bool = False) -> DHTSettings:
     """DHT settings of a node of `config.run`; its validator protects that run's heartbeats."""
     swarm = config.swarm
@@ -47,7 +43,7 @@ def dht_settings(config: Config, *, p2p_key: Path | None, client_mode: bool = Fa
 
 def start_node_dht(config: Config) -> tuple[NodeIdentity, SwarmDHT]:
     """Load (or create) the node's keys and join the DHT; raises UserError subclasses on failure."""
-    directory = identity_dir(config)
+    directory = config.node.identity_dir
     identity = load_or_create_identity(directory)
     p2p_key = ensure_p2p_identity(directory)
     return identity, SwarmDHT.start(dht_settings(config, p2p_key=p2p_key))
