@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -486,7 +485,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         shift_wall_clock()  # a fault hook for tests; before hivemind binds its clock
-        _quiet_hivemind(args.log_level)
         return args.handler(args)
     except UserError as exc:
         print(f"p2ptrain: error: {exc}", file=sys.stderr)
@@ -494,13 +492,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-
-
-def _quiet_hivemind(level: str) -> None:
-    """hivemind logs every retry at INFO/WARNING with its own handler; keep ours the only voice."""
-    with contextlib.suppress(Exception):
-        from hivemind.utils.logging import use_hivemind_log_handler
-
-        use_hivemind_log_handler("nowhere")
-    wanted = getattr(logging, str(level).upper(), logging.WARNING)
-    logging.getLogger("hivemind").setLevel(max(wanted, logging.ERROR))

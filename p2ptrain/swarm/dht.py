@@ -25,6 +25,7 @@ from hivemind.dht.validation import RecordValidatorBase
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils.timed_storage import ValueWithExpiration
 
+import p2ptrain.swarm.quiet  # noqa: F401  (hivemind keeps quiet)
 from p2ptrain import procs
 from p2ptrain.errors import IdentityError, NetworkError, UserError
 

@@ -21,6 +21,7 @@ from typing import Any, TextIO
 
 from hivemind.utils import get_dht_time
 
+import p2ptrain.swarm.quiet  # noqa: F401  (hivemind keeps quiet)
 from p2ptrain.config import Config
 from p2ptrain.errors import UserError
 from p2ptrain.identity import NodeIdentity

@@ -19,6 +19,7 @@ import msgpack
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
+import p2ptrain.swarm.quiet  # noqa: F401  (hivemind keeps quiet)
 from p2ptrain.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, NodeIdentity, verify
 from p2ptrain.untrusted import UndecodableError, unpack_untrusted
 
