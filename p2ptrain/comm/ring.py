@@ -23,8 +23,8 @@ event loop; the transfer itself runs on threads (transfer.py), one per connectio
 with blocking socket calls (lanes.py) and the kernels (which release the GIL): a chunk goes out as
 soon as what it depends on came in, while the next one is already on the wire. With `connections`
 = M, each pair of members holds M connections ("lanes") and the chunks of a stream take them in
-turn. The event loop meanwhile watches the connections we
-only send on, so a peer that hangs up early is noticed at once.
+turn. The event loop meanwhile watches the connections we only send on, so a peer that hangs up
+early is noticed at once.
 
 Failure is all-or-nothing. Any error — a member that dies, stalls past `failure_timeout`, sends a
 malformed frame or non-finite block parameters, or our own NaN/Inf — shuts all of this member's
@@ -111,9 +111,7 @@ class _AllReduce:
         self.step = step
         self.progress = progress
         self.schedule = Schedule.of(index, self.n, own.shape[0], settings)
-        self.topology, self.chunks = self.schedule.topology, self.schedule.chunks
-        self.out_peers, self.in_peers = self.schedule.out_peers, self.schedule.in_peers
-        largest = max(stop - start for chunks in self.chunks for start, stop in chunks)
+        largest = max(stop - start for chunks in self.schedule.chunks for start, stop in chunks)
         self.largest_payload = quant.payload_size(largest, self.block)
         self.max_payload = self.largest_payload + 64  # zstd may grow a payload a little
         self.result = np.empty(quant.payload_size(own.shape[0], self.block), np.uint8)
@@ -126,15 +124,15 @@ class _AllReduce:
         """Buffers of ring partial sums already sent, for the next ones."""
         self.slots = Slots()
         self.lock = threading.Lock()  # guards the counters and lists below, and `failure`
-        owned = len(self.chunks[(index + 1) % self.n])
+        owned = len(self.schedule.chunks[self.schedule.successor])
         self.chunk_locks = [threading.Lock() for _ in range(owned)]
         self.partial: dict[int, np.ndarray] = {}  # butterfly: chunk index -> fp32 sum so far
         self.arrived: dict[int, int] = {}
-        self.frames_queued = dict.fromkeys(self.out_peers(), 0)
-        self.held_up = {peer: [0, 0.0] for peer in self.out_peers()}
+        self.frames_queued = dict.fromkeys(self.schedule.out_peers(), 0)
+        self.held_up = {peer: [0, 0.0] for peer in self.schedule.out_peers()}
         """peer → [bytes, seconds] of the frames whose send waited for the peer's link."""
         self.stats = RingStats()
-        workers = (len(self.out_peers()) + len(self.in_peers())) * settings.connections
+        workers = (len(self.schedule.out_peers()) + len(self.schedule.in_peers())) * settings.connections
         self.threads = max(1, (os.cpu_count() or 1) // workers)
         """OpenMP threads per kernel call: the transfer threads already run kernels side by side,
         and more threads than cores make OpenMP spin (measured: twice the CPU time on 2 cores)."""
@@ -157,10 +155,10 @@ class _AllReduce:
     def send_lane(self, peer: int, lane: int, sock: socket.socket) -> None:
         compressor = zstandard.ZstdCompressor(level=1) if self.settings.zstd else None
         scratch = bytearray(self.largest_payload)  # our own encoded chunks, one at a time
-        for phase, rnd, chunk, start, stop in self.schedule.frames(self.schedule.send_stream(peer), lane):
+        for phase, rnd, chunk, start, stop in self.schedule.send_frames(peer, lane):
             payload: Buffer
             spare = None
-            if phase == "rs" and (rnd == 0 or self.topology == "butterfly"):
+            if phase == "rs" and (rnd == 0 or self.schedule.topology == "butterfly"):
                 out = memoryview(scratch)[: quant.payload_size(stop - start, self.block)]
                 payload = quant.encode_payload(
                     self.own[start:stop], self.block, self.share, self.threads, out
@@ -196,7 +194,7 @@ class _AllReduce:
         and hangs up once it has all our frames, so anything else means it failed."""
         if state == "data":
             self.fail(FrameError(f"{short_id(self.keys[peer])} wrote on a connection it must only read"))
-        elif self.frames_queued[peer] < len(self.schedule.frames(self.schedule.send_stream(peer))):
+        elif self.frames_queued[peer] < len(self.schedule.send_frames(peer)):
             self.fail(PeerClosed(f"{short_id(self.keys[peer])} closed the connection"))
 
     # ---- receiving (one thread per incoming lane) ---------------------------------------------
@@ -204,7 +202,7 @@ class _AllReduce:
     def receive_lane(self, peer: int, lane: int, sock: socket.socket) -> None:
         decompressor = zstandard.ZstdDecompressor() if self.settings.zstd else None
         scratch = memoryview(bytearray(self.largest_payload))  # reduce-scatter frames, used at once
-        for spec in self.schedule.frames(self.schedule.receive_stream(peer), lane):
+        for spec in self.schedule.receive_frames(peer, lane):
             phase, rnd, chunk, start, stop = spec
             place = functools.partial(self._place, spec, scratch)
             frame = lanes.recv_frame(sock, self.settings.failure_timeout, self.max_payload, place)
@@ -255,7 +253,7 @@ class _AllReduce:
                 self.finals.append((start, stop, payload))
             if rnd < self.n - 2:
                 self.slots.put(("ag", rnd + 1, chunk), payload)
-        elif self.topology == "ring":
+        elif self.schedule.topology == "ring":
             own = self.own[start:stop]
             if rnd < self.n - 2:
                 spare = self._spare()
@@ -346,13 +344,13 @@ async def ring_all_reduce(
     loop = asyncio.get_running_loop()
     plan = _AllReduce(keys.index(identity.public_key), members, buffer, settings, step, progress)
     digest = membership_digest(step, members)
-    registration = server.expect(step, [keys[peer] for peer in plan.in_peers()], digest)
+    registration = server.expect(step, [keys[peer] for peer in plan.schedule.in_peers()], digest)
     incoming = registration.incoming
     connections: list[Connection] = []
     transfer = Transfer(plan, loop)
     try:
         outgoing = await connect_lanes(
-            server, members, plan.out_peers(), registration, step, digest, connections
+            server, members, plan.schedule.out_peers(), registration, step, digest, connections
         )
         transfer.start(
             {slot: transfer.adopt(writer) for slot, (_, writer) in outgoing.items()},

@@ -90,3 +90,11 @@ class Schedule:
             for chunk, (start, stop) in enumerate(self.chunks[segment])
         ]
         return every if lane is None else every[lane :: self.lanes]
+
+    def send_frames(self, peer: int, lane: int | None = None) -> list[FrameSpec]:
+        """The frames we send `peer` (on `lane`)."""
+        return self.frames(self.send_stream(peer), lane)
+
+    def receive_frames(self, peer: int, lane: int | None = None) -> list[FrameSpec]:
+        """The frames `peer` sends us (on `lane`)."""
+        return self.frames(self.receive_stream(peer), lane)
