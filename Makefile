@@ -1,6 +1,6 @@
 # Two entry points, both self-contained on a fresh Linux machine with Python 3.10+:
 #   make demo   set up .venv, then run a local swarm on 127.0.0.1
-#   make test   set up .venv, then lint and run the test suite
+#   make test   set up .venv, then lint, type-check (mypy) and run the test suite
 # Set-up is idempotent: it reruns only when pyproject.toml, setup.py or the Cython sources change.
 
 PYTHON ?= python3
@@ -21,6 +21,7 @@ demo: $(STAMP)
 test: $(STAMP) browser
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Debian's chromium + chromedriver for the status page's browser test. Installed when missing and
@@ -37,6 +38,7 @@ browser:
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 format: $(STAMP)
 	$(PY) -m ruff format .
@@ -65,4 +67,4 @@ $(STAMP): pyproject.toml setup.py $(wildcard cython_ext/*.pyx) | $(PY)
 	@touch $(STAMP)
 
 clean:
-	rm -rf build *.egg-info p2ptrain/_kernels*.so p2ptrain/_kernels.c cython_ext/*.c .pytest_cache .ruff_cache
+	rm -rf build *.egg-info p2ptrain/_kernels*.so p2ptrain/_kernels.c cython_ext/*.c .pytest_cache .ruff_cache .mypy_cache

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import parser, report
+from p2ptrain.ckpt.format import CheckpointPlaces, checkpoint_name, folder_bytes
 from p2ptrain.config import load_config
-from p2ptrain.train.checkpoint import checkpoint_name, parameter_files_bytes
-from p2ptrain.train.places import CheckpointPlaces, copy_to_disk
+from p2ptrain.node.checkpoint_copies import copy_to_disk
 from p2ptrain.train.trainer import RankContext, Trainer
 
 
@@ -72,7 +72,7 @@ def main() -> None:
             copy.append(copy_to_disk(staged, path, keep=1))
             sync.append(timed_save(trainer, direct, staged=False)[0])
             trainer.outer_step += 1  # a new folder each round, as in training
-        size = parameter_files_bytes(path)
+        size = folder_bytes(path)
     shutil.rmtree(disk_root, ignore_errors=True)
     result = {
         "config": args.config,

@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import parser, report
+from p2ptrain.channel import Averaged
 from p2ptrain.comm.dataplane import DataPlaneServer, RingMember, RingSettings
 from p2ptrain.comm.ring import ring_all_reduce
 from p2ptrain.config import Config, load_config
 from p2ptrain.identity import load_or_create_identity
-from p2ptrain.train.channel import Averaged
 from p2ptrain.train.data import node_batches
 from p2ptrain.train.trainer import RankContext, Trainer
 

@@ -14,11 +14,12 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import ErrorDetails
 
 from p2ptrain.errors import ConfigError
 
@@ -305,7 +306,7 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid TOML ({exc})") from None
 
 
-def _describe(error: dict[str, Any]) -> str:
+def _describe(error: ErrorDetails) -> str:
     key = ".".join(str(part) for part in error["loc"])
     if error["type"] == "extra_forbidden":
         return f"unknown key '{key}'"
@@ -323,7 +324,7 @@ def resolve_config_path(name: str | os.PathLike[str]) -> Path:
 def load_config(
     path: str | os.PathLike[str] | None = None,
     *,
-    overrides: list[str] = (),  # type: ignore[assignment]
+    overrides: Sequence[str] = (),
     environ: Mapping[str, str] | None = None,
 ) -> Config:
     """Build the resolved Config; every problem raises ConfigError naming the key and its source."""

@@ -165,10 +165,11 @@ class _Demo:
 
     def release_ram(self) -> None:
         """Flush what SIGKILLed nodes left in /dev/shm (staged checkpoints, the shared vector) to disk."""
+        from p2ptrain.ckpt.format import checkpoint_places
         from p2ptrain.config import load_config
         from p2ptrain.identity import load_or_create_identity
-        from p2ptrain.train.places import checkpoint_places, flush_leftovers
-        from p2ptrain.train.ranks import remove_stale_buffers
+        from p2ptrain.node.checkpoint_copies import flush_leftovers
+        from p2ptrain.node.rank_launcher import remove_stale_buffers
 
         for name in [*self.names, *([self.joiner] if self.joiner else [])]:
             work = self.work_dir / name
@@ -207,7 +208,12 @@ class _Demo:
             reported = len(lead)
             if self.bar is not None:
                 self.bar.update(self.task, completed=reported)
-            if self.victim and reported >= self.kill_at and self.joiner not in self.children.children:
+            if (
+                self.victim
+                and self.joiner
+                and reported >= self.kill_at
+                and self.joiner not in self.children.children
+            ):
                 self.say(f"SIGKILL {self.victim}; starting {self.joiner}, which recovers from its peers")
                 self.children.signal(self.victim, signal.SIGKILL)
                 self.killed_at = time.time()

@@ -15,9 +15,10 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from p2ptrain.ckpt.format import CheckpointError, latest_checkpoint
 from p2ptrain.config import ModelConfig
 from p2ptrain.errors import UserError
-from p2ptrain.train.checkpoint import CheckpointError, latest_checkpoint, load_params
+from p2ptrain.train.checkpoint import load_params
 
 _LAYER_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",

@@ -47,8 +47,8 @@ def shift_wall_clock() -> float:
         raise UserError(f"P2PTRAIN_INJECT_CLOCK_OFFSET={text!r}: expected seconds, e.g. -5") from None
     if offset:
         true_time, true_time_ns = time.time, time.time_ns
-        time.time = lambda: true_time() + offset  # type: ignore[assignment]
-        time.time_ns = lambda: true_time_ns() + int(offset * 1e9)  # type: ignore[assignment]
+        time.time = lambda: true_time() + offset
+        time.time_ns = lambda: true_time_ns() + int(offset * 1e9)
     return offset
 
 

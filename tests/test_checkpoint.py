@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from p2ptrain.ckpt.format import INNER_FILE, CheckpointError, checkpoint_places, latest_checkpoint
 from p2ptrain.config import load_config
+from p2ptrain.node.checkpoint_copies import flush_leftovers
 from p2ptrain.train import checkpoint as checkpoint_module
-from p2ptrain.train.checkpoint import INNER_FILE, CheckpointError, latest_checkpoint, load_state
-from p2ptrain.train.places import checkpoint_places, flush_leftovers
+from p2ptrain.train.checkpoint import load_state
 from p2ptrain.train.trainer import RankContext, Trainer
 
 

@@ -13,10 +13,10 @@ import pytest
 from aiohttp import web
 
 from p2ptrain.ckpt.fetch import RecoveryError, fetch_checkpoint, majority_checkpoint
+from p2ptrain.ckpt.format import checkpoint_name
 from p2ptrain.ckpt.manifest import ManifestError, build_manifest, parse_manifest
 from p2ptrain.ckpt.sidecar import CheckpointSidecar
 from p2ptrain.swarm.records import Heartbeat, NodeState
-from p2ptrain.train.checkpoint import checkpoint_name
 
 STEP = 7
 SHARED = os.urandom(3 << 20)  # θ_outer: the same bytes on every member

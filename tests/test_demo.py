@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from p2ptrain.train.checkpoint import latest_checkpoint
+from p2ptrain.ckpt.format import latest_checkpoint
 from p2ptrain.train.metrics import read_metrics
 from tests.helpers import cli, params_hash_of, socket_files, stalls
 

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from p2ptrain.ckpt.format import checkpoint_places, checkpoint_step, latest_checkpoint
 from p2ptrain.config import load_config
 from p2ptrain.identity import load_or_create_identity
-from p2ptrain.train.checkpoint import checkpoint_step, latest_checkpoint
-from p2ptrain.train.places import checkpoint_places, flush_leftovers
-from p2ptrain.train.ranks import remove_stale_buffers
+from p2ptrain.node.checkpoint_copies import flush_leftovers
+from p2ptrain.node.rank_launcher import remove_stale_buffers
 from tests.helpers import LocalSwarm, metrics, params_hash_of, stalls, wait_until
 
 STEPS = 3

@@ -14,12 +14,13 @@ from typing import Any
 import pytest
 import torch
 
+from p2ptrain.ckpt.format import checkpoint_places
 from p2ptrain.config import load_config
 from p2ptrain.identity import load_or_create_identity
+from p2ptrain.node.checkpoint_copies import flush_leftovers
+from p2ptrain.node.rank_launcher import remove_stale_buffers
 from p2ptrain.procs import command_line, descendants, is_alive
 from p2ptrain.train.metrics import read_metrics
-from p2ptrain.train.places import checkpoint_places, flush_leftovers
-from p2ptrain.train.ranks import remove_stale_buffers
 from tests.helpers import LocalSwarm, assert_one_line_error, cli, wait_until
 
 SHORT = ["--set", "train.max_steps=30"]  # 3 outer steps of H=10 on the debug config

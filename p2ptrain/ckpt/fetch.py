@@ -21,8 +21,8 @@ from pathlib import Path
 
 import aiohttp
 
+from p2ptrain.ckpt.format import MANIFEST_FILE, SHARED_FILES, checkpoint_name
 from p2ptrain.ckpt.manifest import (
-    MANIFEST_FILE,
     MAX_MANIFEST_BYTES,
     Manifest,
     ManifestError,
@@ -31,7 +31,6 @@ from p2ptrain.ckpt.manifest import (
 )
 from p2ptrain.errors import NetworkError
 from p2ptrain.swarm.records import Heartbeat, NodeState
-from p2ptrain.train.checkpoint import SHARED_FILES, checkpoint_name
 
 log = logging.getLogger(__name__)
 CHUNK = 1 << 20

@@ -14,9 +14,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from p2ptrain.train.checkpoint import SHARED_FILES
+from p2ptrain.ckpt.format import MANIFEST_FILE, SHARED_FILES
 
-MANIFEST_FILE = "manifest.json"
 MAX_MANIFEST_BYTES = 64 << 10
 MAX_FILE_BYTES = 1 << 44
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")

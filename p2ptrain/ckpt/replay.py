@@ -42,9 +42,9 @@ class ReplayError(ValueError):
     """A stored result is malformed or not the one asked for."""
 
 
-def pack_result(step: int, numel: int, block: int, chunks: Sequence[tuple[int, int, bytes]]) -> bytes:
+def pack_result(step: int, numel: int, block: int, chunks: Sequence[tuple[int, int, quant.Buffer]]) -> bytes:
     """Serialize the encoded chunks (start, stop, payload) of step `step`'s result."""
-    ordered = sorted(chunks)
+    ordered = sorted(chunks, key=lambda chunk: chunk[0])
     header = msgpack.packb(
         {"step": step, "numel": numel, "block": block, "chunks": [[a, b] for a, b, _ in ordered]}
     )
@@ -98,7 +98,7 @@ class StepResult:
 
     numel: int
     block: int
-    chunks: Sequence[tuple[int, int, bytes]]
+    chunks: Sequence[tuple[int, int, quant.Buffer]]
 
 
 class RecentResults:

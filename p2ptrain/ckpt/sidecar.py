@@ -20,9 +20,9 @@ from typing import Any
 
 from aiohttp import web
 
-from p2ptrain.ckpt.manifest import MANIFEST_FILE, Manifest, ManifestError, parse_manifest
+from p2ptrain.ckpt.format import MANIFEST_FILE, checkpoint_name
+from p2ptrain.ckpt.manifest import Manifest, ManifestError, parse_manifest
 from p2ptrain.ckpt.replay import RecentResults
-from p2ptrain.train.checkpoint import checkpoint_name
 from p2ptrain.web.server import start_app
 
 log = logging.getLogger(__name__)

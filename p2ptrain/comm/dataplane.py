@@ -35,6 +35,7 @@ from p2ptrain.comm.handshake import (
     accept_any,
     dial,
 )
+from p2ptrain.comm.quant import Buffer
 from p2ptrain.comm.wire import WireError
 from p2ptrain.identity import NodeIdentity, short_id
 
@@ -94,7 +95,7 @@ class RingStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     frames: int = 0
-    result: list[tuple[int, int, bytes]] = field(default_factory=list)
+    result: list[tuple[int, int, Buffer]] = field(default_factory=list)
     """The encoded chunks (start, stop, payload) every member decoded: an exact record of the step."""
     link_rates: dict[bytes, float] = field(default_factory=dict)
     """Bytes/s to each peer we sent to, measured over the frames whose send it held up; inf for a

@@ -247,7 +247,9 @@ async def accept_any(
             answer["attempt"] = refusal.attempt
         await _refuse(writer, answer)
         raise HandshakeError(refusal.reason)
-    writer.transport.pause_reading()  # the rest of this connection is read from its raw socket
+    transport = writer.transport
+    assert isinstance(transport, asyncio.Transport), "a stream's transport reads and writes"
+    transport.pause_reading()  # the rest of this connection is read from its raw socket
     await write_frame(writer, {"kind": "ok"}, timeout=timeout)
     return session
 

@@ -42,6 +42,7 @@ def detach(writer: asyncio.StreamWriter) -> socket.socket:
     asyncio never shuts a socket down on close, so the connection itself stays open.
     """
     transport = writer.transport
+    assert isinstance(transport, asyncio.Transport), "a stream's transport reads and writes"
     transport.pause_reading()
     if transport.get_write_buffer_size():
         raise PeerClosed("handshake bytes still unsent when the data phase began")

@@ -280,7 +280,7 @@ class _AllReduce:
     def placed(self, start: int, stop: int) -> memoryview:
         """Where the encoded chunk [start, stop) lies in `result` (chunks start on a block boundary)."""
         offset = start + 8 * (start // self.block)
-        return memoryview(self.result)[offset : offset + quant.payload_size(stop - start, self.block)]
+        return self.result.data[offset : offset + quant.payload_size(stop - start, self.block)]
 
     def _spare(self) -> bytearray:
         with self.lock:
@@ -348,6 +348,7 @@ async def ring_all_reduce(
     incoming = registration.incoming
     connections: list[Connection] = []
     transfer = Transfer(plan, loop)
+    cancelled = False
     try:
         outgoing = await connect_lanes(
             server, members, plan.schedule.out_peers(), registration, step, digest, connections
@@ -374,6 +375,9 @@ async def ring_all_reduce(
     except (WireError, HandshakeError, OSError) as exc:
         log.warning("all-reduce of step %d failed, connections dropped: %s", step, exc)
         raise AllReduceError(f"step {step}: {exc}") from exc
+    except asyncio.CancelledError:
+        cancelled = True  # the caller stops waiting: do not block its cancellation on the threads
+        raise
     finally:
         transfer.stop()
         for future in incoming.values():  # accepted, but the step failed before they were used
@@ -382,7 +386,7 @@ async def ring_all_reduce(
         for _, writer in connections:
             writer.close()
         server.forget(step)
-        if not asyncio.current_task().cancelling():  # type: ignore[union-attr]
+        if not cancelled:
             await asyncio.to_thread(transfer.join, settings.failure_timeout)
     await loop.run_in_executor(None, plan.write_result, buffer)
     plan.stats.result = plan.finals

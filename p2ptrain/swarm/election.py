@@ -197,7 +197,9 @@ def decide(
         throughput = measured_links(ready)
     members = []
     for key in ring_order(list(by_key), step, throughput):
-        host, port = parse_address(by_key[key].data_addr)  # type: ignore[misc]
+        address = parse_address(by_key[key].data_addr)
+        assert address is not None, "ready_for keeps only records with a usable address"
+        host, port = address
         members.append(RingMember(key, host, port, float(by_key[key].tokens)))
     return Election(step, members)
 

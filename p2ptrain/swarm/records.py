@@ -146,7 +146,7 @@ def decode_heartbeat(value: bytes) -> Heartbeat:
             item = fields[name] = float(item)
         if not isinstance(item, kind) or (kind is int and isinstance(item, bool)):
             raise RecordError(f"field {name} is not {kind.__name__}")
-        if kind is str and len(item) > _MAX_STRING:
+        if isinstance(item, str) and len(item) > _MAX_STRING:
             raise RecordError(f"field {name} is too long")
     if len(fields["node_key"]) != PUBLIC_KEY_BYTES:
         raise RecordError("node_key is not an Ed25519 public key")

@@ -1,16 +1,7 @@
-"""Checkpoint files: everything a node needs to continue bit for bit, in world-size-free form.
-
-    params.safetensors   θ_outer by canonical parameter name (what `p2ptrain export` reads)
-    outer.safetensors    the outer momentum, a flat canonical vector
-    inner.safetensors    this node's AdamW exp_avg and exp_avg_sq, flat canonical vectors
-    meta.json            outer/inner step, data position, config and layout digests, model shape
-
-The first two are the same bytes on every member of a step (the swarm's shared state); the last
-two are the node's own.
+"""Reading and writing checkpoint folders on a rank: tensors in, tensors out (format: ckpt/format.py).
 
 Taken at an outer-step boundary, where every rank's parameters equal θ_outer, so the inner model
-needs no file of its own. A checkpoint is a directory written under a temporary name and renamed
-into place, so a reader never sees half of one.
+needs no file of its own.
 """
 
 from __future__ import annotations
@@ -24,23 +15,17 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from p2ptrain.ckpt.format import (
+    INNER_FILE,
+    META_FILE,
+    OUTER_FILE,
+    PARAMS_FILE,
+    CheckpointError,
+    CheckpointMeta,
+    checkpoint_name,
+)
 from p2ptrain.config import ModelConfig
-from p2ptrain.errors import UserError
 from p2ptrain.train.layout import CanonicalLayout
-
-PARAMS_FILE = "params.safetensors"
-OUTER_FILE = "outer.safetensors"
-INNER_FILE = "inner.safetensors"
-SHARED_FILES = (PARAMS_FILE, OUTER_FILE)
-META_FILE = "meta.json"
-
-
-class CheckpointError(UserError):
-    """A checkpoint that is missing, incomplete or of another model."""
-
-
-def checkpoint_name(outer_step: int) -> str:
-    return f"step-{outer_step:08d}"
 
 
 def save_checkpoint(
@@ -48,7 +33,7 @@ def save_checkpoint(
     layout: CanonicalLayout,
     flat: torch.Tensor,
     model: ModelConfig,
-    meta: dict[str, Any],
+    meta: CheckpointMeta,
     momentum: torch.Tensor | None = None,
     inner: dict[str, torch.Tensor] | None = None,
 ) -> Path:
@@ -63,28 +48,11 @@ def save_checkpoint(
         save_file({"momentum": momentum.contiguous()}, str(staging / OUTER_FILE))
     if inner:
         save_file({name: value.contiguous() for name, value in inner.items()}, str(staging / INNER_FILE))
-    record = {**meta, "model": model.model_dump(), "layout_digest": layout.digest()}
+    record: CheckpointMeta = {**meta, "model": model.model_dump(), "layout_digest": layout.digest()}
     (staging / META_FILE).write_text(json.dumps(record, indent=1, sort_keys=True))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(staging, final)
     return final
-
-
-def checkpoint_step(path: Path) -> int:
-    """The outer step a checkpoint folder (step-N) continues at."""
-    return int(path.name.rpartition("-")[2])
-
-
-def latest_checkpoint(directory: Path) -> Path | None:
-    found = sorted(path for path in directory.glob("step-*") if (path / META_FILE).exists())
-    return found[-1] if found else None
-
-
-def prune(directory: Path, keep: int) -> None:
-    """Remove all but the newest `keep` checkpoints."""
-    found = sorted(path for path in directory.glob("step-*") if path.is_dir())
-    for old in found[: max(0, len(found) - keep)]:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def load_params(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -123,8 +91,3 @@ def load_state(
     ):
         raise CheckpointError(f"{path}: state vectors missing or of the wrong size")
     return flat, state, meta
-
-
-def parameter_files_bytes(path: Path) -> int:
-    """Bytes of all files of a checkpoint folder."""
-    return sum(file.stat().st_size for file in path.iterdir() if file.is_file())

@@ -116,6 +116,8 @@ class Transformer(nn.Module):
         self.output = None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
         cos, sin = rotary_tables(config.dim // config.n_heads, config.seq_len, config.rope_theta)
         # Not parameters and not saved: rebuilt from the config, so checkpoints hold weights only.
+        self.rope_cos: torch.Tensor
+        self.rope_sin: torch.Tensor
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.init_weights()

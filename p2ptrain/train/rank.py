@@ -19,58 +19,13 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from p2ptrain.channel import ChannelError, RankChannel
+from p2ptrain.ckpt.format import CheckpointError
 from p2ptrain.config import Config
 from p2ptrain.faults import shift_wall_clock
 from p2ptrain.procs import set_parent_death_signal
-from p2ptrain.train.channel import (
-    Averaged,
-    ChannelError,
-    CheckpointWritten,
-    Finished,
-    Hello,
-    Progress,
-    RankChannel,
-    Ready,
-    StepDone,
-)
-from p2ptrain.train.checkpoint import CheckpointError
+from p2ptrain.train.agent_link import ChannelLink
 from p2ptrain.train.trainer import RankContext, Trainer
-
-
-class ChannelLink:
-    """Rank 0's AgentLink to the node agent: messages on the socket, the vector in a shared file."""
-
-    def __init__(self, channel: RankChannel, buffer_path: Path):
-        self.channel = channel
-        self.buffer_path = buffer_path
-
-    def buffer(self, numel: int) -> torch.Tensor:
-        with self.buffer_path.open("wb") as handle:
-            handle.truncate(numel * 4)
-        return torch.from_file(str(self.buffer_path), shared=True, size=numel, dtype=torch.float32)
-
-    def started(self, hello: Hello) -> None:
-        hello.buffer_path = str(self.buffer_path)
-        self.channel.send(hello)
-
-    def progress(self, progress: Progress) -> None:
-        self.channel.send(progress)
-
-    def average(self, ready: Ready, buffer: torch.Tensor) -> Averaged:
-        self.channel.send(ready)
-        while True:
-            reply = self.channel.receive()
-            if isinstance(reply, Averaged) and reply.outer_step == ready.outer_step:
-                return reply
-
-    def step_done(self, done: StepDone) -> None:
-        self.channel.send(done)
-
-    def checkpoint_written(self, written: CheckpointWritten) -> None:
-        self.channel.send(written)
-
-    def finished(self, outer_step: int) -> None:
-        self.channel.send(Finished(outer_step))
 
 
 def _context(rank: int, world_size: int) -> RankContext:

@@ -1,7 +1,7 @@
 """One local rank's training loop: H inner AdamW steps under FSDP2, then the DiLoCo outer step.
 
 Every rank of a node runs a Trainer; rank 0 also holds the outer parameters and momentum (host
-memory, canonical layout) and talks to the node agent through an `AgentLink`:
+memory, canonical layout) and talks to the node agent through an `AgentLink` (agent_link.py):
 
     inner phase   H steps (or `time_box` seconds) of AdamW on the node's own data shard
     outer step    gather θ (all ranks) → rank 0: Δ = θ_outer − θ → agent averages Δ with the swarm
@@ -18,17 +18,18 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from p2ptrain.channel import Averaged, CheckpointWritten, Hello, Progress, Ready, StepDone
+from p2ptrain.ckpt.format import STAGED_KEEP, CheckpointMeta, checkpoint_places
 from p2ptrain.config import Config
 from p2ptrain.faults import Faults
 from p2ptrain.identity import short_id
-from p2ptrain.train.channel import Averaged, CheckpointWritten, Hello, Progress, Ready, StepDone
+from p2ptrain.train.agent_link import AgentLink, SoloLink
 from p2ptrain.train.checkpoint import load_state
 from p2ptrain.train.data import StreamPosition, node_batches
 from p2ptrain.train.layout import CanonicalLayout, broadcast_flat
@@ -36,7 +37,6 @@ from p2ptrain.train.metrics import MetricsWriter, peak_flops
 from p2ptrain.train.model import Transformer, parameter_count
 from p2ptrain.train.optim import adam_moments, build_inner_optimizer, set_schedule_position
 from p2ptrain.train.outer import OuterNesterov
-from p2ptrain.train.places import STAGED_KEEP, checkpoint_places
 from p2ptrain.train.writer import CheckpointWriter
 
 log = logging.getLogger(__name__)
@@ -49,43 +49,6 @@ class RankContext:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     cpu_group: dist.ProcessGroup | None = None
     """A gloo group over the local ranks for host-memory broadcasts (None with one rank)."""
-
-
-class AgentLink(Protocol):
-    """What rank 0 needs from the node agent (a channel to the agent process, or an in-process stub)."""
-
-    def buffer(self, numel: int) -> torch.Tensor: ...
-    def started(self, hello: Hello) -> None: ...
-    def progress(self, progress: Progress) -> None: ...
-    def average(self, ready: Ready, buffer: torch.Tensor) -> Averaged: ...
-    def step_done(self, done: StepDone) -> None: ...
-    def checkpoint_written(self, written: CheckpointWritten) -> None: ...
-    def finished(self, outer_step: int) -> None: ...
-
-
-class SoloLink:
-    """No swarm: the average of one pseudo-gradient is itself (the single-node DiLoCo baseline)."""
-
-    def buffer(self, numel: int) -> torch.Tensor:
-        return torch.empty(numel, dtype=torch.float32)
-
-    def started(self, hello: Hello) -> None:
-        pass
-
-    def progress(self, progress: Progress) -> None:
-        pass
-
-    def average(self, ready: Ready, buffer: torch.Tensor) -> Averaged:
-        return Averaged(ready.outer_step, 1)
-
-    def step_done(self, done: StepDone) -> None:
-        pass
-
-    def checkpoint_written(self, written: CheckpointWritten) -> None:
-        pass
-
-    def finished(self, outer_step: int) -> None:
-        pass
 
 
 def build_model(config: Config, ctx: RankContext) -> Transformer:
@@ -104,6 +67,16 @@ def build_model(config: Config, ctx: RankContext) -> Transformer:
     return model
 
 
+@dataclass
+class LeaderState:
+    """What rank 0 alone holds: θ_outer and the outer momentum (host memory), the vector it shares
+    with the agent, and the metrics file."""
+
+    outer: OuterNesterov
+    buffer: torch.Tensor
+    metrics: MetricsWriter
+
+
 class Trainer:
     def __init__(
         self,
@@ -118,18 +91,20 @@ class Trainer:
         self.config = config
         self.ctx = ctx
         self.work_dir = work_dir
-        self.is_leader = ctx.rank == 0
         self.link = link or SoloLink()
         self.model = build_model(config, ctx)
         self.layout = CanonicalLayout.of(self.model)
         self.flat = self.layout.new_flat()
-        self.layout.gather(self.model, self.flat if self.is_leader else None)
-        self.outer = (
-            OuterNesterov(self.flat, config.outer.lr, config.outer.momentum, config.outer.nesterov)
-            if self.is_leader
-            else None
-        )
-        self.buffer = self.link.buffer(self.layout.numel) if self.is_leader else None
+        self.layout.gather(self.model, self.flat if ctx.rank == 0 else None)
+        self.leader: LeaderState | None = None
+        if ctx.rank == 0:
+            self.leader = LeaderState(
+                OuterNesterov(self.flat, config.outer.lr, config.outer.momentum, config.outer.nesterov),
+                self.link.buffer(self.layout.numel),
+                MetricsWriter(
+                    work_dir / "metrics.jsonl", config.metrics, work_dir / "tensorboard", short_id(node_key)
+                ),
+            )
         self.optimizer, self.schedule = build_inner_optimizer(self.model, config.train)
         self.batches = node_batches(
             config.data,
@@ -145,13 +120,6 @@ class Trainer:
         self.skip_next_inner = False
         self.faults = Faults.from_env()  # tests and drills: a NaN in Δ
         self.last_loss = math.nan
-        self.metrics = (
-            MetricsWriter(
-                work_dir / "metrics.jsonl", config.metrics, work_dir / "tensorboard", short_id(node_key)
-            )
-            if self.is_leader
-            else None
-        )
         self.places = checkpoint_places(config, short_id(node_key), work_dir)
         keep = STAGED_KEEP if self.places.staging else config.checkpoint.keep
         self.writer = CheckpointWriter(self.layout, config.model, keep, self._checkpoint_written)
@@ -162,6 +130,18 @@ class Trainer:
             6 * parameter_count(config.model)
             + 12 * config.model.n_layers * config.model.dim * config.model.seq_len
         )
+
+    @property
+    def is_leader(self) -> bool:
+        """Rank 0: the one that talks to the agent and holds the outer state."""
+        return self.leader is not None
+
+    @property
+    def outer(self) -> OuterNesterov:
+        """θ_outer and the outer momentum, which rank 0 alone holds."""
+        if self.leader is None:
+            raise RuntimeError(f"rank {self.ctx.rank} holds no outer state (rank 0 does)")
+        return self.leader.outer
 
     # -- inner phase -------------------------------------------------------------------------
 
@@ -208,9 +188,9 @@ class Trainer:
             losses.append(loss)
             elapsed = time.monotonic() - step_started
             tokens_per_s = self.tokens_per_step / max(elapsed, 1e-9)
-            if self.is_leader:
+            if self.leader is not None:
                 mfu = self._mfu(tokens_per_s)
-                self.metrics.write(
+                self.leader.metrics.write(
                     "inner",
                     self.inner_step,
                     outer_step=self.outer_step,
@@ -241,28 +221,30 @@ class Trainer:
 
     def prepare_outer(self, tokens: int) -> Ready | None:
         """Gather θ and, on rank 0, write Δ = θ_outer − θ into the buffer; returns rank 0's Ready."""
-        self.layout.gather(self.model, self.flat if self.is_leader else None)
-        if not self.is_leader:
+        leader = self.leader
+        self.layout.gather(self.model, self.flat if leader is not None else None)
+        if leader is None:
             return None
-        self.outer.pseudo_gradient(self.flat, out=self.buffer)
+        leader.outer.pseudo_gradient(self.flat, out=leader.buffer)
         if self.outer_step == self.faults.nan_step:
-            self.buffer[0] = math.nan  # fault injection: P2PTRAIN_INJECT_NAN_STEP
-        finite = bool(torch.isfinite(self.buffer).all())
+            leader.buffer[0] = math.nan  # fault injection: P2PTRAIN_INJECT_NAN_STEP
+        finite = bool(torch.isfinite(leader.buffer).all())
         if not finite:
             # never send NaN/Inf: contribute nothing (weight 0) and take the others' average
             log.error("outer step %d: pseudo-gradient holds NaN/Inf; contributing zero", self.outer_step)
-            self.buffer.zero_()
+            leader.buffer.zero_()
         return Ready(self.outer_step, tokens if finite else 0, finite)
 
     def apply_outer(self, ready: Ready | None, averaged: Averaged | None, seconds: float = 0.0) -> str:
         """Nesterov step with the (averaged) buffer on rank 0, then every rank loads θ_outer."""
         params_hash = ""
-        if self.is_leader:
+        leader = self.leader
+        if leader is not None:
             self.writer.wait()  # it may still be reading θ_outer and the momentum
-            self.outer.step(self.buffer)
-            self.flat.copy_(self.outer.params)
-            params_hash = self.outer.params_hash()
-            self.metrics.write(
+            leader.outer.step(leader.buffer)
+            self.flat.copy_(leader.outer.params)
+            params_hash = leader.outer.params_hash()
+            leader.metrics.write(
                 "outer",
                 self.outer_step,
                 loss=round(self.last_loss, 5),
@@ -287,7 +269,9 @@ class Trainer:
         instead: every rank then loads it and the next outer step skips its inner phase."""
         started = time.monotonic()
         ready = self.prepare_outer(tokens)
-        averaged = self.link.average(ready, self.buffer) if ready is not None else None
+        averaged = None
+        if ready is not None and self.leader is not None:
+            averaged = self.link.average(ready, self.leader.buffer)
         reload, replayed = self._shared_instruction(averaged)
         if reload:
             self.resume(Path(reload), own_data=False)
@@ -313,22 +297,28 @@ class Trainer:
         Training waits only for the snapshot; the files are written by a thread (see writer.py)."""
         started = time.monotonic()
         names = ["adam_exp_avg", "adam_exp_avg_sq"]
-        buffers = self.writer.snapshot_buffers(names) if self.is_leader else {}
+        leader = self.leader
+        buffers = self.writer.snapshot_buffers(names) if leader is not None else {}
         for key, tensors in self._adam_moments().items():
             self.layout.gather_tensors(tensors, buffers.get(f"adam_{key}"))
-        if not self.is_leader:
+        if leader is None:
             return
-        meta = {
+        meta: CheckpointMeta = {
             "outer_step": self.outer_step,
             "inner_step": self.inner_step,
             "config_digest": self.config.digest(),
             "data_position": self.batches.stream.position.to_dict(),
         }
         self.writer.write(
-            self.places.write_dir, self.outer.params, self.outer.momentum_buffer, buffers, meta, background
+            self.places.write_dir,
+            leader.outer.params,
+            leader.outer.momentum_buffer,
+            buffers,
+            meta,
+            background,
         )
         blocking = time.monotonic() - started
-        self.metrics.write("checkpoint", self.outer_step, blocking_s=round(blocking, 3))
+        leader.metrics.write("checkpoint", self.outer_step, blocking_s=round(blocking, 3))
         log.info("checkpoint of outer step %d: training waited %.3f s", self.outer_step, blocking)
 
     def _checkpoint_written(self, path: Path, outer_step: int, seconds: float) -> None:
@@ -355,8 +345,8 @@ class Trainer:
         self.outer_step = int(meta["outer_step"])
         self.flat.copy_(flat)
         self.layout.scatter(self.model, flat)
-        if self.is_leader:
-            self.outer.load_state_dict({"params": flat, "momentum": state["momentum"]})
+        if self.leader is not None:
+            self.leader.outer.load_state_dict({"params": flat, "momentum": state["momentum"]})
         for key, tensors in self._adam_moments(create=True).items():
             self.layout.scatter_tensors(tensors, state[f"adam_{key}"])
         self._set_schedule()
@@ -394,7 +384,7 @@ class Trainer:
             done = self.inner_step >= self.config.train.max_steps
             if done or (interval and self.outer_step % interval == 0):
                 self.save_checkpoint()
-        if self.is_leader:
+        if self.leader is not None:
             self.writer.wait()
             self.link.finished(self.outer_step)
-            self.metrics.close()
+            self.leader.metrics.close()

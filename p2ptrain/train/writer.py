@@ -14,12 +14,12 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from p2ptrain.ckpt.format import CheckpointMeta, prune
 from p2ptrain.config import ModelConfig
-from p2ptrain.train.checkpoint import prune, save_checkpoint
+from p2ptrain.train.checkpoint import save_checkpoint
 from p2ptrain.train.layout import CanonicalLayout
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class CheckpointWriter:
         params: torch.Tensor,
         momentum: torch.Tensor,
         inner: dict[str, torch.Tensor],
-        meta: dict[str, Any],
+        meta: CheckpointMeta,
         background: bool = True,
     ) -> None:
         """Write folder/step-N from these tensors, in a thread unless `background` is False."""

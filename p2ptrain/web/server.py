@@ -11,4 +11,4 @@ async def start_app(app: web.Application, host: str, port: int) -> tuple[web.App
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
-    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, int(runner.addresses[0][1])  # (host, port[, …]) of the bound socket

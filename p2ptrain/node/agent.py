@@ -1,7 +1,7 @@
 """The node agent in training mode: starts the trainer ranks, and is their link to the swarm.
 
 `p2ptrain join --config X [--nproc N]` runs this in the agent process. It starts N rank processes
-(`ranks.py`), answers rank 0's messages — Ready(N) becomes ready → election → int8 all-reduce —
+(`rank_launcher.py`), answers rank 0's messages — Ready(N) becomes ready → election → int8 all-reduce —
 and keeps the heartbeat going (`swarm_link.py`). A rank that dies makes the agent send its
 deathrattle and stop the other ranks; an agent that dies takes its ranks with it.
 
@@ -23,11 +23,7 @@ from typing import Any, TextIO, TypeVar
 
 import numpy as np
 
-from p2ptrain.config import Config
-from p2ptrain.errors import UserError
-from p2ptrain.identity import NodeIdentity
-from p2ptrain.swarm.dht import SwarmDHT
-from p2ptrain.train.channel import (
+from p2ptrain.channel import (
     AgentChannel,
     Averaged,
     ChannelError,
@@ -39,17 +35,21 @@ from p2ptrain.train.channel import (
     Ready,
     StepDone,
 )
-from p2ptrain.train.checkpoint import checkpoint_step
-from p2ptrain.train.places import checkpoint_places, copy_to_disk, copy_to_remote, flush_leftovers
-from p2ptrain.train.progress import ProgressView
-from p2ptrain.train.ranks import (
+from p2ptrain.ckpt.format import checkpoint_places, checkpoint_step
+from p2ptrain.config import Config
+from p2ptrain.errors import UserError
+from p2ptrain.identity import NodeIdentity
+from p2ptrain.node.checkpoint_copies import copy_to_disk, copy_to_remote, flush_leftovers
+from p2ptrain.node.progress import ProgressView
+from p2ptrain.node.rank_launcher import (
     RANK_STOP_TIMEOUT,
     RankGroup,
     buffer_path,
     default_nproc,
     remove_stale_buffers,
 )
-from p2ptrain.train.swarm_link import SoloSwarm, SwarmLink
+from p2ptrain.node.swarm_link import SoloSwarm, SwarmLink
+from p2ptrain.swarm.dht import SwarmDHT
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

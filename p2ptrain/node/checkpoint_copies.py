@@ -1,10 +1,10 @@
-"""Where checkpoints live: a RAM staging folder that training writes to, and the disk folder.
+"""The agent's copies of the checkpoints training stages in RAM: to disk, to a remote, and leftovers.
 
-Training (rank 0) writes each checkpoint into the staging folder — /dev/shm by default, so the
-write runs at memory speed — and goes back to training. The node agent then copies it to the disk
-folder in the background and keeps the newest `checkpoint.keep` there; the sidecar serves peers
-straight from the RAM copies (the newest `STAGED_KEEP`). Without staging, training writes to disk
-directly. A staging folder left by a killed agent is flushed to disk when the node starts again.
+Training (rank 0) writes each checkpoint into the staging folder (ckpt/format.py CheckpointPlaces)
+and goes back to training. The agent copies it to the disk folder in the background, keeps the
+newest `checkpoint.keep` there and the newest `STAGED_KEEP` in RAM (the sidecar serves peers from
+those), and uploads it to `checkpoint.remote` if set. A staging folder left by a killed agent is
+flushed to disk when the node starts again.
 """
 
 from __future__ import annotations
@@ -14,55 +14,19 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from p2ptrain.config import Config
+from p2ptrain.ckpt.format import (
+    MANIFEST_FILE,
+    META_FILE,
+    STAGED_KEEP,
+    CheckpointPlaces,
+    checkpoint_step,
+    prune,
+)
 from p2ptrain.errors import UserError
-from p2ptrain.train.checkpoint import META_FILE, checkpoint_step, prune
 
 log = logging.getLogger(__name__)
-STAGED_KEEP = 2
-"""RAM copies kept: the newest, and the one before it for a peer still downloading it."""
-
-
-@dataclass(frozen=True)
-class CheckpointPlaces:
-    disk: Path
-    staging: Path | None
-
-    @property
-    def write_dir(self) -> Path:
-        """Where training writes, the sidecar serves from and recovered checkpoints land."""
-        return self.staging or self.disk
-
-    def checkpoints(self) -> list[Path]:
-        """Complete checkpoints in both places, oldest first (a step in both: the disk copy)."""
-        found: dict[int, Path] = {}
-        for folder in [p for p in (self.staging, self.disk) if p is not None and p.is_dir()]:
-            for path in folder.glob("step-*"):
-                if (path / META_FILE).is_file():
-                    found[checkpoint_step(path)] = path
-        return [found[step] for step in sorted(found)]
-
-    def latest(self) -> Path | None:
-        found = self.checkpoints()
-        return found[-1] if found else None
-
-
-def checkpoint_places(config: Config, node_id: str, work_dir: Path | None = None) -> CheckpointPlaces:
-    """The places of the node `node_id` (its short id) whose work directory is `work_dir`."""
-    work_dir = work_dir or Path(config.node.work_dir).expanduser()
-    disk = Path(config.checkpoint.dir).expanduser() if config.checkpoint.dir else work_dir / "checkpoints"
-    setting = config.checkpoint.staging
-    staging: Path | None = None
-    if setting == "auto":
-        shm = Path("/dev/shm")
-        if shm.is_dir() and os.access(shm, os.W_OK):
-            staging = shm / f"p2ptrain-{node_id}" / "checkpoints"
-    elif setting:
-        staging = Path(setting).expanduser()
-    return CheckpointPlaces(disk, staging)
 
 
 def copy_to_disk(places: CheckpointPlaces, folder: Path, keep: int) -> float:
@@ -107,7 +71,7 @@ def copy_to_remote(url: str, folder: Path) -> float:
     fs, root = fsspec.core.url_to_fs(url)
     target = f"{root.rstrip('/')}/{folder.name}"
     fs.makedirs(target, exist_ok=True)
-    files = sorted(folder.iterdir(), key=lambda path: path.name == "manifest.json")
+    files = sorted(folder.iterdir(), key=lambda path: path.name == MANIFEST_FILE)
     for path in files:
         fs.put_file(str(path), f"{target}/{path.name}")
     return time.monotonic() - started

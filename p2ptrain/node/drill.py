@@ -22,10 +22,10 @@ import numpy as np
 from p2ptrain.comm.dataplane import DataPlaneServer
 from p2ptrain.config import Config
 from p2ptrain.identity import NodeIdentity, short_id
+from p2ptrain.node.outer_sync import OuterSync, StepGivenUp, data_address, ring_settings
 from p2ptrain.swarm.dht import SwarmDHT
 from p2ptrain.swarm.membership import HeartbeatPublisher, keep_alive, wait_for_nodes
 from p2ptrain.swarm.records import NodeState
-from p2ptrain.sync import OuterSync, StepGivenUp, data_address, ring_settings
 
 
 async def run_drill(
@@ -68,7 +68,7 @@ async def run_drill(
                 if stop.is_set():
                     break
                 seed = int.from_bytes(
-                    hashlib.sha256(identity.public_key + step.to_bytes(8, "big")).digest()[:8]
+                    hashlib.sha256(identity.public_key + step.to_bytes(8, "big")).digest()[:8], "big"
                 )
                 vector = np.random.default_rng(seed).standard_normal(size).astype(np.float32)
                 started = time.monotonic()

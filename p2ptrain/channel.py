@@ -1,13 +1,31 @@
-"""The local channel between the node agent and its rank 0: typed messages over a socketpair.
+"""The protocol between a node agent and its rank 0: typed messages over a local socketpair.
 
-The big vector never goes through the socket: rank 0 and the agent map the same file (in /dev/shm
-where it exists) and the messages only say whose turn it is.
+Both processes import this module; it is the whole contract between them. The agent starts the
+ranks (node/rank_launcher.py) and hands rank 0 its end of a socketpair (P2PTRAIN_CHANNEL_FD). The
+big vector never goes through the socket: rank 0 creates a file the size of the model in fp32 (in
+/dev/shm where it exists), both map it, and the messages only say whose turn it is.
 
-    rank 0 → agent   Hello (layout), Progress (every inner step), Ready (pseudo-gradient written),
-                     StepDone (outer step applied), CheckpointWritten (from the writer thread),
-                     Finished (max_steps reached)
-    agent → rank 0   Averaged (the buffer now holds the swarm's average, or the step went solo, or
-                     a checkpoint to reload)
+Framing: a 4-byte big-endian length, then msgpack `[kind, {field: value}]`, at most `MAX_MESSAGE`
+bytes; anything else is a `ChannelError`. Rank 0's training thread and its checkpoint-writer
+thread both send, serialised by a lock.
+
+    when                               rank 0 → agent             agent → rank 0
+    model built (or resumed)           Hello: layout, vector file
+                                       path, start step
+    after every inner step             Progress
+    inner phase over, Δ in the file    Ready(N, tokens, finite)
+      the file is the agent's until …                             Averaged(N): exactly one reply
+    outer step applied                 StepDone(N, params hash)
+    a checkpoint folder written        CheckpointWritten (writer
+      (any time, from the writer)      thread; the folder is final)
+    max_steps reached, writer done     Finished, then exit 0
+
+`Averaged(N)` says what the file holds now: `members` > 0, the swarm's weighted average of Δ;
+`members` 0, rank 0's own Δ unchanged (no all-reduce completed); `replayed`, the result of step N
+that the swarm computed without this node (the next outer step then skips its inner phase);
+`reload`, a checkpoint folder to load instead of taking step N (no StepDone follows; the next
+outer step skips its inner phase). A rank that exits before Finished is a failure: the agent sends
+the deathrattle and stops the others. The agent closing the channel stops rank 0.
 """
 
 from __future__ import annotations

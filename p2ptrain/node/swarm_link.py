@@ -22,6 +22,7 @@ from typing import Any, TextIO
 import aiohttp
 import numpy as np
 
+from p2ptrain.channel import Averaged
 from p2ptrain.ckpt.fetch import ACTIVE, fetch_checkpoint, majority_checkpoint, read_body
 from p2ptrain.ckpt.manifest import build_manifest
 from p2ptrain.ckpt.replay import (
@@ -38,12 +39,11 @@ from p2ptrain.config import Config, config_differences
 from p2ptrain.errors import UserError
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.identity import short_id as short_key
+from p2ptrain.node.outer_sync import OuterSync, StepGivenUp, data_address, ring_settings
 from p2ptrain.swarm.dht import SwarmDHT
 from p2ptrain.swarm.election import swarm_ahead
 from p2ptrain.swarm.membership import HeartbeatPublisher, SwarmView, keep_alive, live, wait_for_nodes
 from p2ptrain.swarm.records import Heartbeat, NodeState
-from p2ptrain.sync import OuterSync, StepGivenUp, data_address, ring_settings
-from p2ptrain.train.channel import Averaged
 from p2ptrain.web.dashboard import Dashboard, serve_dashboard
 
 log = logging.getLogger(__name__)

@@ -8,8 +8,8 @@ from typing import TextIO
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from p2ptrain.train.channel import Progress as InnerProgress
-from p2ptrain.train.channel import StepDone
+from p2ptrain.channel import Progress as InnerProgress
+from p2ptrain.channel import StepDone
 
 
 class ProgressView:

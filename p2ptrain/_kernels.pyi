@@ -1,0 +1,33 @@
+"""Types of the compiled int8 kernels (cython_ext/kernels.pyx); buffers are 1-D C-contiguous arrays.
+
+Every function checks its buffers' lengths against `block` (ValueError) and works in place.
+"""
+
+import numpy as np
+import numpy.typing as npt
+
+_F32 = npt.NDArray[np.float32]
+_U8 = npt.NDArray[np.uint8]
+
+def max_threads() -> int: ...
+def quantize(
+    values: _F32, codes: _U8, mins: _F32, steps: _F32, block: int, scale: float = 1, threads: int = 0
+) -> int:
+    """Encode values * scale into codes, one (min, step) per block; returns non-finite inputs."""
+
+def scaled_add_quantize(
+    own: _F32,
+    scale: float,
+    in_codes: _U8,
+    in_mins: _F32,
+    in_steps: _F32,
+    codes: _U8,
+    mins: _F32,
+    steps: _F32,
+    block: int,
+    threads: int = 0,
+) -> int:
+    """Encode own * scale + decode(in) block by block; returns non-finite sums."""
+
+def dequantize(codes: _U8, mins: _F32, steps: _F32, out: _F32, block: int, threads: int = 0) -> None: ...
+def dequantize_add(codes: _U8, mins: _F32, steps: _F32, acc: _F32, block: int, threads: int = 0) -> None: ...

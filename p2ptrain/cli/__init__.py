@@ -1,0 +1,36 @@
+"""Console entry point: `p2ptrain bootstrap | join | status | config show | identity | export | demo`.
+
+Errors a user can fix print as one line (`p2ptrain: error: ...`) with a non-zero exit code;
+SIGINT and SIGTERM stop a running node or bootstrap peer cleanly, children included.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+from p2ptrain.cli.parser import build_parser
+from p2ptrain.errors import UserError
+from p2ptrain.faults import shift_wall_clock
+
+__all__ = ["build_parser", "main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    try:
+        shift_wall_clock()  # a fault hook for tests; before hivemind binds its clock
+        return args.handler(args)
+    except UserError as exc:
+        print(f"p2ptrain: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

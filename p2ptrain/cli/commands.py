@@ -1,0 +1,109 @@
+"""The small commands: `config show`, `identity`, `bootstrap`, `status`, `export`, `demo`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from p2ptrain.cli.common import (
+    peers_of,
+    resolve_config,
+    run_until_signal,
+    validate_dashboard,
+    validate_listen,
+    write_atomic,
+)
+from p2ptrain.config import to_toml
+from p2ptrain.errors import UserError
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    config = resolve_config(args)
+    print(
+        json.dumps(config.model_dump(), indent=2) if args.json else to_toml(config),
+        end="\n" if args.json else "",
+    )
+    return 0
+
+
+def cmd_identity(args: argparse.Namespace) -> int:
+    from p2ptrain.identity import ensure_p2p_identity, load_or_create_identity, peer_id_of
+
+    identity = load_or_create_identity(args.identity)
+    p2p_key = ensure_p2p_identity(args.identity)
+    print(f"node key   {identity.node_id}  ({identity.path})")
+    print(f"DHT peer   {peer_id_of(p2p_key)}  ({p2p_key})")
+    return 0
+
+
+def cmd_bootstrap(args: argparse.Namespace) -> int:
+    from p2ptrain.swarm.bootstrap import DEFAULT_LISTEN, serve_bootstrap, start_bootstrap_dht
+
+    listen = validate_listen(args.listen or [DEFAULT_LISTEN])
+    announce = validate_listen(args.announce)
+    validate_dashboard(args.dashboard)
+    dht = start_bootstrap_dht(Path(args.identity).expanduser(), listen, announce)
+    with dht:
+        if args.address_file:
+            write_atomic(Path(args.address_file), "\n".join(dht.visible_maddrs()) + "\n")
+        run_until_signal(
+            lambda stop: serve_bootstrap(dht, stop, sys.stdout, args.dashboard, args.run_id),
+            on_force=dht.shutdown,
+        )
+    print("bootstrap peer stopped", flush=True)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from p2ptrain.node.startup import dht_settings
+    from p2ptrain.swarm.dht import SwarmDHT
+    from p2ptrain.swarm.membership import read_heartbeats
+    from p2ptrain.swarm.status import format_table, status_json
+
+    config = resolve_config(args, **{"run.id": args.run_id})
+    peers = peers_of(args, config)
+    if not peers:
+        raise UserError("status needs a bootstrap peer: give --peer MADDR or set PEER")
+    settings = dht_settings(
+        config.model_copy(update={"swarm": config.swarm.model_copy(update={"peers": peers})}),
+        p2p_key=None,
+        client_mode=True,
+    )
+    settings.listen = ("/ip4/127.0.0.1/tcp/0",)
+    with SwarmDHT.start(settings) as dht:
+        heartbeats = asyncio.run(read_heartbeats(dht, config.run.id))
+    if args.json:
+        print(json.dumps(status_json(heartbeats)))
+    else:
+        print(f"run {config.run.id!r}")
+        print(format_table(heartbeats))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from p2ptrain.export import export
+
+    out = export(Path(args.checkpoint).expanduser(), Path(args.out_dir).expanduser(), args.dtype)
+    print(f"exported to {out} (config.json, model.safetensors): load with LlamaForCausalLM.from_pretrained")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from p2ptrain.demo import run_demo
+
+    if args.nodes < 1 or args.steps < 1 or args.kill_at < 0 or args.timeout <= 0:
+        raise UserError("--nodes and --steps must be at least 1, --kill-at and --timeout not negative")
+    summary = run_demo(
+        Path(args.work_dir),
+        nodes=args.nodes,
+        steps=args.steps,
+        kill_at=args.kill_at,
+        timeout=args.timeout,
+        quiet=args.json,
+    )
+    if args.json:
+        print(json.dumps(summary))
+    return 0 if summary["ok"] else 1

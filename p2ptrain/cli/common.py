@@ -1,0 +1,89 @@
+"""What the commands share: config resolution, argument checks, and running until a signal."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+from p2ptrain.config import Config, load_config
+from p2ptrain.errors import UserError
+
+
+def resolve_config(args: argparse.Namespace, **extra: Any) -> Config:
+    overrides = list(getattr(args, "overrides", []))
+    config = load_config(args.config, overrides=overrides)
+    updates = {key: value for key, value in extra.items() if value}
+    if updates:
+        flags = [f"{key}={json.dumps(value)}" for key, value in updates.items()]
+        config = load_config(args.config, overrides=overrides + flags)
+    return config
+
+
+def peers_of(args: argparse.Namespace, config: Config) -> list[str]:
+    from p2ptrain.swarm.maddr import parse_peers
+
+    given = (
+        list(args.peer)
+        or ([os.environ["PEER"]] if os.environ.get("PEER") else [])
+        or list(config.swarm.peers)
+    )
+    return parse_peers(given)
+
+
+def validate_listen(addresses: list[str]) -> list[str]:
+    import multiaddr
+
+    for address in addresses:
+        try:
+            multiaddr.Multiaddr(address)
+        except Exception as exc:
+            raise UserError(f"malformed listen/announce multiaddress '{address}': {exc}") from None
+    return addresses
+
+
+def validate_dashboard(address: str | None) -> None:
+    if address:
+        from p2ptrain.web.dashboard import parse_dashboard_address
+
+        try:
+            parse_dashboard_address(address)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def run_until_signal(
+    main: Callable[[asyncio.Event], Coroutine[Any, Any, None]], on_force: Callable[[], None]
+) -> None:
+    """Run `main(stop)`; the first SIGINT/SIGTERM sets `stop`, a second one forces the shutdown."""
+
+    async def runner() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def request_stop(signum: int) -> None:
+            if stop.is_set():
+                print("second signal: forcing shutdown", file=sys.stderr, flush=True)
+                on_force()
+                os._exit(128 + signum)
+            print(f"received {signal.Signals(signum).name}, shutting down…", file=sys.stderr, flush=True)
+            stop.set()
+
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, request_stop, signum)
+        await main(stop)
+
+    asyncio.run(runner())

@@ -1,0 +1,96 @@
+"""What rank 0 needs from its node agent, and the two ways to have it: the channel, or no agent.
+
+Rank 0 hands every pseudo-gradient to the agent and waits for its answer (p2ptrain/channel.py is
+the protocol); `SoloLink` stands in where there is no agent (single-node baselines, benchmarks).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from p2ptrain.channel import (
+    Averaged,
+    CheckpointWritten,
+    Finished,
+    Hello,
+    Progress,
+    RankChannel,
+    Ready,
+    StepDone,
+)
+
+
+class AgentLink(Protocol):
+    """What rank 0 needs from the node agent (a channel to the agent process, or an in-process stub)."""
+
+    def buffer(self, numel: int) -> torch.Tensor: ...
+    def started(self, hello: Hello) -> None: ...
+    def progress(self, progress: Progress) -> None: ...
+    def average(self, ready: Ready, buffer: torch.Tensor) -> Averaged: ...
+    def step_done(self, done: StepDone) -> None: ...
+    def checkpoint_written(self, written: CheckpointWritten) -> None: ...
+    def finished(self, outer_step: int) -> None: ...
+
+
+class SoloLink:
+    """No swarm: the average of one pseudo-gradient is itself (the single-node DiLoCo baseline)."""
+
+    def buffer(self, numel: int) -> torch.Tensor:
+        return torch.empty(numel, dtype=torch.float32)
+
+    def started(self, hello: Hello) -> None:
+        pass
+
+    def progress(self, progress: Progress) -> None:
+        pass
+
+    def average(self, ready: Ready, buffer: torch.Tensor) -> Averaged:
+        return Averaged(ready.outer_step, 1)
+
+    def step_done(self, done: StepDone) -> None:
+        pass
+
+    def checkpoint_written(self, written: CheckpointWritten) -> None:
+        pass
+
+    def finished(self, outer_step: int) -> None:
+        pass
+
+
+class ChannelLink:
+    """Rank 0's AgentLink to the node agent: messages on the socket, the vector in a shared file."""
+
+    def __init__(self, channel: RankChannel, buffer_path: Path):
+        self.channel = channel
+        self.buffer_path = buffer_path
+
+    def buffer(self, numel: int) -> torch.Tensor:
+        with self.buffer_path.open("wb") as handle:
+            handle.truncate(numel * 4)
+        return torch.from_file(str(self.buffer_path), shared=True, size=numel, dtype=torch.float32)
+
+    def started(self, hello: Hello) -> None:
+        hello.buffer_path = str(self.buffer_path)
+        self.channel.send(hello)
+
+    def progress(self, progress: Progress) -> None:
+        self.channel.send(progress)
+
+    def average(self, ready: Ready, buffer: torch.Tensor) -> Averaged:
+        self.channel.send(ready)
+        while True:
+            reply = self.channel.receive()
+            if isinstance(reply, Averaged) and reply.outer_step == ready.outer_step:
+                return reply
+
+    def step_done(self, done: StepDone) -> None:
+        self.channel.send(done)
+
+    def checkpoint_written(self, written: CheckpointWritten) -> None:
+        self.channel.send(written)
+
+    def finished(self, outer_step: int) -> None:
+        self.channel.send(Finished(outer_step))
