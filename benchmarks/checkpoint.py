@@ -24,7 +24,7 @@ import torch
 from benchmarks.common import parser, report
 from p2ptrain.ckpt.format import CheckpointPlaces, checkpoint_name, folder_bytes
 from p2ptrain.config import load_config
-from p2ptrain.node.checkpoint_copies import copy_to_disk
+from p2ptrain.node.checkpoint_copies import copy_to_disk, prune_places
 from p2ptrain.train.trainer import RankContext, Trainer
 
 
@@ -69,7 +69,8 @@ def main() -> None:
             waited, written, path = timed_save(trainer, staged, staged=True)
             blocking.append(waited)
             write.append(written)
-            copy.append(copy_to_disk(staged, path, keep=1))
+            copy.append(copy_to_disk(staged, path))
+            prune_places(staged, keep=1)
             sync.append(timed_save(trainer, direct, staged=False)[0])
             trainer.outer_step += 1  # a new folder each round, as in training
         size = folder_bytes(path)

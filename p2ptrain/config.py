@@ -95,6 +95,10 @@ class SwarmConfig(Section):
     """A node starts training once this many live nodes (itself included) are in the swarm table."""
     sync_retries: int = Field(20, ge=1, le=1000)
     """Elections and all-reduces tried for one step before the node gives the step up."""
+    finish_grace: float = Field(60.0, ge=0, le=86400)
+    """Seconds a node that finished the run stays in the swarm (state `finished`, still serving its
+    checkpoint and recent all-reduce results) for nodes behind it to catch up; it leaves sooner
+    once every node it knows of has finished."""
 
     @property
     def record_lifetime(self) -> float:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from p2ptrain.ckpt.format import CheckpointError, latest_checkpoint
+from p2ptrain.ckpt.format import DIVERGED_FIELD, META_FILE, CheckpointError, latest_checkpoint
 from p2ptrain.config import ModelConfig
 from p2ptrain.errors import UserError
 from p2ptrain.train.checkpoint import load_params
@@ -76,7 +76,7 @@ def hf_config(model: ModelConfig, dtype: str, eos_id: int | None = None) -> dict
 
 def resolve_checkpoint(path: Path) -> Path:
     """A checkpoint directory, or the latest one inside a checkpoints folder or a node work dir."""
-    if (path / "meta.json").is_file():
+    if (path / META_FILE).is_file():
         return path
     for folder in (path, path / "checkpoints"):
         found = latest_checkpoint(folder) if folder.is_dir() else None
@@ -85,12 +85,18 @@ def resolve_checkpoint(path: Path) -> Path:
     raise UserError(f"{path}: no checkpoint there (expected meta.json, or step-* folders)")
 
 
-def export(checkpoint: Path, out_dir: Path, dtype: str = "fp32") -> Path:
-    """Write config.json and model.safetensors for `checkpoint` into `out_dir`; returns `out_dir`."""
+def export(checkpoint: Path, out_dir: Path, dtype: str = "fp32", allow_diverged: bool = False) -> Path:
+    """Write config.json and model.safetensors for `checkpoint` into `out_dir`; returns `out_dir`.
+
+    A checkpoint of a node that ended off the swarm's track (meta `diverged`) holds a model that is
+    not the swarm's: refused unless `allow_diverged`."""
     if dtype not in DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
     source = resolve_checkpoint(checkpoint)
     tensors, meta = load_params(source)
+    diverged = meta.get(DIVERGED_FIELD)
+    if diverged and not allow_diverged:
+        raise UserError(f"{source} is not the swarm's model ({diverged}); --allow-diverged exports it anyway")
     model = ModelConfig.model_validate(meta["model"])
     renamed = {hf_name(name): tensor.to(DTYPES[dtype]).contiguous() for name, tensor in tensors.items()}
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -249,11 +249,42 @@ def test_a_node_behind_everyone_is_told_instead_of_going_solo():
     me = key(1)
     ahead = [beat(1, NodeState.READY, 3), beat(2, NodeState.TRAINING, 4), beat(3, NodeState.READY, 4)]
     assert swarm_ahead(ahead, 3, me)
-    assert not swarm_ahead([*ahead, beat(4, NodeState.TRAINING, 3)], 3, me)  # someone else is at 3
+    # another node at 3 too: both are behind those that took step 3 (together they would fork it)
+    assert swarm_ahead([*ahead, beat(4, NodeState.TRAINING, 3)], 3, me)
+    assert not swarm_ahead([beat(1, NodeState.READY, 3), beat(4, NodeState.TRAINING, 3)], 3, me)
     assert not swarm_ahead([beat(1, NodeState.READY, 3), beat(2, NodeState.DEAD, 4)], 3, me)  # alone
+    assert not swarm_ahead([beat(1, NodeState.READY, 3), beat(2, NodeState.JOINING, 9)], 3, me)
 
     async def read():
         return ahead
 
     with pytest.raises(SwarmAhead, match="past outer step 3"):
         asyncio.run(elect(read, 3, straggler_deadline=0, timeout=5, poll_interval=0, me=me))
+
+
+def test_a_node_behind_a_finished_run_catches_up_even_after_the_others_left():
+    """A node that finished never takes another step: its history is the swarm's. Remembered after
+    it left (deathrattle), so the node behind never takes the step alone."""
+    from dataclasses import replace
+
+    from p2ptrain.swarm.election import SwarmAhead, swarm_ahead
+    from p2ptrain.swarm.membership import finished_run
+    from p2ptrain.swarm.records import FINISHED_FIELD
+
+    me = key(1)
+    finished = beat(2, NodeState.FINISHED, 5)
+    assert swarm_ahead([beat(1, NodeState.READY, 4), finished], 4, me)
+    assert swarm_ahead([beat(1, NodeState.READY, 5), finished], 5, me)  # nobody will ever take step 5
+    assert not swarm_ahead([beat(1, NodeState.READY, 6), finished], 6, me)
+    left = replace(beat(2, NodeState.DEAD, 5), extra={FINISHED_FIELD: True})
+    assert finished_run(left) and finished_run(finished) and not finished_run(beat(2, NodeState.DEAD, 5))
+    assert not swarm_ahead([beat(1, NodeState.READY, 4)], 4, me)
+    assert swarm_ahead([beat(1, NodeState.READY, 4)], 4, me, finished={key(2): 5})
+
+    async def read():
+        return [beat(1, NodeState.READY, 4)]
+
+    with pytest.raises(SwarmAhead):
+        asyncio.run(
+            elect(read, 4, straggler_deadline=0, timeout=5, poll_interval=0, me=me, finished={key(2): 5})
+        )

@@ -11,6 +11,7 @@ contribution and a node of another config in test_train_node.py.)
 
 from __future__ import annotations
 
+import json
 import signal
 from pathlib import Path
 
@@ -21,7 +22,15 @@ from p2ptrain.config import load_config
 from p2ptrain.identity import load_or_create_identity
 from p2ptrain.node.checkpoint_copies import flush_leftovers
 from p2ptrain.node.rank_launcher import remove_stale_buffers
-from tests.helpers import LocalSwarm, metrics, params_hash_of, stalls, wait_until
+from tests.helpers import (
+    LocalSwarm,
+    assert_one_line_error,
+    cli,
+    metrics,
+    params_hash_of,
+    stalls,
+    wait_until,
+)
 
 STEPS = 3
 HEARTBEAT_TIMEOUT = 6.0
@@ -80,6 +89,18 @@ def test_training_survives_bootstrap_loss_sigterm_and_a_kill_mid_all_reduce(swar
     assert params_hash_of(killed) == hashes[1]
 
 
+def assert_one_history(records: dict[str, list[dict]]) -> None:
+    """The swarm's invariants over every node's outer-step records: one params hash per step, no
+    one-member step while others were in the run, and every node ends on the same params."""
+    by_step: dict[int, set[str]] = {}
+    for name, node_records in records.items():
+        for record in node_records:
+            by_step.setdefault(record["step"], set()).add(record["params_hash"])
+            assert record["members"] != 1, f"{name} took outer step {record['step']} alone"
+    assert all(len(hashes) == 1 for hashes in by_step.values()), by_step
+    assert len({node_records[-1]["params_hash"] for node_records in records.values()}) == 1
+
+
 @pytest.mark.slow
 def test_a_straggler_past_the_deadline_is_left_out_then_replays_the_step_and_rejoins(
     swarm: LocalSwarm,
@@ -93,12 +114,44 @@ def test_a_straggler_past_the_deadline_is_left_out_then_replays_the_step_and_rej
     for name in ("a", "b", "c"):
         assert swarm.children.wait(name, 300) == 0, swarm.log(name)
     records = {name: metrics(swarm.root / name, "outer") for name in ("a", "b", "c")}
-    members = [r["members"] for r in records["a"]]
-    assert members[:2] == [3, 2] and members[-1] == 3, members  # c left out of step 1, back later
-    for step in range(3):
-        assert len({records[name][step]["params_hash"] for name in records}) == 1, f"step {step} differs"
-    # c, left out of step 1, took it from the others' all-reduce result instead of a checkpoint (and
-    # step 2 too where the others were done with it before c had replayed step 1)
+    assert [r["step"] for r in records["c"]] == [0, 1, 2], records["c"]
+    assert_one_history(records)
+    assert [r["members"] for r in records["a"]][:2] == [3, 2]  # c left out of step 1
+    # c took step 1 from the others' all-reduce result (not a checkpoint), and so step 2 too if the
+    # others were done with it first; a and b stayed in the swarm (finished) until c was done
     assert records["c"][1]["replayed"] is True and records["c"][1]["members"] == 0
     assert "took outer step 1 from the swarm's all-reduce result" in swarm.log("c")
     assert "recovered step" not in swarm.log("c")
+
+
+@pytest.mark.slow
+def test_a_node_that_cannot_catch_up_says_it_diverged_and_its_checkpoint_is_not_exported(
+    swarm: LocalSwarm, tmp_path: Path
+) -> None:
+    swarm.start_bootstrap()
+    run = ["--set", "train.max_steps=30", "--set", "swarm.wait_nodes=3"]
+    run += ["--set", "swarm.straggler_deadline=4", "--set", "swarm.finish_grace=0"]
+    for name in ("a", "b", "c"):
+        # c is ready for the last step 15 s after the others, who finish without it and leave at once
+        env = {"P2PTRAIN_INJECT_LATE": "2:15"} if name == "c" else None
+        swarm.start_node(name, None, *run, train=True, env=env)
+    for name in ("a", "b"):
+        assert swarm.children.wait(name, 300) == 0, swarm.log(name)
+    assert swarm.children.wait("c", 120) == 1, swarm.log("c")
+    errors = [line for line in swarm.log("c").splitlines() if line.startswith("p2ptrain: error:")]
+    assert len(errors) == 1 and "diverged from the swarm at outer step 2" in errors[0], swarm.log("c")
+    records = {name: metrics(swarm.root / name, "outer") for name in ("a", "b", "c")}
+    assert [r["step"] for r in records["c"]] == [0, 1]  # never took step 2 alone
+    assert_one_history({"a": records["a"], "b": records["b"]})
+
+    latest = latest_checkpoint(swarm.root / "c" / "checkpoints")
+    assert latest is not None and checkpoint_step(latest) == 2
+    assert (
+        "diverged from the swarm at outer step 2"
+        in json.loads((latest / "meta.json").read_text())["diverged"]
+    )
+    refused = cli("export", str(swarm.root / "c"), str(tmp_path / "hf"))
+    assert_one_line_error(refused, "not the swarm's model", "--allow-diverged")
+    exported = cli("export", str(swarm.root / "c"), str(tmp_path / "hf"), "--allow-diverged")
+    assert exported.returncode == 0, exported.stderr
+    assert (tmp_path / "hf" / "model.safetensors").is_file()

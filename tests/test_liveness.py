@@ -89,3 +89,18 @@ def test_clock_offset_hook_shifts_the_wall_clock_only(monkeypatch):
 def test_a_bad_clock_offset_is_one_line():
     result = cli("config", "show", env={"P2PTRAIN_INJECT_CLOCK_OFFSET": "soon"})
     assert_one_line_error(result, "P2PTRAIN_INJECT_CLOCK_OFFSET='soon'")
+
+
+def test_nodes_that_finished_the_run_are_remembered_after_they_left():
+    from p2ptrain.swarm.records import FINISHED_FIELD
+
+    clock = Clock()
+    swarm = view(clock)
+    swarm.judge([replace(beat(1, 1, NodeState.FINISHED), outer_step=7), beat(2, 1)])
+    assert swarm.finished == {bytes([1]) * 32: 7}
+    left = replace(beat(3, 1, NodeState.DEAD), outer_step=7, extra={FINISHED_FIELD: True})
+    crashed = replace(beat(4, 1, NodeState.DEAD), outer_step=9)
+    swarm.judge([left, crashed])
+    clock.now += 60.0
+    assert swarm.judge([]) == []  # the records are gone; the memory of who finished is not
+    assert swarm.finished == {bytes([1]) * 32: 7, bytes([3]) * 32: 7}

@@ -34,7 +34,8 @@ from p2ptrain.swarm.records import Heartbeat, NodeState
 
 log = logging.getLogger(__name__)
 CHUNK = 1 << 20
-ACTIVE = (NodeState.TRAINING, NodeState.READY, NodeState.SYNCING)
+ACTIVE = (NodeState.TRAINING, NodeState.READY, NodeState.SYNCING, NodeState.FINISHED)
+"""Members of a run, and holders of its state: nodes that train, and nodes that finished it."""
 
 
 class RecoveryError(NetworkError):

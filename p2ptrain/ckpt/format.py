@@ -50,6 +50,11 @@ class CheckpointMeta(TypedDict, total=False):
     model: dict[str, Any]
     layout_digest: str
     """Digest of the canonical parameter layout: a checkpoint loads only into the same model."""
+    diverged: str
+    """Set by the agent when the node ended off the swarm's track: why (export refuses it)."""
+
+
+DIVERGED_FIELD = "diverged"
 
 
 class CheckpointError(UserError):

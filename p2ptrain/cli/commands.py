@@ -86,7 +86,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from p2ptrain.export import export
 
-    out = export(Path(args.checkpoint).expanduser(), Path(args.out_dir).expanduser(), args.dtype)
+    out = export(
+        Path(args.checkpoint).expanduser(), Path(args.out_dir).expanduser(), args.dtype, args.allow_diverged
+    )
     print(f"exported to {out} (config.json, model.safetensors): load with LlamaForCausalLM.from_pretrained")
     return 0
 

@@ -160,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     exp.add_argument("out_dir", metavar="OUT_DIR", help="folder for config.json and model.safetensors")
     exp.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (default %(default)s)")
+    exp.add_argument(
+        "--allow-diverged",
+        action="store_true",
+        help="export a checkpoint whose node ended off the swarm's track (its meta says so)",
+    )
     exp.set_defaults(handler=cmd_export)
 
     demo = commands.add_parser(

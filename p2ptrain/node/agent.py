@@ -39,7 +39,13 @@ from p2ptrain.ckpt.format import checkpoint_places, checkpoint_step
 from p2ptrain.config import Config
 from p2ptrain.errors import UserError
 from p2ptrain.identity import NodeIdentity
-from p2ptrain.node.checkpoint_copies import copy_to_disk, copy_to_remote, flush_leftovers
+from p2ptrain.node.checkpoint_copies import (
+    copy_to_disk,
+    copy_to_remote,
+    flush_leftovers,
+    mark_diverged,
+    prune_places,
+)
 from p2ptrain.node.progress import ProgressView
 from p2ptrain.node.rank_launcher import (
     RANK_STOP_TIMEOUT,
@@ -63,6 +69,13 @@ class TrainingFailed(UserError):
     """A trainer rank died, the agent lost its channel to rank 0, or the node cannot catch up."""
 
     exit_code = 1
+
+
+class Diverged(TrainingFailed):
+    """The node's params are not the swarm's, and no live member can bring it back on track."""
+
+    def __init__(self, step: int, reason: str):
+        super().__init__(f"diverged from the swarm at outer step {step}: {reason}")
 
 
 class Interrupted(Exception):
@@ -99,6 +112,9 @@ class TrainingNode:
         self.view = ProgressView(out, config.train.max_steps)
         self.vector: np.ndarray | None = None
         self.finished = False
+        self.final_step = 0
+        self.diverged = ""
+        """Why the node's params are not the swarm's; written into its checkpoint's meta on exit."""
         self.params_hash = ""
         self.joining = False
         self.recoveries = 0
@@ -132,31 +148,31 @@ class TrainingNode:
                 return self.ranks.describe_exit(rank)
         return None
 
-    async def _recover(self, reason: str, wait: bool) -> Path | None:
+    async def _recover(self, reason: str, step: int) -> Path:
+        """Download the majority's checkpoint because the node is off track at `step`; Diverged when
+        no live member can provide one (or five recoveries in a row did not help)."""
         if self.recoveries >= MAX_RECOVERIES:
-            raise TrainingFailed(
-                f"{MAX_RECOVERIES} recoveries in a row did not bring the node on track ({reason})"
-            )
+            raise Diverged(step, f"{reason}, and {MAX_RECOVERIES} recoveries in a row did not help")
         self.recoveries += 1
-        if wait:
-            self.say(f"{reason}: fetching the swarm's checkpoint")
+        self.say(f"{reason}: fetching the swarm's checkpoint")
+        path = await self._fetch_checkpoint(reason, wait=True)
+        if path is None:
+            raise Diverged(step, f"{reason}, and no majority of live members offers a checkpoint")
+        self.params_hash = ""  # the majority's params now: known again after the next step
+        return path
+
+    async def _fetch_checkpoint(self, reason: str, wait: bool) -> Path | None:
         started = time.monotonic()
         path = await self._guarded(self.swarm.recover(self.stop, self.places.write_dir, wait))
         if path is not None:
             self.say(f"{reason}: recovered {path.name} from peers in {time.monotonic() - started:.1f} s")
             self.joining = True
-            self.params_hash = ""  # the majority's params now: known again after the next step
-            # announce the step at once: the others wait for an expected node (up to the deadline)
-            await self.swarm.training(checkpoint_step(path))
-        elif wait:
-            raise TrainingFailed(f"{reason}, and no majority of live members announced a checkpoint")
         return path
 
     def _copy_in_background(self, folder: Path) -> None:
-        """Queue the disk copy of a checkpoint staged in RAM (and its upload to checkpoint.remote);
-        copies run one after another."""
-        if self.places.staging is None and not self.config.checkpoint.remote:
-            return
+        """Queue the disk copy of a checkpoint staged in RAM and its upload to checkpoint.remote, then
+        prune both places; copies run one after another. The agent alone prunes, and only after the
+        copies, so no folder vanishes under a copy that fell behind."""
         previous = self.copies
 
         async def copy() -> None:
@@ -166,7 +182,7 @@ class TrainingNode:
             try:
                 on_disk = folder
                 if self.places.staging is not None:
-                    seconds = await asyncio.to_thread(copy_to_disk, self.places, folder, keep)
+                    seconds = await asyncio.to_thread(copy_to_disk, self.places, folder)
                     log.info("copied %s to %s in %.2f s", folder.name, self.places.disk, seconds)
                     on_disk = self.places.disk / folder.name
                 if remote:
@@ -174,6 +190,7 @@ class TrainingNode:
                     log.info("uploaded %s to %s in %.2f s", folder.name, remote, seconds)
             except Exception as exc:  # reported, never fatal: the RAM copy is still served
                 self.say(f"could not copy {folder.name}: {exc}")
+            await asyncio.to_thread(prune_places, self.places, keep)
 
         self.copies = asyncio.ensure_future(copy())
 
@@ -189,7 +206,9 @@ class TrainingNode:
             self.view.note(step, 0, "replayed")
             await channel.send(Averaged(step, 0, replayed=True))
             return True
-        path = await self._recover(f"off track: {reason}", wait=True)
+        path = await self._recover(f"off track: {reason}", step)
+        # the ranks reload it in place and are ready at once: worth waiting for (up to the deadline)
+        await self.swarm.training(checkpoint_step(path))
         await channel.send(Averaged(step, 0, reload=str(path)))
         return True
 
@@ -238,6 +257,7 @@ class TrainingNode:
             self._copy_in_background(Path(message.path))
         elif isinstance(message, Finished):
             self.finished = True
+            self.final_step = message.outer_step
             self.say(f"finished after {message.outer_step} outer steps")
 
     async def _run_ranks(self) -> None:
@@ -268,16 +288,52 @@ class TrainingNode:
         if failure and not self.stop.is_set():
             raise TrainingFailed(failure)
 
+    async def _linger(self) -> None:
+        """After the run: end on the swarm's final params, and stay (`swarm.finish_grace`) while
+        nodes behind may still need this node's checkpoint or results to catch up."""
+        step = self.final_step
+        await self.swarm.finish(step, self.params_hash)
+        grace = self.config.swarm.finish_grace
+        deadline = time.monotonic() + grace
+        announced = False
+        while not self.stop.is_set():
+            majority = await self._guarded(self.swarm.final_majority(step))
+            if majority is not None and majority != self.params_hash:
+                reason = f"its final params differ from the majority's at outer step {step}"
+                path = await self._recover(reason, step)
+                await self.swarm.checkpoint_saved(path, step)
+                self._copy_in_background(path)
+                self.params_hash = majority
+                await self.swarm.finish(step, self.params_hash)
+            behind = await self._guarded(self.swarm.behind())
+            if not behind:
+                return
+            if time.monotonic() >= deadline:
+                self.say(f"leaving after finish_grace ({grace:.0f} s); {behind} node(s) still behind")
+                return
+            if not announced:
+                self.say(f"staying up to {grace:.0f} s for {behind} node(s) still behind")
+                announced = True
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), self.config.swarm.heartbeat_interval)
+
     async def run(self) -> None:
         try:
             await asyncio.to_thread(flush_leftovers, self.places, self.config.checkpoint.keep)
             await self.swarm.start(self.stop, self.out)
             if self.swarm.networked and self.resume is None:
-                self.resume = await self._recover("joined a run in progress", wait=False)
+                # the ranks announce their step once they are up (Hello): starting them takes
+                # seconds, which nobody should wait for
+                self.resume = await self._fetch_checkpoint("joined a run in progress", wait=False)
             if not self.stop.is_set():
                 await self._run_ranks()
+            if self.finished and not self.stop.is_set():
+                await self._linger()
         except Interrupted:
             pass
+        except Diverged as exc:
+            self.diverged = str(exc)
+            raise
         finally:
             self.view.close()
             with contextlib.suppress(FileNotFoundError):
@@ -286,4 +342,6 @@ class TrainingNode:
             if self.copies is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(asyncio.shield(self.copies), COPY_WAIT)
+            if self.diverged:
+                await asyncio.to_thread(mark_diverged, self.places, self.diverged)
             await asyncio.to_thread(flush_leftovers, self.places, self.config.checkpoint.keep)

@@ -10,6 +10,7 @@ flushed to disk when the node starts again.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 from p2ptrain.ckpt.format import (
+    DIVERGED_FIELD,
     MANIFEST_FILE,
     META_FILE,
     STAGED_KEEP,
@@ -24,13 +26,14 @@ from p2ptrain.ckpt.format import (
     checkpoint_step,
     prune,
 )
+from p2ptrain.ckpt.manifest import build_manifest
 from p2ptrain.errors import UserError
 
 log = logging.getLogger(__name__)
 
 
-def copy_to_disk(places: CheckpointPlaces, folder: Path, keep: int) -> float:
-    """Copy one staged checkpoint to disk atomically and prune both places; returns seconds taken."""
+def copy_to_disk(places: CheckpointPlaces, folder: Path) -> float:
+    """Copy one staged checkpoint to disk atomically; returns seconds taken."""
     if places.staging is None or folder.parent != places.staging:
         return 0.0
     started = time.monotonic()
@@ -44,9 +47,14 @@ def copy_to_disk(places: CheckpointPlaces, folder: Path, keep: int) -> float:
             os.fsync(handle.fileno())
     shutil.rmtree(final, ignore_errors=True)
     os.replace(partial, final)
-    prune(places.disk, keep)
-    prune(places.staging, STAGED_KEEP)
     return time.monotonic() - started
+
+
+def prune_places(places: CheckpointPlaces, keep: int) -> None:
+    """Keep the newest `keep` checkpoints on disk and the newest STAGED_KEEP in RAM."""
+    prune(places.disk, keep)
+    if places.staging is not None:
+        prune(places.staging, STAGED_KEEP)
 
 
 def check_remote(url: str) -> None:
@@ -85,8 +93,27 @@ def flush_leftovers(places: CheckpointPlaces, keep: int) -> None:
     for folder in sorted(places.staging.glob("step-*")):
         if (folder / META_FILE).is_file() and checkpoint_step(folder) not in on_disk:
             log.info("copying %s, left in RAM by an earlier run, to %s", folder.name, places.disk)
-            copy_to_disk(places, folder, keep)
+            copy_to_disk(places, folder)
+    prune(places.disk, keep)
     remove_staging(places)
+
+
+def mark_diverged(places: CheckpointPlaces, reason: str) -> None:
+    """Write `reason` into the meta of the node's newest checkpoint, in RAM and on disk (export then
+    refuses it unless told otherwise), and hash the folder again."""
+    latest = places.latest()
+    if latest is None:
+        return
+    for folder in {latest, *(p / latest.name for p in (places.staging, places.disk) if p is not None)}:
+        meta_path = folder / META_FILE
+        if not meta_path.is_file():
+            continue
+        meta = json.loads(meta_path.read_text())
+        meta[DIVERGED_FIELD] = reason
+        meta_path.write_text(json.dumps(meta, indent=1, sort_keys=True))
+        if (folder / MANIFEST_FILE).is_file():
+            build_manifest(folder, checkpoint_step(folder))
+    log.warning("marked %s as diverged: %s", latest.name, reason)
 
 
 def remove_staging(places: CheckpointPlaces) -> None:

@@ -132,6 +132,7 @@ class OuterSync:
                     swarm.election_timeout,
                     poll_interval=min(0.25, swarm.heartbeat_interval),
                     me=self.publisher.current.node_key,
+                    finished=self.view.finished,
                 )
             except (TimeoutError, SwarmAhead) as exc:
                 raise StepGivenUp(str(exc)) from None

@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 
 MAX_CONFIG_BYTES = 1 << 16
+UNFINISHED = (NodeState.JOINING, NodeState.TRAINING, NodeState.READY, NodeState.SYNCING)
 
 
 class ConfigMismatch(UserError):
@@ -92,6 +93,15 @@ class SoloSwarm:
 
     async def off_track(self, step: int, params_hash: str) -> str | None:
         return None
+
+    async def finish(self, outer_step: int, params_hash: str) -> None:
+        pass
+
+    async def final_majority(self, outer_step: int) -> str | None:
+        return None
+
+    async def behind(self) -> int:
+        return 0
 
     async def replay(self, step: int, vector: np.ndarray) -> bool:
         return False
@@ -203,10 +213,8 @@ class SwarmLink(SoloSwarm):
     async def off_track(self, step: int, params_hash: str) -> str | None:
         """Why this node, about to sync `step`, is off the swarm's track (None when it is on it)."""
         peers = await self._peers()
-        if not peers:
-            return None
-        if swarm_ahead(peers, step, self.identity.public_key):
-            return f"the swarm is past outer step {step} (at {min(b.outer_step for b in peers)})"
+        if swarm_ahead(peers, step, self.identity.public_key, self._view().finished):
+            return f"the swarm is past outer step {step}"
         at_step = [b for b in peers if b.outer_step == step]
         hashes = Counter(b.params_hash for b in at_step if b.params_hash)
         if params_hash and hashes:
@@ -220,7 +228,7 @@ class SwarmLink(SoloSwarm):
         member that did it, into `vector`; False (vector unchanged) when the swarm is not ahead or
         no member still keeps that result."""
         peers = await self._peers()
-        if not swarm_ahead(peers, step, self.identity.public_key):
+        if not swarm_ahead(peers, step, self.identity.public_key, self._view().finished):
             return False
         # announce the step we aim for at once, so the others, soon ready for it, wait for us
         await self.training(step + 1)
@@ -246,6 +254,8 @@ class SwarmLink(SoloSwarm):
         deadline = time.monotonic() + self.config.swarm.election_timeout
         while not stop.is_set():
             beats = await self._peers()
+            if not beats:
+                return None  # nobody to download from, however long we wait
             found = majority_checkpoint(beats, self.identity.public_key, self.config.digest())
             if found is not None:
                 digest, holders = found
@@ -255,6 +265,30 @@ class SwarmLink(SoloSwarm):
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.config.swarm.heartbeat_interval / 2)
         return None
+
+    async def finish(self, outer_step: int, params_hash: str) -> None:
+        """Say that this node finished the run at `outer_step` with θ of `params_hash`."""
+        assert self.publisher is not None
+        await self.publisher.publish(state=NodeState.FINISHED, outer_step=outer_step, params_hash=params_hash)
+
+    async def final_majority(self, outer_step: int) -> str | None:
+        """The params hash that a strict majority of the nodes that finished at `outer_step` hold."""
+        done = [
+            b for b in await self._peers() if b.state is NodeState.FINISHED and b.outer_step == outer_step
+        ]
+        hashes = Counter(b.params_hash for b in done if b.params_hash)
+        if not hashes:
+            return None
+        majority, count = hashes.most_common(1)[0]
+        return majority if 2 * count > len(done) else None
+
+    async def behind(self) -> int:
+        """Live nodes of this run that have not finished it yet (a finished node waits for them)."""
+        me, digest = self.identity.public_key, self.config.digest()
+        return sum(
+            b.node_key != me and b.config_digest == digest and b.state in UNFINISHED
+            for b in live(await self._view().read())
+        )
 
     async def close(self, out: TextIO, short_id: str) -> None:
         if self._keeper is not None:

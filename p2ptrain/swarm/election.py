@@ -173,6 +173,10 @@ def measured_links(ready: Iterable[Heartbeat]) -> dict[tuple[bytes, bytes], floa
     return found
 
 
+IN_STEPS = (NodeState.TRAINING, NodeState.READY, NodeState.SYNCING)
+"""States of a node that takes part in the outer steps (its outer_step is the one it works on)."""
+
+
 def _others_at(heartbeats: Iterable[Heartbeat], step: int, me: bytes) -> bool:
     return any(
         beat.node_key != me and beat.outer_step == step and beat.state is not NodeState.DEAD
@@ -205,12 +209,23 @@ def decide(
 
 
 class SwarmAhead(Exception):
-    """Every other live node is past this step: no election of it can include anyone else."""
+    """The swarm is done with this step: no election of it can include anyone else."""
 
 
-def swarm_ahead(heartbeats: Iterable[Heartbeat], step: int, me: bytes) -> bool:
-    others = [b for b in heartbeats if b.node_key != me and b.state not in (NodeState.DEAD, NodeState.IDLE)]
-    return bool(others) and all(beat.outer_step > step for beat in others)
+def swarm_ahead(
+    heartbeats: Iterable[Heartbeat], step: int, me: bytes, finished: Mapping[bytes, int] | None = None
+) -> bool:
+    """Step `step` has been taken without this node: a training node is past it, or a node that
+    finished the run (still here, or gone: `finished`, node → its last step) reached it.
+
+    That history is the swarm's, so this node catches up (replay, checkpoint) instead of taking the
+    step alone, or with others just as far behind, which would fork the run."""
+    beats = list(heartbeats)
+    done = dict(finished or {})
+    done.update({b.node_key: b.outer_step for b in beats if b.state is NodeState.FINISHED})
+    if any(key != me and at >= step for key, at in done.items()):
+        return True
+    return any(b.node_key != me and b.state in IN_STEPS and b.outer_step > step for b in beats)
 
 
 async def elect(
@@ -221,20 +236,21 @@ async def elect(
     poll_interval: float = 0.25,
     clock: Callable[[], float] = time.monotonic,
     me: bytes | None = None,
+    finished: Mapping[bytes, int] | None = None,
 ) -> Election:
     """Poll the heartbeats (via `read`) until `decide` gives the members of `step`.
 
     The DHT offers no change notification across processes, hence the bounded poll.
     Raises TimeoutError when no decision is possible within `timeout` seconds, and SwarmAhead
-    (given `me`) as soon as all other live nodes are past `step`: a straggler must catch up, not
-    take the step alone.
+    (given `me`) as soon as the swarm is done with `step` (`swarm_ahead`; `finished` is read again
+    at every poll): a straggler must catch up, not take the step alone.
     """
     started = clock()
     first_ready: float | None = None
     while True:
         heartbeats = await read()
-        if me is not None and swarm_ahead(heartbeats, step, me):
-            raise SwarmAhead(f"every other live node is past outer step {step}")
+        if me is not None and swarm_ahead(heartbeats, step, me, finished):
+            raise SwarmAhead(f"the swarm is past outer step {step}")
         now = clock()
         if first_ready is None and ready_for(heartbeats, step):
             first_ready = now

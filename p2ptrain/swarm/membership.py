@@ -26,7 +26,14 @@ from p2ptrain.config import Config
 from p2ptrain.errors import UserError
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.swarm.dht import SwarmDHT
-from p2ptrain.swarm.records import Heartbeat, NodeState, RecordError, decode_heartbeat, heartbeat_key
+from p2ptrain.swarm.records import (
+    FINISHED_FIELD,
+    Heartbeat,
+    NodeState,
+    RecordError,
+    decode_heartbeat,
+    heartbeat_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +82,12 @@ class HeartbeatPublisher:
         """Tell the swarm at once that this node is gone, instead of letting it wait for the timeout.
 
         Bounded tighter than other stores: a node that is stopping must be gone within seconds.
+        A node that finished the run says so in it (`FINISHED_FIELD`), with the run's last step.
         """
-        return await self.publish(timeout=timeout, state=NodeState.DEAD)
+        extra = self.current.extra
+        if self.current.state is NodeState.FINISHED:
+            extra = {**extra, FINISHED_FIELD: True}
+        return await self.publish(timeout=timeout, state=NodeState.DEAD, extra=extra)
 
 
 async def keep_alive(publisher: HeartbeatPublisher, interval: float, stop: asyncio.Event) -> None:
@@ -118,6 +129,10 @@ class SwarmView:
     this node's monotonic clock; no wall clock of another host takes part. A record seen for the
     first time counts as fresh, so a node that has just started may count a silent one for up to
     `timeout`. An older replica of a record (lower seq) never replaces the newest one seen.
+
+    `finished` remembers, for good, every node seen to have finished the run and at which outer
+    step: once it has left, its record is gone, but a node behind must still know that the swarm
+    went past its step (and never take that step alone).
     """
 
     def __init__(
@@ -129,6 +144,8 @@ class SwarmView:
         self._clock = clock
         self._newest: dict[bytes, tuple[Heartbeat, float]] = {}
         """node key → (newest record seen, when its seq was first seen)."""
+        self.finished: dict[bytes, int] = {}
+        """node key → the outer step at which it finished the run (never forgotten)."""
 
     async def read(self) -> list[Heartbeat]:
         """Every heartbeat in the DHT whose sender is not silent, ordered by node key."""
@@ -142,7 +159,17 @@ class SwarmView:
             known = self._newest.get(beat.node_key)
             newest[beat.node_key] = known if known and known[0].seq >= beat.seq else (beat, now)
         self._newest = newest  # nodes gone from the DHT are forgotten
+        for beat, _ in newest.values():
+            if finished_run(beat):
+                self.finished[beat.node_key] = max(self.finished.get(beat.node_key, 0), beat.outer_step)
         return [beat for beat, since in newest.values() if now - since <= self._timeout]
+
+
+def finished_run(beat: Heartbeat) -> bool:
+    """The node finished the run: it says so, or said so in its deathrattle."""
+    return beat.state is NodeState.FINISHED or (
+        beat.state is NodeState.DEAD and beat.extra.get(FINISHED_FIELD) is True
+    )
 
 
 def live(heartbeats: list[Heartbeat]) -> list[Heartbeat]:

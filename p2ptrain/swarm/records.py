@@ -40,8 +40,14 @@ class NodeState(str, enum.Enum):
     TRAINING = "training"
     READY = "ready"
     SYNCING = "syncing"
+    FINISHED = "finished"  # done with the run; still serving its checkpoint to nodes behind it
     LEAVING = "leaving"
     DEAD = "dead"  # the deathrattle: the node is gone, do not wait for its timeout
+
+
+FINISHED_FIELD = "finished"
+"""`extra` field of the deathrattle of a node that finished the run: True. Its outer_step is then
+the run's last, so nodes still behind it know the swarm went past their step."""
 
 
 class RecordError(ValueError):

@@ -26,6 +26,9 @@ from p2ptrain.channel import (
 class AgentLink(Protocol):
     """What rank 0 needs from the node agent (a channel to the agent process, or an in-process stub)."""
 
+    agent_prunes: bool
+    """The agent removes old checkpoints, after copying them to disk; else the rank's writer does."""
+
     def buffer(self, numel: int) -> torch.Tensor: ...
     def started(self, hello: Hello) -> None: ...
     def progress(self, progress: Progress) -> None: ...
@@ -37,6 +40,8 @@ class AgentLink(Protocol):
 
 class SoloLink:
     """No swarm: the average of one pseudo-gradient is itself (the single-node DiLoCo baseline)."""
+
+    agent_prunes = False
 
     def buffer(self, numel: int) -> torch.Tensor:
         return torch.empty(numel, dtype=torch.float32)
@@ -62,6 +67,8 @@ class SoloLink:
 
 class ChannelLink:
     """Rank 0's AgentLink to the node agent: messages on the socket, the vector in a shared file."""
+
+    agent_prunes = True
 
     def __init__(self, channel: RankChannel, buffer_path: Path):
         self.channel = channel

@@ -121,7 +121,9 @@ class Trainer:
         self.faults = Faults.from_env()  # tests and drills: a NaN in Δ
         self.last_loss = math.nan
         self.places = checkpoint_places(config, short_id(node_key), work_dir)
-        keep = STAGED_KEEP if self.places.staging else config.checkpoint.keep
+        keep: int | None = STAGED_KEEP if self.places.staging else config.checkpoint.keep
+        if self.link.agent_prunes:
+            keep = None  # the agent prunes, after its copies to disk
         self.writer = CheckpointWriter(self.layout, config.model, keep, self._checkpoint_written)
         self.tokens_per_step = config.train.batch_size * config.model.seq_len
         if resume is not None:

@@ -3,8 +3,9 @@
 `snapshot_buffers` are flat vectors allocated once, into which the ranks gather AdamW's moments
 (they change at every inner step, so they are copied); θ_outer and the outer momentum change only
 at the next outer step, and the trainer waits for the writer before taking it. A thread then
-serialises everything into the staging folder (RAM by default), atomically, prunes old copies,
-and reports the finished checkpoint (to the agent, which hashes, serves and copies it to disk).
+serialises everything into the staging folder (RAM by default), atomically, prunes old copies
+where no agent does, and reports the finished checkpoint (to the agent, which hashes, serves and
+copies it to disk, then prunes).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ Written = Callable[[Path, int, float], None]
 
 
 class CheckpointWriter:
-    def __init__(self, layout: CanonicalLayout, model: ModelConfig, keep: int, on_written: Written):
+    def __init__(self, layout: CanonicalLayout, model: ModelConfig, keep: int | None, on_written: Written):
+        """`keep`: checkpoints left in the folder after each write; None: the node agent prunes."""
         self.layout = layout
         self.model = model
         self.keep = keep
@@ -61,7 +63,8 @@ class CheckpointWriter:
             started = time.monotonic()
             try:
                 path = save_checkpoint(folder, self.layout, params, self.model, meta, momentum, inner)
-                prune(folder, self.keep)
+                if self.keep is not None:
+                    prune(folder, self.keep)
             except BaseException as exc:  # reported by the next wait(), on the training thread
                 self._error = exc
                 return
