@@ -1,17 +1,22 @@
 """Does coordination eat the compute? A whole swarm on 127.0.0.1, measured from its own metrics.
 
-    python -m benchmarks.swarm --json [--nodes 3] [--steps 10] [--kill-at 4] [--bandwidth MBIT]
+    python -m benchmarks.swarm --json [--nodes 3] [--steps 10] [--kill-at 4] [--freeze] [--bandwidth MBIT]
 
 Runs `p2ptrain demo` (bootstrap peer + nodes training the debug config with int8 DiLoCo; one node
-SIGKILLed after --kill-at outer steps, a new one joining) and reads every node's metrics.jsonl:
+SIGKILLed after --kill-at outer steps — SIGSTOPped with --freeze — and a new one joining) and
+reads every node's metrics.jsonl:
 
 - compute_util: time in inner steps / wall time between a node's first and last record, averaged
   over the nodes that ran from the start;
 - outer_overhead_s: median over nodes and steps of the wall time between a step's last inner step
   and its outer step's completion (gather, election, all-reduce, Nesterov step, load);
 - join_s: the joiner's start → member of an outer step (it contributes from the next);
-- recover_s: SIGKILL → the survivors' next completed outer step.
-Targets: outer_overhead_s ≤ 1 s on loopback; recover_s ≤ heartbeat_timeout + 5 s.
+- recover_s: SIGKILL → the survivors' next completed outer step;
+- recover_stall_s: what the fault cost the survivors: the wall time of their first outer step
+  completed after it, minus the inner compute inside that step (the slowest survivor's).
+Targets: outer_overhead_s ≤ 1 s on loopback; recover_s ≤ heartbeat_timeout + 5 s; recover_stall_s
+≤ 1.5 s for a SIGKILL (its data port refuses: a crash is noticed at once), ≤ heartbeat_timeout +
+1 s for a SIGSTOP (a frozen node's port still accepts: it goes by the heartbeat timeout).
 
 With --bandwidth MBIT every process (the bootstrap peer, each node, the joiner) runs in its own
 network namespace whose uplink tc limits to MBIT (benchmarks/netns.py; needs root), and the result
@@ -55,6 +60,18 @@ def node_figures(records: list[dict[str, Any]], tokens_per_step: int) -> tuple[f
     return busy / wall, overheads
 
 
+def stall_after(records: list[dict[str, Any]], moment: float, tokens_per_step: int) -> float | None:
+    """Wall time of the first outer step completed after `moment`, minus its inner compute."""
+    outer = sorted((r for r in records if r["kind"] == "outer"), key=lambda r: r["time"])
+    after = [i for i, r in enumerate(outer) if r["time"] > moment]
+    if not after or after[0] == 0:
+        return None
+    step, previous = outer[after[0]], outer[after[0] - 1]
+    inner = [r for r in records if r["kind"] == "inner" and r["outer_step"] == step["step"]]
+    compute = sum(tokens_per_step / r["tokens_per_s"] for r in inner if r["tokens_per_s"])
+    return step["time"] - previous["time"] - compute
+
+
 def ideal_wire_s(parameters: int, members: int, block: int, mbit: float) -> float:
     """Seconds the int8 all-reduce needs on each member's uplink: 2(n−1)/n of the vector, 1 byte per
     value plus 8 bytes of block parameters per `block` values."""
@@ -76,11 +93,13 @@ def placement(nodes: int, mbit: float) -> Iterator[Placement]:
         yield hosts.__getitem__
 
 
-def run(nodes: int, steps: int, kill_at: int, mbit: float, quiet: bool) -> dict[str, Any]:
+def run(nodes: int, steps: int, kill_at: int, freeze: bool, mbit: float, quiet: bool) -> dict[str, Any]:
     debug = load_config("debug")
     tokens_per_step = debug.train.batch_size * debug.model.seq_len
     with tempfile.TemporaryDirectory() as work, placement(nodes, mbit) as place:
-        summary = run_demo(Path(work), nodes=nodes, steps=steps, kill_at=kill_at, quiet=quiet, place=place)
+        summary = run_demo(
+            Path(work), nodes=nodes, steps=steps, kill_at=kill_at, freeze=freeze, quiet=quiet, place=place
+        )
         names = [f"node{i}" for i in range(nodes)]
         records = {name: read_metrics(Path(work) / name / "metrics.jsonl") for name in names}
     starters = [name for name in names if name != summary["killed"]]
@@ -89,7 +108,7 @@ def run(nodes: int, steps: int, kill_at: int, mbit: float, quiet: bool) -> dict[
         util, node_overheads = node_figures(records[name], tokens_per_step)
         utils.append(util)
         overheads += node_overheads
-    recover_s = None
+    recover_s = recover_stall_s = None
     if summary["killed_at"]:
         killed_at = summary["killed_at"]
         after = [
@@ -101,6 +120,9 @@ def run(nodes: int, steps: int, kill_at: int, mbit: float, quiet: bool) -> dict[
         ]
         if all(after):
             recover_s = round(max(after) - summary["killed_at"], 2)
+        stalls = [stall_after(records[name], killed_at, tokens_per_step) for name in starters]
+        if stalls and all(stall is not None for stall in stalls):
+            recover_stall_s = round(max(s for s in stalls if s is not None), 2)
     result = {
         "ok": summary["ok"],
         "nodes": nodes,
@@ -108,7 +130,9 @@ def run(nodes: int, steps: int, kill_at: int, mbit: float, quiet: bool) -> dict[
         "compute_util": round(statistics.mean(utils), 3),
         "outer_overhead_s": round(statistics.median(overheads), 3),
         "join_s": summary["join_s"],
+        "fault": "SIGSTOP" if freeze else "SIGKILL",
         "recover_s": recover_s,
+        "recover_stall_s": recover_stall_s,
         "params_hash_agree": summary["params_hash_agree"],
         "seconds": summary["seconds"],
     }
@@ -128,6 +152,7 @@ def main() -> None:
     cli.add_argument("--nodes", type=int, default=3)
     cli.add_argument("--steps", type=int, default=10)
     cli.add_argument("--kill-at", type=int, default=4)
+    cli.add_argument("--freeze", action="store_true", help="SIGSTOP the node instead of SIGKILL")
     cli.add_argument(
         "--bandwidth", type=float, default=0.0, metavar="MBIT", help="limit every process's uplink to MBIT"
     )
@@ -142,7 +167,7 @@ def main() -> None:
     from benchmarks.netns import NamespacesUnavailable
 
     try:
-        result = run(args.nodes, args.steps, args.kill_at, args.bandwidth, args.json)
+        result = run(args.nodes, args.steps, args.kill_at, args.freeze, args.bandwidth, args.json)
     except NamespacesUnavailable as exc:
         report({"skipped": True, "reason": f"network namespaces not permitted here: {exc}"}, args.json)
         return

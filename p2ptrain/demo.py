@@ -71,6 +71,7 @@ class _Demo:
         nodes: int,
         steps: int,
         kill_at: int,
+        freeze: bool,
         timeout: float,
         quiet: bool,
         place: Placement,
@@ -81,6 +82,7 @@ class _Demo:
         self.nodes = nodes
         self.steps = steps
         self.kill_at = kill_at
+        self.fault = signal.SIGSTOP if freeze else signal.SIGKILL
         self.timeout = timeout
         self.quiet = quiet
         self.children = ChildProcesses()
@@ -214,11 +216,12 @@ class _Demo:
                 and reported >= self.kill_at
                 and self.joiner not in self.children.children
             ):
-                self.say(f"SIGKILL {self.victim}; starting {self.joiner}, which recovers from its peers")
-                self.children.signal(self.victim, signal.SIGKILL)
+                how = signal.Signals(self.fault).name
+                self.say(f"{how} {self.victim}; starting {self.joiner}, which recovers from its peers")
+                self.children.signal(self.victim, self.fault)
                 self.killed_at = time.time()
                 self.start_node(self.joiner)
-            trainers = [n for n in self.running() if n != "bootstrap"]
+            trainers = [n for n in self.running() if n not in ("bootstrap", self.victim)]
             if reported >= self.steps and not trainers:
                 return
             time.sleep(0.3)
@@ -273,12 +276,13 @@ def run_demo(
     nodes: int = 3,
     steps: int = 12,
     kill_at: int = 4,
+    freeze: bool = False,
     timeout: float = 600.0,
     quiet: bool = False,
     place: Placement = lambda name: Host(),
 ) -> dict[str, Any]:
     """Run the local swarm and return the summary (also printed unless `quiet`)."""
-    demo = _Demo(work_dir, nodes, steps, kill_at, timeout, quiet, place)
+    demo = _Demo(work_dir, nodes, steps, kill_at, freeze, timeout, quiet, place)
     summary: dict[str, Any] = {}
     problem = ""
     try:

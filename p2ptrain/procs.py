@@ -169,6 +169,7 @@ class ChildProcesses:
         for child in running:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child.pid, signal.SIGTERM)
+                os.kill(child.pid, signal.SIGCONT)  # a stopped child acts on SIGTERM only once resumed
         deadline = time.monotonic() + timeout
         for child in running:
             try:

@@ -28,3 +28,12 @@ def unpack_untrusted(data: bytes, max_bytes: int, max_items: int = 64) -> Any:
         )
     except Exception as exc:
         raise UndecodableError(f"not msgpack ({type(exc).__name__})") from None
+
+
+def decimal(text: str, max_digits: int = 12) -> int | None:
+    """A non-negative integer written in ASCII digits (at most `max_digits`), else None.
+
+    `str.isdigit` also accepts '²' or '٣', which `int` then refuses or reads as another number."""
+    if not text or len(text) > max_digits or not (text.isascii() and text.isdigit()):
+        return None
+    return int(text)

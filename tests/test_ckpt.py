@@ -111,7 +111,13 @@ def test_sidecar_serves_ranges_and_only_manifest_files(
                     assert response.status == 206
                     assert await response.read() == SHARED[1000:2000]
                 refused = [f"/ckpt/{STEP}/..%2Fsecret.txt", f"/ckpt/{STEP}/manifest.json", f"/ckpt/{STEP}/x"]
-                for path in [*refused, "/ckpt/3/params.safetensors", "/ckpt/-1/params.safetensors"]:
+                for path in [
+                    *refused,
+                    "/ckpt/3/params.safetensors",
+                    "/ckpt/-1/params.safetensors",
+                    "/ckpt/%C2%B2/params.safetensors",  # '²' passes str.isdigit, not int()
+                    "/delta/%C2%B2",
+                ]:
                     async with session.get(url + path) as response:
                         assert response.status == 404, path
                         assert "not for you" not in await response.text()

@@ -91,6 +91,20 @@ def test_survivors_go_on_after_a_member_is_killed(swarm: LocalSwarm):
     assert slowest <= 6 + 5 + 2, slowest
 
 
+def test_a_crashed_member_is_left_out_at_once_not_at_the_heartbeat_timeout(swarm: LocalSwarm):
+    """Its data port refuses connections, which says the process is gone: the survivors do not wait
+    for the 30 s heartbeat timeout (nor the 60 s straggler deadline) to go on without it."""
+    slow_to_notice = ["--set", "swarm.heartbeat_timeout=30", "--set", "swarm.straggler_deadline=60"]
+    names = start_drill(swarm, 10, *slow_to_notice)
+    swarm.children.signal("node2", signal.SIGKILL)
+    logs = finish(swarm, names[:2])
+    assert_agreement(logs, range(10))
+    assert len(logs["node0"][-1]["members"]) == 2, "the killed node must be out of the later steps"
+    waits = [entry["sync_s"] for entry in logs["node0"]]
+    assert max(waits) < 10, waits
+    assert "refuses connections" in swarm.log("node0")
+
+
 def test_drill_rejects_bad_arguments(tmp_path: Path):
     from tests.helpers import assert_one_line_error, cli
 

@@ -44,7 +44,7 @@ def beat(index: int, state: NodeState, step: int, tokens: int = 100, timestamp: 
 def test_parse_address():
     assert parse_address("10.0.0.1:80") == ("10.0.0.1", 80)
     assert parse_address("[::1]:9000") == ("::1", 9000)
-    for bad in ["", "host", "host:", ":80", "h:0", "h:70000", "h:x"]:
+    for bad in ["", "host", "host:", ":80", "h:0", "h:70000", "h:x", "h:²", "h:٣٣"]:  # digits, not ASCII
         assert parse_address(bad) is None
 
 

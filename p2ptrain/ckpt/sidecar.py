@@ -23,6 +23,7 @@ from aiohttp import web
 from p2ptrain.ckpt.format import MANIFEST_FILE, checkpoint_name
 from p2ptrain.ckpt.manifest import Manifest, ManifestError, parse_manifest
 from p2ptrain.ckpt.replay import RecentResults
+from p2ptrain.untrusted import decimal
 from p2ptrain.web.server import start_app
 
 log = logging.getLogger(__name__)
@@ -67,10 +68,10 @@ class CheckpointSidecar:
         return web.Response(text=self.latest.to_json(), content_type="application/json")
 
     async def _file(self, request: web.Request) -> web.StreamResponse:
-        step, name = request.match_info["step"], request.match_info["name"]
-        if not step.isdigit() or len(step) > 12:
+        step, name = decimal(request.match_info["step"]), request.match_info["name"]
+        if step is None:
             return self._refuse(request, "bad step")
-        folder = self.checkpoint_dir / checkpoint_name(int(step))
+        folder = self.checkpoint_dir / checkpoint_name(step)
         try:
             manifest = parse_manifest((folder / MANIFEST_FILE).read_bytes())
         except (OSError, ManifestError):
@@ -81,9 +82,8 @@ class CheckpointSidecar:
         return web.FileResponse(path, headers={"X-Checkpoint-Digest": manifest.digest})
 
     async def _delta(self, request: web.Request) -> web.Response:
-        step = request.match_info["step"]
-        valid = step.isdigit() and len(step) <= 12
-        packed = await asyncio.to_thread(self.results.packed, int(step)) if valid else None
+        step = decimal(request.match_info["step"])
+        packed = await asyncio.to_thread(self.results.packed, step) if step is not None else None
         if packed is None:
             return self._refuse(request, f"no all-reduce result of step {step} kept")
         return web.Response(body=packed, content_type="application/octet-stream")

@@ -36,7 +36,7 @@ from p2ptrain.comm.handshake import (
     dial,
 )
 from p2ptrain.comm.quant import Buffer
-from p2ptrain.comm.wire import WireError
+from p2ptrain.comm.wire import PeerTimeout, WireError
 from p2ptrain.identity import NodeIdentity, short_id
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,12 @@ MAX_PENDING_HANDSHAKES = 64
 
 class AllReduceError(WireError):
     """This member's all-reduce failed; its buffer is unchanged. Retry with the survivors."""
+
+    def __init__(self, message: str, unresponsive: bytes | None = None):
+        super().__init__(message)
+        self.unresponsive = unresponsive
+        """A member that this node could not reach or that did not answer in time (frozen, cut
+        off, gone), where the failure names one."""
 
 
 @dataclass(frozen=True)
@@ -322,7 +328,8 @@ async def dial_member(
         except (OSError, asyncio.TimeoutError) as exc:
             if time.monotonic() + refused_delay > refused_deadline:
                 raise AllReduceError(
-                    f"cannot connect to {short_id(member.key)} at {member.host}:{member.port}: {exc}"
+                    f"cannot connect to {short_id(member.key)} at {member.host}:{member.port}: {exc}",
+                    member.key,
                 ) from None
             await asyncio.sleep(refused_delay)
             refused_delay = min(refused_delay * 2, 1.0)
@@ -331,6 +338,11 @@ async def dial_member(
             await dial(
                 reader, writer, identity, member.key, step, digest, settings.setup_timeout, lane, attempt
             )
+        except PeerTimeout as exc:
+            writer.close()
+            raise AllReduceError(
+                f"{short_id(member.key)} did not answer the handshake: {exc}", member.key
+            ) from None
         except PeerBusy as exc:
             writer.close()
             if time.monotonic() + busy_delay > busy_deadline:
@@ -375,7 +387,7 @@ async def connect_lanes(
                 connections.append(await asyncio.wait_for(asyncio.shield(future), settings.setup_timeout))
             except asyncio.TimeoutError:
                 raise AllReduceError(
-                    f"{short_id(key)} did not connect within {settings.setup_timeout:.0f} s"
+                    f"{short_id(key)} did not connect within {settings.setup_timeout:.0f} s", key
                 ) from None
         return outgoing
 

@@ -102,6 +102,7 @@ async def run_drill(
                 )
     finally:
         keeper.cancel()
+        sync.close()
         await server.close()
         sent = await publisher.deathrattle()
         outcome = "deathrattle sent" if sent else "deathrattle not confirmed"

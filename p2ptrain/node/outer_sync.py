@@ -20,10 +20,19 @@ from p2ptrain.comm.dataplane import AllReduceError, DataPlaneServer, RingSetting
 from p2ptrain.comm.ring import ring_all_reduce
 from p2ptrain.config import Config
 from p2ptrain.faults import Faults
+from p2ptrain.swarm.crash_watch import CrashWatch
 from p2ptrain.swarm.dht import SwarmDHT
-from p2ptrain.swarm.election import LINK_PREFIX_HEX, LINKS_FIELD, Election, SwarmAhead, elect, ready_for
+from p2ptrain.swarm.election import (
+    IN_STEPS,
+    LINK_PREFIX_HEX,
+    LINKS_FIELD,
+    Election,
+    SwarmAhead,
+    elect,
+    ready_for,
+)
 from p2ptrain.swarm.membership import HeartbeatPublisher, SwarmView, live
-from p2ptrain.swarm.records import NodeState
+from p2ptrain.swarm.records import Heartbeat, NodeState
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +87,22 @@ class OuterSync:
         self.faults = Faults.from_env()
         self.links: dict[bytes, float] = {}
         """Receiver key → bytes/s of our slow links, latest measurement; published when ready."""
+        self.crashes = CrashWatch()
+        self._seen: dict[bytes, Heartbeat] = {}
 
-    async def _live_heartbeats(self) -> list:
-        """Live nodes of this run with this config: a node of another config is never a member."""
-        digest = self.config.digest()
-        beats = live(await self.view.read())
-        return [beat for beat in beats if beat.config_digest in (digest, "")]
+    async def _live_heartbeats(self, step: int) -> list[Heartbeat]:
+        """Live nodes of this run with this config (a node of another config is never a member),
+        without those whose data port refuses connections: crashed, not worth waiting for."""
+        digest, me = self.config.digest(), self.publisher.current.node_key
+        beats = [beat for beat in live(await self.view.read()) if beat.config_digest in (digest, "")]
+        self._seen = {beat.node_key: beat for beat in beats}
+        self.crashes.watch(
+            b for b in beats if b.node_key != me and b.state in IN_STEPS and b.outer_step == step
+        )
+        return self.crashes.alive(beats)
+
+    def close(self) -> None:
+        self.crashes.close()
 
     def _remember_links(self, rates: dict[bytes, float]) -> None:
         for key, rate in rates.items():
@@ -126,7 +145,7 @@ class OuterSync:
         while attempt < swarm.sync_retries:
             try:
                 election = await elect(
-                    self._live_heartbeats,
+                    lambda: self._live_heartbeats(step),
                     step,
                     swarm.straggler_deadline,
                     swarm.election_timeout,
@@ -150,6 +169,13 @@ class OuterSync:
                 last_error = exc
                 log.warning("step %d attempt %d failed (%s); electing the survivors", step, attempt, exc)
                 await self.publisher.publish(state=NodeState.READY)
+                # a member that crashed is left out of the next election at once, and one that did not
+                # answer (frozen, cut off) until its heartbeat shows it is still there
+                others = [key for key in election.keys if key != self.publisher.current.node_key]
+                await self._live_heartbeats(step)  # their newest records
+                await self.crashes.probe_now(self._seen[key] for key in others if key in self._seen)
+                if exc.unresponsive in self._seen:
+                    self.crashes.suspect(self._seen[exc.unresponsive])
                 continue
             self._remember_links(stats.link_rates)
             return SyncResult(election, stats, attempt)

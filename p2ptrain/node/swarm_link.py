@@ -293,6 +293,8 @@ class SwarmLink(SoloSwarm):
     async def close(self, out: TextIO, short_id: str) -> None:
         if self._keeper is not None:
             self._keeper.cancel()
+        if self.sync is not None:
+            self.sync.close()
         await self.server.close()
         await self.sidecar.close()
         if self.dashboard is not None:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from p2ptrain.comm.dataplane import RingMember, membership_digest
 from p2ptrain.swarm.records import Heartbeat, NodeState, record_number
+from p2ptrain.untrusted import decimal
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +62,11 @@ class Election:
 
 def parse_address(text: str) -> tuple[str, int] | None:
     """'host:port' (IPv6 as '[::1]:port') → (host, port); None when malformed."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    host, sep, port_text = text.rpartition(":")
+    port = decimal(port_text, 5)
+    if not sep or not host or port is None or not 0 < port < 65536:
         return None
-    return host.strip("[]"), int(port)
+    return host.strip("[]"), port
 
 
 def ready_for(heartbeats: Iterable[Heartbeat], step: int) -> list[Heartbeat]:

@@ -22,6 +22,7 @@ from aiohttp import web
 
 from p2ptrain.swarm.records import Heartbeat, record_number
 from p2ptrain.swarm.status import status_json
+from p2ptrain.untrusted import decimal
 from p2ptrain.web.server import start_app
 
 log = logging.getLogger(__name__)
@@ -90,10 +91,11 @@ class Dashboard:
 
 def parse_dashboard_address(text: str) -> tuple[str, int]:
     """'PORT' (on 127.0.0.1) or 'HOST:PORT' → (host, port); ValueError with the reason."""
-    host, _, port = text.rpartition(":")
-    if not port.isdigit() or not 0 < int(port) < 65536:
+    host, _, port_text = text.rpartition(":")
+    port = decimal(port_text, 5)
+    if port is None or not 0 < port < 65536:
         raise ValueError(f"--dashboard {text}: expected PORT or HOST:PORT with a port in 1-65535")
-    return (host.strip("[]") or "127.0.0.1"), int(port)
+    return (host.strip("[]") or "127.0.0.1"), port
 
 
 async def serve_dashboard(

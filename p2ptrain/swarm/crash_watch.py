@@ -1,0 +1,108 @@
+"""Crashed nodes, noticed in about a second instead of at the heartbeat timeout.
+
+A node publishes its data-plane address only once that port listens, and keeps it listening until
+it leaves. So a port that *refuses* connections (the kernel answers RST: nobody listens) means the
+node's agent is gone — killed, crashed, out of memory — even though its last heartbeat still
+looks fresh. A port that accepts, times out or cannot be routed proves nothing: a frozen or
+partitioned node still goes by the heartbeat timeout, as before.
+
+The verdict belongs to one record: a node whose sequence number advances after its port refused
+(it restarted, it moved to another port) is judged afresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterable
+
+from p2ptrain.identity import short_id
+from p2ptrain.swarm.election import parse_address
+from p2ptrain.swarm.records import Heartbeat
+
+log = logging.getLogger(__name__)
+
+PROBE_INTERVAL = 0.5
+"""Seconds between two probes of the same node."""
+PROBE_TIMEOUT = 1.0
+
+
+async def port_refuses(address: str, timeout: float = PROBE_TIMEOUT) -> bool:
+    """True only when a TCP connection to `address` is actively refused (nobody listens there)."""
+    parsed = parse_address(address)
+    if parsed is None:
+        return False
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(*parsed), timeout)
+    except ConnectionRefusedError:
+        return True
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return False
+
+
+class CrashWatch:
+    """Probes the data ports of the nodes a step waits for; `alive` leaves out those that refused."""
+
+    def __init__(self, interval: float = PROBE_INTERVAL, timeout: float = PROBE_TIMEOUT):
+        self.interval = interval
+        self.timeout = timeout
+        self._crashed: dict[bytes, int] = {}
+        """node key → seq of the record whose port refused."""
+        self._last_probe: dict[bytes, float] = {}
+        self._running: dict[bytes, asyncio.Task[None]] = {}
+
+    def alive(self, beats: Iterable[Heartbeat]) -> list[Heartbeat]:
+        """`beats` without the nodes whose port refused since their record was published."""
+        return [beat for beat in beats if self._crashed.get(beat.node_key, -1) < beat.seq]
+
+    def suspect(self, beat: Heartbeat) -> None:
+        """Leave this node out until it publishes a newer record: it did not answer in time, so a
+        step that includes it again would only wait for it again."""
+        log.warning("%s did not answer; left out until its heartbeat advances", short_id(beat.node_key))
+        self._crashed[beat.node_key] = max(self._crashed.get(beat.node_key, -1), beat.seq)
+
+    def watch(self, beats: Iterable[Heartbeat]) -> None:
+        """Probe these nodes in the background (each at most once per `interval`)."""
+        now = time.monotonic()
+        for beat in beats:
+            if (
+                beat.node_key in self._running
+                or now - self._last_probe.get(beat.node_key, -1e9) < self.interval
+            ):
+                continue
+            self._last_probe[beat.node_key] = now
+            self._running[beat.node_key] = asyncio.create_task(self._probe(beat))
+
+    async def probe_now(self, beats: Iterable[Heartbeat]) -> None:
+        """Probe these nodes and wait for the answers (bounded by the probe timeout)."""
+        beats = list(beats)
+        for beat in beats:
+            self._last_probe.pop(beat.node_key, None)
+        self.watch(beats)
+        running = [self._running[b.node_key] for b in beats if b.node_key in self._running]
+        if running:
+            await asyncio.wait(running, timeout=self.timeout + 0.5)
+
+    async def _probe(self, beat: Heartbeat) -> None:
+        try:
+            if await port_refuses(beat.data_addr, self.timeout):
+                if self._crashed.get(beat.node_key, -1) < beat.seq:
+                    log.warning(
+                        "%s is gone: its data port %s refuses connections",
+                        short_id(beat.node_key),
+                        beat.data_addr,
+                    )
+                self._crashed[beat.node_key] = max(self._crashed.get(beat.node_key, -1), beat.seq)
+        finally:
+            self._running.pop(beat.node_key, None)
+
+    def close(self) -> None:
+        for task in self._running.values():
+            task.cancel()
+        self._running.clear()
