@@ -138,9 +138,11 @@ class LocalSwarm:
         )
         return address_file
 
-    def status(self, peer: str | None = None) -> dict:
+    def status(self, peer: str | None = None, once: bool = True) -> dict:
+        """`p2ptrain status --json`: one read of the records (`--once`), or the full watch."""
+        flags = ["--once"] if once else []
         result = cli(
-            "status", "--peer", peer or self.bootstrap_addr, "--config", "debug", "--json", timeout=60
+            "status", "--peer", peer or self.bootstrap_addr, "--config", "debug", "--json", *flags, timeout=60
         )
         assert result.returncode == 0, result.stderr
         return json.loads(result.stdout.strip().splitlines()[-1])

@@ -53,3 +53,21 @@ def test_sigkill_of_a_node_takes_its_dht_child_and_p2pd_along(swarm: LocalSwarm)
         interval=0.05,
         what="the orphaned DHT child and p2pd to exit",
     )
+
+
+def test_status_shows_killed_nodes_as_gone_or_silent_at_once(swarm: LocalSwarm):
+    """One DHT read still holds a SIGKILLed node's last record (for up to 36 s): status probes the
+    data ports (a refusal: the process is gone) and reads again to see whose heartbeat stopped."""
+    swarm.start_bootstrap()
+    drill = ["--drill", "1000", "--drill-nodes", "1", "--set", 'node.data_host="127.0.0.1"']
+    read_address(swarm.start_node("trainer", None, *drill), timeout=60)
+    read_address(swarm.start_node("watcher"), timeout=60)
+    wait_until(lambda: len(swarm.live_ids()) == 2, timeout=30, what="both heartbeats")
+    ids = {entry["id"]: entry for entry in swarm.status()["nodes"]}
+    trainer = next(key for key, entry in ids.items() if entry["state"] != "idle")
+    for name in ("trainer", "watcher"):
+        swarm.children.signal(name, signal.SIGKILL)
+        swarm.children.wait(name, 5)
+    states = {entry["id"]: entry["state"] for entry in swarm.status(once=False)["nodes"]}
+    assert states[trainer] == "gone"
+    assert set(states.values()) == {"gone", "silent"}, states

@@ -60,7 +60,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from p2ptrain.node.startup import dht_settings
     from p2ptrain.swarm.dht import SwarmDHT
-    from p2ptrain.swarm.membership import read_heartbeats
+    from p2ptrain.swarm.membership import observe
     from p2ptrain.swarm.status import format_table, status_json
 
     config = resolve_config(args, **{"run.id": args.run_id})
@@ -73,13 +73,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         client_mode=True,
     )
     settings.listen = ("/ip4/127.0.0.1/tcp/0",)
+    watch = 0.0 if args.once else 2 * config.swarm.heartbeat_interval + 0.5
     with SwarmDHT.start(settings) as dht:
-        heartbeats = asyncio.run(read_heartbeats(dht, config.run.id))
+        heartbeats, verdicts = asyncio.run(observe(dht, config.run.id, watch))
     if args.json:
-        print(json.dumps(status_json(heartbeats)))
+        print(json.dumps(status_json(heartbeats, verdicts=verdicts)))
     else:
         print(f"run {config.run.id!r}")
-        print(format_table(heartbeats))
+        print(format_table(heartbeats, verdicts=verdicts))
     return 0
 
 

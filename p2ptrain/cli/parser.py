@@ -141,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(status)
     status.add_argument("--run-id", help="run to show (default: run.id of the config)")
     status.add_argument("--json", action="store_true", help="print one JSON object")
+    status.add_argument(
+        "--once",
+        action="store_true",
+        help="read the records once (nodes whose port refuses are still shown gone; no 'silent')",
+    )
     status.set_defaults(handler=cmd_status)
 
     config = commands.add_parser("config", help="inspect configuration")

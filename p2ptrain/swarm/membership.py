@@ -25,6 +25,7 @@ import p2ptrain.swarm.quiet  # noqa: F401  (hivemind keeps quiet)
 from p2ptrain.config import Config
 from p2ptrain.errors import UserError
 from p2ptrain.identity import NodeIdentity
+from p2ptrain.swarm.crash_watch import port_refuses
 from p2ptrain.swarm.dht import SwarmDHT
 from p2ptrain.swarm.records import (
     FINISHED_FIELD,
@@ -190,3 +191,33 @@ async def wait_for_nodes(
             raise UserError(f"fewer than {count} nodes joined within {config.swarm.election_timeout:.0f} s")
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), config.swarm.heartbeat_interval / 2)
+
+
+GONE, SILENT = "gone", "silent"
+"""What `status` shows instead of a record's state: its data port refuses connections (the process
+is gone), or its heartbeat did not advance while `status` watched (stopped, frozen, cut off)."""
+
+
+async def observe(dht: SwarmDHT, run_id: str, watch: float) -> tuple[list[Heartbeat], dict[bytes, str]]:
+    """The run's records, and a verdict for the nodes that are not what their record says.
+
+    One read of the DHT cannot tell a live node from one that died a second ago (its record stays
+    until it expires), so: probe every data port (a refusal means the process is gone), and with
+    `watch` > 0 read again after that many seconds (records are refreshed every heartbeat interval)."""
+    first = await read_heartbeats(dht, run_id)
+    candidates = [beat for beat in first if beat.state is not NodeState.DEAD]
+    probes = asyncio.gather(*(port_refuses(beat.data_addr) for beat in candidates))
+    if watch > 0:
+        await asyncio.sleep(watch)
+    refused = await probes
+    verdicts = {beat.node_key: GONE for beat, gone in zip(candidates, refused, strict=True) if gone}
+    if watch <= 0:
+        return first, verdicts
+    second = {beat.node_key: beat for beat in await read_heartbeats(dht, run_id)}
+    for beat in candidates:
+        again = second.get(beat.node_key)
+        if beat.node_key not in verdicts and (again is None or again.seq <= beat.seq):
+            verdicts[beat.node_key] = SILENT
+    newest = [second.get(beat.node_key, beat) for beat in first]
+    newest += [beat for key, beat in second.items() if key not in {b.node_key for b in first}]
+    return sorted(newest, key=lambda beat: beat.node_key), verdicts

@@ -36,16 +36,21 @@ def checkpoint_agreement(heartbeats: list[Heartbeat]) -> dict[str, Any] | None:
     return {"digest": digest, "agree": count, "of": len(announced)}
 
 
-def status_json(heartbeats: list[Heartbeat], now: float | None = None) -> dict[str, Any]:
-    """`{"nodes": [...], "last_ring": {...} | null, "checkpoint": {...} | null}` (`status --json`)."""
+def status_json(
+    heartbeats: list[Heartbeat], now: float | None = None, verdicts: dict[bytes, str] | None = None
+) -> dict[str, Any]:
+    """`{"nodes": [...], "last_ring": {...} | null, "checkpoint": {...} | null}` (`status --json`).
+
+    A node's `state` is its record's, or the verdict `membership.observe` reached (gone, silent)."""
     now = time.time() if now is None else now
+    verdicts = verdicts or {}
     return {
         "last_ring": last_ring(heartbeats),
         "checkpoint": checkpoint_agreement(heartbeats),
         "nodes": [
             {
                 "id": beat.node_key.hex(),
-                "state": beat.state.value,
+                "state": verdicts.get(beat.node_key, beat.state.value),
                 "outer_step": beat.outer_step,
                 "tokens": beat.tokens,
                 # the sender's clock, so only as good as the two clocks agree
@@ -61,9 +66,11 @@ def status_json(heartbeats: list[Heartbeat], now: float | None = None) -> dict[s
     }
 
 
-def format_table(heartbeats: list[Heartbeat], now: float | None = None) -> str:
+def format_table(
+    heartbeats: list[Heartbeat], now: float | None = None, verdicts: dict[bytes, str] | None = None
+) -> str:
     """A fixed-width table of the nodes, one line each."""
-    status = status_json(heartbeats, now)
+    status = status_json(heartbeats, now, verdicts)
     rows = status["nodes"]
     header = (
         f"{'node':<14}{'state':<10}{'step':>6}{'tokens':>12}{'loss':>8}{'Mbit/s':>9}{'seen':>8}"
