@@ -238,7 +238,9 @@ class _Demo:
             (r for r in read_metrics(self.work_dir / "node0" / "metrics.jsonl") if r["kind"] == "inner"), None
         )
         survivors = [name for name in names if name != self.victim and records[name]]
-        last_losses = [records[name][-1]["loss"] for name in survivors]
+        # a step taken without inner steps (caught up, replayed) has no loss of its own
+        trained = [[r["loss"] for r in records[name] if r["loss"] == r["loss"]] for name in survivors]
+        last_losses = [losses[-1] for losses in trained if losses]
         lead = max(records.values(), key=len)
         join_s = None
         if self.joiner and (self.logs / f"{self.joiner}.log").exists():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -71,3 +72,28 @@ def test_status_shows_killed_nodes_as_gone_or_silent_at_once(swarm: LocalSwarm):
     states = {entry["id"]: entry["state"] for entry in swarm.status(once=False)["nodes"]}
     assert states[trainer] == "gone"
     assert set(states.values()) == {"gone", "silent"}, states
+
+
+def test_a_drill_node_stops_within_five_seconds_in_the_middle_of_a_sync(swarm: LocalSwarm):
+    """Its peer froze, so it waits in the election of a step (for up to a minute): SIGTERM ends that
+    wait, and every drill.jsonl line written so far is complete."""
+    swarm.start_bootstrap()
+    patient = ["--set", "swarm.heartbeat_timeout=60", "--set", "swarm.straggler_deadline=60"]
+    drill = ["--drill", "100", "--drill-nodes", "2", "--drill-inner", "0.2", *patient]
+    for name in ("node0", "node1"):
+        swarm.start_node(name, None, *drill, "--set", 'node.data_host="127.0.0.1"')
+    log_path = swarm.root / "node0" / "drill.jsonl"
+    wait_until(lambda: log_path.exists() and len(log_path.read_text().splitlines()) >= 2, 120, what="steps")
+    swarm.children.signal("node1", signal.SIGSTOP)
+    wait_until(
+        lambda: any(e["state"] in ("ready", "syncing") for e in swarm.status()["nodes"]),
+        timeout=30,
+        what="node0 waiting in a sync",
+    )
+    node = swarm.children.children["node0"]
+    started = time.monotonic()
+    node.send_signal(signal.SIGTERM)
+    assert node.wait(timeout=5) == 0
+    assert time.monotonic() - started < 5
+    assert "left" in swarm.log("node0")
+    assert all(json.loads(line)["step"] >= 0 for line in log_path.read_text().splitlines())

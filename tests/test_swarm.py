@@ -29,7 +29,7 @@ def test_restarted_bootstrap_keeps_its_multiaddress(swarm: LocalSwarm):
     listen = f"/ip4/127.0.0.1/tcp/{free_port()}"
     first = swarm.start_bootstrap(listen=listen)
     swarm.children.signal("bootstrap", signal.SIGTERM)
-    assert swarm.children.wait("bootstrap", timeout=10) == 0
+    assert swarm.children.wait("bootstrap", timeout=5) == 0
     second = swarm.start_bootstrap(name="bootstrap-again", listen=listen)
     assert first == second and first.startswith(listen + "/p2p/")
     swarm.start_node("node0")

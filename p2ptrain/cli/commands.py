@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -94,11 +95,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from p2ptrain.demo import run_demo
 
     if args.nodes < 1 or args.steps < 1 or args.kill_at < 0 or args.timeout <= 0:
         raise UserError("--nodes and --steps must be at least 1, --kill-at and --timeout not negative")
+    signal.signal(signal.SIGTERM, _interrupt)  # like Ctrl+C: the demo stops every process it started
     summary = run_demo(
         Path(args.work_dir),
         nodes=args.nodes,

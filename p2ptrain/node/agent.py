@@ -46,6 +46,7 @@ from p2ptrain.node.checkpoint_copies import (
     mark_diverged,
     prune_places,
 )
+from p2ptrain.node.interrupt import Interrupted, unless
 from p2ptrain.node.progress import ProgressView
 from p2ptrain.node.rank_launcher import (
     RANK_STOP_TIMEOUT,
@@ -76,10 +77,6 @@ class Diverged(TrainingFailed):
 
     def __init__(self, step: int, reason: str):
         super().__init__(f"diverged from the swarm at outer step {step}: {reason}")
-
-
-class Interrupted(Exception):
-    """The node was asked to stop, or a rank died, while the agent waited for something else."""
 
 
 class TrainingNode:
@@ -126,21 +123,8 @@ class TrainingNode:
 
     async def _guarded(self, work: Coroutine[Any, Any, T]) -> T:
         """Await `work`, unless the node is told to stop or a rank dies first (then Interrupted)."""
-        task = asyncio.ensure_future(work)
-        stopper = asyncio.ensure_future(self.stop.wait())
         running = [proc for proc in self.ranks.procs if proc.returncode is None]
-        deaths = [asyncio.ensure_future(proc.wait()) for proc in running]
-        try:
-            await asyncio.wait([task, stopper, *deaths], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiter in (stopper, *deaths):
-                waiter.cancel()
-        if task.done():
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-        raise Interrupted
+        return await unless(work, self.stop.wait(), *(proc.wait() for proc in running))
 
     def _rank_failure(self) -> str | None:
         for rank, proc in enumerate(self.ranks.procs):

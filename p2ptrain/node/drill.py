@@ -22,6 +22,7 @@ import numpy as np
 from p2ptrain.comm.dataplane import DataPlaneServer
 from p2ptrain.config import Config
 from p2ptrain.identity import NodeIdentity, short_id
+from p2ptrain.node.interrupt import Interrupted, unless
 from p2ptrain.node.outer_sync import OuterSync, StepGivenUp, data_address, ring_settings
 from p2ptrain.swarm.dht import SwarmDHT
 from p2ptrain.swarm.membership import HeartbeatPublisher, keep_alive, wait_for_nodes
@@ -73,10 +74,13 @@ async def run_drill(
                 vector = np.random.default_rng(seed).standard_normal(size).astype(np.float32)
                 started = time.monotonic()
                 try:
-                    result = await sync.sync(step, vector, tokens=rng.randint(1, 1000))
+                    result = await unless(sync.sync(step, vector, tokens=rng.randint(1, 1000)), stop.wait())
+                except Interrupted:
+                    break  # told to stop in the middle of the sync
                 except StepGivenUp as exc:
                     print(f"drill: step {step} given up: {exc}", file=out, flush=True)
                     log_file.write(json.dumps({"step": step, "given_up": str(exc)}) + "\n")
+                    log_file.flush()
                     continue
                 params_hash = hashlib.sha256(vector.tobytes()).hexdigest()
                 line = {

@@ -10,8 +10,6 @@ import socket
 import sys
 from pathlib import Path
 
-import torch
-
 from p2ptrain.config import Config
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.procs import free_port, is_alive
@@ -20,6 +18,8 @@ RANK_STOP_TIMEOUT = 10.0
 
 
 def default_nproc() -> int:
+    import torch  # only here: the agent itself computes nothing with torch
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 1
 
 
