@@ -111,7 +111,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         steps=args.steps,
         kill_at=args.kill_at,
         timeout=args.timeout,
-        quiet=args.json,
+        quiet=False,  # with --json too: progress lines first, the JSON summary last
     )
     if args.json:
         print(json.dumps(summary))

@@ -283,12 +283,17 @@ class SwarmLink(SoloSwarm):
         return majority if 2 * count > len(done) else None
 
     async def behind(self) -> int:
-        """Live nodes of this run that have not finished it yet (a finished node waits for them)."""
+        """Live nodes of this run that have not finished it yet (a finished node waits for them);
+        one whose data port refuses connections has crashed and is not waited for."""
+        assert self.sync is not None
         me, digest = self.identity.public_key, self.config.digest()
-        return sum(
-            b.node_key != me and b.config_digest == digest and b.state in UNFINISHED
+        pending = [
+            b
             for b in live(await self._view().read())
-        )
+            if b.node_key != me and b.config_digest == digest and b.state in UNFINISHED
+        ]
+        self.sync.crashes.watch(pending)
+        return len(self.sync.crashes.alive(pending))
 
     async def close(self, out: TextIO, short_id: str) -> None:
         if self._keeper is not None:
