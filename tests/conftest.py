@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import LocalSwarm, socket_files
+from tests.helpers import LocalSwarm, socket_files, stale_sockets
 
 
 @pytest.fixture
@@ -18,4 +18,4 @@ def swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
     finally:
         orphans = local.stop()
     assert orphans == [], f"processes outlived their parents: {orphans}"
-    assert socket_files() - sockets_before == set(), "stale p2pd sockets left in /tmp"
+    assert stale_sockets(sockets_before) == set(), "stale p2pd sockets left in /tmp"

@@ -56,6 +56,28 @@ def socket_files() -> set[Path]:
     return set(SOCKET_DIR.glob("hivemind-p2p*.sock"))
 
 
+def stale_sockets(before: set[Path], settle: float = 3.0) -> set[Path]:
+    """p2pd sockets that appeared since `before` and that no live p2pd uses (after `settle` s).
+
+    Other tests may run beside this one (pytest -n): their daemons' sockets are in use, and those of
+    a daemon that just died are removed by its DHT process within a moment; a leaked socket stays."""
+    from p2ptrain.procs import is_alive
+    from p2ptrain.swarm.dht import p2pd_sockets
+
+    deadline = time.monotonic() + settle
+    while True:
+        in_use = {
+            Path(path)
+            for entry in os.listdir("/proc")
+            if entry.isdigit() and is_alive(int(entry))
+            for path in p2pd_sockets(int(entry))
+        }
+        stale = {path for path in socket_files() - before if path not in in_use}
+        if not stale or time.monotonic() >= deadline:
+            return stale
+        time.sleep(0.1)
+
+
 def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:
     """A user error: non-zero exit, one `p2ptrain: error:` line on stderr, no traceback."""
     assert result.returncode != 0, result

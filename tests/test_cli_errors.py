@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from p2ptrain.identity import NODE_KEY_FILE, ensure_p2p_identity, load_or_create_identity, peer_id_of
-from tests.helpers import assert_one_line_error, cli, free_port, socket_files
+from tests.helpers import assert_one_line_error, cli, free_port, socket_files, stale_sockets
 
 PEER_ID = "QmTaMjzayTqNDpDJQSfyoqzzgJuHkbGj1oNzxzXC34MxPA"
 
@@ -19,7 +19,7 @@ PEER_ID = "QmTaMjzayTqNDpDJQSfyoqzzgJuHkbGj1oNzxzXC34MxPA"
 def no_leftovers():
     before = socket_files()
     yield
-    assert socket_files() - before == set(), "stale p2pd sockets left in /tmp"
+    assert stale_sockets(before) == set(), "stale p2pd sockets left in /tmp"
 
 
 @pytest.mark.parametrize(

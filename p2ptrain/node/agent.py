@@ -5,10 +5,13 @@
 and keeps the heartbeat going (`swarm_link.py`). A rank that dies makes the agent send its
 deathrattle and stop the other ranks; an agent that dies takes its ranks with it.
 
-Joining a run in progress, or finding itself behind or diverged at an outer step, the agent stops
-its ranks, downloads the majority's checkpoint from its peers, and restarts the ranks from it; their
-first outer step then skips the inner phase (weight 0), so the node catches up without delaying
-anyone, and contributes from the next step on.
+Joining a run in progress, the agent downloads the majority's checkpoint from its peers before it
+starts the ranks. Finding itself behind or diverged at an outer step, it replays the missed step
+from the swarm's all-reduce result or has the ranks load the majority's checkpoint in place. Either
+way the next outer step skips the inner phase (weight 0), so the node catches up without delaying
+anyone, and contributes from the step after. When the ranks finish, the node stays in the swarm
+for nodes behind it (`_linger`), and ends on the majority's final params; a node that cannot catch
+up exits saying it diverged, and marks its checkpoint so.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ class ManagedDHT(DHT):
 def _stop_daemon_and_exit(signum: int, frame: Any) -> None:
     """SIGTERM in the DHT child: stop p2pd, remove its unix sockets, exit at once."""
     daemons = procs.descendants(os.getpid())
-    sockets = [path for pid in daemons for path in _p2pd_sockets(pid)]
+    sockets = [path for pid in daemons for path in p2pd_sockets(pid)]
     procs.terminate(daemons, timeout=2.0)
     for path in sockets:
         with contextlib.suppress(OSError):
@@ -57,7 +57,7 @@ def _stop_daemon_and_exit(signum: int, frame: Any) -> None:
     os._exit(0)
 
 
-def _p2pd_sockets(pid: int) -> list[str]:
+def p2pd_sockets(pid: int) -> list[str]:
     """The daemon and client unix sockets a p2pd process was started with."""
     paths = []
     for arg in procs.command_line(pid):
@@ -184,7 +184,7 @@ class SwarmDHT:
             if stubborn:
                 log.warning("killed DHT processes that ignored SIGTERM: %s", stubborn)
         for pid in tree:
-            for path in _p2pd_sockets(pid):
+            for path in p2pd_sockets(pid):
                 with contextlib.suppress(OSError):
                     os.remove(path)
 
