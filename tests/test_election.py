@@ -254,6 +254,10 @@ def test_a_node_behind_everyone_is_told_instead_of_going_solo():
     assert not swarm_ahead([beat(1, NodeState.READY, 3), beat(4, NodeState.TRAINING, 3)], 3, me)
     assert not swarm_ahead([beat(1, NodeState.READY, 3), beat(2, NodeState.DEAD, 4)], 3, me)  # alone
     assert not swarm_ahead([beat(1, NodeState.READY, 3), beat(2, NodeState.JOINING, 9)], 3, me)
+    # one record far ahead is not the swarm: a majority of the others must be past the step
+    lone_claim = [beat(1, NodeState.READY, 3), beat(2, NodeState.TRAINING, 3), beat(3, NodeState.READY, 3)]
+    assert not swarm_ahead([*lone_claim, beat(4, NodeState.TRAINING, 10**9)], 3, me)
+    assert not swarm_ahead([*lone_claim, beat(4, NodeState.FINISHED, 10**9)], 3, me)
 
     async def read():
         return ahead
@@ -280,6 +284,8 @@ def test_a_node_behind_a_finished_run_catches_up_even_after_the_others_left():
     assert finished_run(left) and finished_run(finished) and not finished_run(beat(2, NodeState.DEAD, 5))
     assert not swarm_ahead([beat(1, NodeState.READY, 4)], 4, me)
     assert swarm_ahead([beat(1, NodeState.READY, 4)], 4, me, finished={key(2): 5})
+    still_here = [beat(1, NodeState.READY, 4), beat(3, NodeState.TRAINING, 4), beat(4, NodeState.READY, 4)]
+    assert not swarm_ahead(still_here, 4, me, finished={key(2): 5})  # one of four
 
     async def read():
         return [beat(1, NodeState.READY, 4)]

@@ -272,15 +272,15 @@ class SwarmLink(SoloSwarm):
         await self.publisher.publish(state=NodeState.FINISHED, outer_step=outer_step, params_hash=params_hash)
 
     async def final_majority(self, outer_step: int) -> str | None:
-        """The params hash that a strict majority of the nodes that finished at `outer_step` hold."""
-        done = [
-            b for b in await self._peers() if b.state is NodeState.FINISHED and b.outer_step == outer_step
-        ]
+        """The params hash that a strict majority of the run's other live nodes finished
+        `outer_step` with (so one finished record alone, a stranger's, decides nothing)."""
+        peers = await self._peers()
+        done = [b for b in peers if b.state is NodeState.FINISHED and b.outer_step == outer_step]
         hashes = Counter(b.params_hash for b in done if b.params_hash)
         if not hashes:
             return None
         majority, count = hashes.most_common(1)[0]
-        return majority if 2 * count > len(done) else None
+        return majority if 2 * count > len(peers) else None
 
     async def behind(self) -> int:
         """Live nodes of this run that have not finished it yet (a finished node waits for them);

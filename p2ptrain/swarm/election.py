@@ -217,17 +217,22 @@ class SwarmAhead(Exception):
 def swarm_ahead(
     heartbeats: Iterable[Heartbeat], step: int, me: bytes, finished: Mapping[bytes, int] | None = None
 ) -> bool:
-    """Step `step` has been taken without this node: a training node is past it, or a node that
-    finished the run (still here, or gone: `finished`, node → its last step) reached it.
+    """Step `step` has been taken without this node: a strict majority of the run's other nodes —
+    those in the steps, those that finished it (still here, or gone: `finished`, node → its last
+    step) — is past it (a finished node: at it or past it; it takes no more steps).
 
     That history is the swarm's, so this node catches up (replay, checkpoint) instead of taking the
-    step alone, or with others just as far behind, which would fork the run."""
-    beats = list(heartbeats)
-    done = dict(finished or {})
-    done.update({b.node_key: b.outer_step for b in beats if b.state is NodeState.FINISHED})
-    if any(key != me and at >= step for key, at in done.items()):
-        return True
-    return any(b.node_key != me and b.state in IN_STEPS and b.outer_step > step for b in beats)
+    step alone, or with others just as far behind, which would fork the run. A majority, so that
+    one record claiming a far step (a stranger's, a broken node's) cannot send everyone off."""
+    beats = [b for b in heartbeats if b.node_key != me]
+    position = {key: (at, True) for key, at in (finished or {}).items() if key != me}
+    for beat in beats:
+        if beat.state is NodeState.FINISHED:
+            position[beat.node_key] = (beat.outer_step, True)
+        elif beat.state in IN_STEPS and beat.node_key not in position:
+            position[beat.node_key] = (beat.outer_step, False)
+    past = sum(at >= step if done else at > step for at, done in position.values())
+    return 2 * past > len(position)
 
 
 async def elect(
