@@ -246,12 +246,17 @@ class _Demo:
         if self.joiner and (self.logs / f"{self.joiner}.log").exists():
             found = re.search(r"join_s=([0-9.]+)", (self.logs / f"{self.joiner}.log").read_text())
             join_s = float(found.group(1)) if found else None
+        # the joiner caught up when it ended the run on the swarm's final params: as a member of the
+        # last steps, or (a slow machine) having replayed them from the others' results
+        joined = records.get(self.joiner, []) if self.joiner else []
+        caught_up = bool(joined) and joined[-1]["params_hash"] == lead[-1]["params_hash"]
         return {
             "outer_steps": len(by_step),
             "loss_first": round(first_inner["loss"], 4) if first_inner else None,
             "loss_last": round(statistics.mean(last_losses), 4) if last_losses else None,
             "nodes_max": max((r["members"] for rs in records.values() for r in rs), default=0),
             "join_s": join_s,
+            "joiner_caught_up": caught_up if self.joiner else None,
             "params_hash_agree": bool(by_step) and all(len(hashes) == 1 for hashes in by_step.values()),
             "killed": self.victim,
             "joined": self.joiner,
@@ -307,7 +312,7 @@ def run_demo(
         and summary["outer_steps"] == steps
         and summary["params_hash_agree"]
         and not orphans
-        and (demo.joiner is None or summary["join_s"] is not None)
+        and (demo.joiner is None or summary["joiner_caught_up"])
     )
     if problem:
         summary["error"] = problem
@@ -315,7 +320,8 @@ def run_demo(
         f"{'done' if summary['ok'] else 'FAILED' + (': ' + problem if problem else '')}: "
         f"{summary['outer_steps']} outer steps, loss {summary['loss_first']} → {summary['loss_last']}, "
         f"up to {summary['nodes_max']} members, params identical on every node after every step: "
-        f"{summary['params_hash_agree']}, joiner's join_s {summary['join_s']}, {len(orphans)} orphans; "
+        f"{summary['params_hash_agree']}, joiner caught up: {summary['joiner_caught_up']} (join_s "
+        f"{summary['join_s']}), {len(orphans)} orphans; "
         f"checkpoints in {summary['checkpoints']}, logs in {summary['logs']}"
     )
     return summary

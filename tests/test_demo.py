@@ -32,14 +32,17 @@ def test_demo_trains_loses_a_node_takes_in_a_new_one(tmp_path: Path) -> None:
     assert summary["outer_steps"] == 6 and summary["params_hash_agree"] is True
     assert summary["nodes_max"] == 3 and summary["orphans"] == 0
     assert summary["loss_last"] < summary["loss_first"]
-    assert summary["join_s"] is not None and summary["killed"] == "node2" and summary["joined"] == "node3"
+    assert (
+        summary["joiner_caught_up"] is True and summary["killed"] == "node2" and summary["joined"] == "node3"
+    )
     assert all(step["members"] >= 2 for step in summary["steps"])
     assert stale_sockets(before) == set()
     assert list(Path(summary["checkpoints"]).glob("step-*"))
     # the joiner's own records: from its first outer step on, each one a member of the step or (where
-    # the swarm had done the step by the time the joiner was ready) the step replayed
+    # the swarm had done the step by the time the joiner was ready: a slow machine) the step
+    # replayed, and to the end of the run (the others stayed, finished, until it was done)
     joined = [r for r in read_metrics(tmp_path / "demo" / "node3" / "metrics.jsonl") if r["kind"] == "outer"]
-    assert joined and joined[-1]["step"] == 5 and joined[-1]["members"] >= 2
+    assert joined and joined[-1]["step"] == 5
     assert all(r["members"] >= 2 or r["replayed"] for r in joined), joined
     # the SIGKILL during inner steps held no step up: the killed node's port refuses connections, so
     # the survivors went on without waiting for its heartbeat timeout (6 s) or the deadline (5 s)

@@ -218,6 +218,5 @@ async def observe(dht: SwarmDHT, run_id: str, watch: float) -> tuple[list[Heartb
         again = second.get(beat.node_key)
         if beat.node_key not in verdicts and (again is None or again.seq <= beat.seq):
             verdicts[beat.node_key] = SILENT
-    newest = [second.get(beat.node_key, beat) for beat in first]
-    newest += [beat for key, beat in second.items() if key not in {b.node_key for b in first}]
-    return sorted(newest, key=lambda beat: beat.node_key), verdicts
+    newest = {beat.node_key: beat for beat in first} | second
+    return sorted(newest.values(), key=lambda beat: beat.node_key), verdicts
