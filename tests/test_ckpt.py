@@ -246,3 +246,29 @@ def test_a_peer_serving_an_older_step_is_skipped(tmp_path: Path) -> None:
 
     with pytest.raises(RecoveryError, match="not recovered"):
         run(nobody())
+
+
+def test_a_joiner_gets_the_checkpoint_it_chose_though_its_holders_saved_a_newer_one(tmp_path: Path):
+    """The majority's digest is read from heartbeats; by the time the joiner asks, the holders may
+    have announced the next checkpoint. They still serve the one named (while it is in RAM)."""
+
+    async def scenario() -> None:
+        peers = Peers()
+        try:
+            url, digest = await peers.add(tmp_path / "peer", 1)
+            newer = make_checkpoint(tmp_path / "peer", 1, STEP + 1)
+            peers.sidecars[0].announce(build_manifest(newer, STEP + 1))
+            folder = await fetch_checkpoint(digest, [heartbeat(1, url, digest)], tmp_path / "joiner", 5.0)
+            assert folder.name == checkpoint_name(STEP)
+            assert (folder / "params.safetensors").read_bytes() == SHARED
+            for step in (STEP + 2, STEP + 3):  # two newer ones: the first is no longer kept
+                peers.sidecars[0].announce(build_manifest(make_checkpoint(tmp_path / "peer", 1, step), step))
+            async with (
+                aiohttp.ClientSession() as session,
+                session.get(f"{url}/manifest", params={"digest": digest}) as response,
+            ):
+                assert response.status == 404
+        finally:
+            await peers.close()
+
+    asyncio.run(scenario())

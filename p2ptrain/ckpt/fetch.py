@@ -79,7 +79,7 @@ async def read_body(response: aiohttp.ClientResponse, limit: int) -> bytes:
 
 async def _get_manifest(session: aiohttp.ClientSession, url: str, digest: str) -> Manifest | None:
     try:
-        async with session.get(f"{url}/manifest") as response:
+        async with session.get(f"{url}/manifest", params={"digest": digest}) as response:
             if response.status != 200:
                 log.warning("recovery: %s answered %d for its manifest", url, response.status)
                 return None
@@ -155,32 +155,53 @@ async def _fetch_set(
     await asyncio.gather(*(fetch_one(i, name) for i, name in enumerate(sorted(manifest.files))))
 
 
+async def _fetch_from(
+    session: aiohttp.ClientSession,
+    urls: list[str],
+    source: str,
+    manifest: Manifest,
+    digest: str,
+    dest_dir: Path,
+) -> Path:
+    """The files of `source`'s manifest into dest_dir/step-N, renamed into place when all are verified."""
+    staging = dest_dir / f".{checkpoint_name(manifest.outer_step)}.download"
+    staging.mkdir(parents=True, exist_ok=True)
+    for stale in staging.iterdir():
+        if stale.name not in SHARED_FILES:
+            stale.unlink()  # another node's own files: not this manifest's
+    await _fetch_set(session, urls, source, manifest, digest, staging)
+    (staging / MANIFEST_FILE).write_text(manifest.to_json())
+    final = dest_dir / checkpoint_name(manifest.outer_step)
+    shutil.rmtree(final, ignore_errors=True)
+    staging.rename(final)
+    return final
+
+
 async def fetch_checkpoint(digest: str, holders: Sequence[Heartbeat], dest_dir: Path, timeout: float) -> Path:
     """Download the checkpoint with `digest` from `holders` into dest_dir/step-N; returns its path.
 
-    One holder's manifest (and its node-specific files) at a time; if that holder fails, the next
-    one's, keeping the shared files already verified."""
+    The manifests are asked of every holder at once (one that stalls, frozen or far away, holds no
+    one up); then one holder's manifest (and its node-specific files) at a time, in the order they
+    answered; if that holder fails, the next one's, keeping the shared files already verified."""
     client_timeout = stall_timeout(timeout)
     urls = [holder.ckpt_addr.rstrip("/") for holder in holders]
     last_problem = "no peer served the majority's checkpoint manifest"
     async with aiohttp.ClientSession(timeout=client_timeout) as session:
-        for source in urls:
-            manifest = await _get_manifest(session, source, digest)
-            if manifest is None:
-                continue
-            staging = dest_dir / f".{checkpoint_name(manifest.outer_step)}.download"
-            staging.mkdir(parents=True, exist_ok=True)
-            for stale in staging.iterdir():
-                if stale.name not in SHARED_FILES:
-                    stale.unlink()  # another node's own files: not this manifest's
-            try:
-                await _fetch_set(session, urls, source, manifest, digest, staging)
-            except RecoveryError as exc:
-                last_problem = str(exc)
-                continue
-            (staging / MANIFEST_FILE).write_text(manifest.to_json())
-            final = dest_dir / checkpoint_name(manifest.outer_step)
-            shutil.rmtree(final, ignore_errors=True)
-            staging.rename(final)
-            return final
+
+        async def ask(url: str) -> tuple[str, Manifest | None]:
+            return url, await _get_manifest(session, url, digest)
+
+        asking = [asyncio.ensure_future(ask(url)) for url in urls]
+        try:
+            for answer in asyncio.as_completed(asking):
+                source, manifest = await answer
+                if manifest is None:
+                    continue
+                try:
+                    return await _fetch_from(session, urls, source, manifest, digest, dest_dir)
+                except RecoveryError as exc:
+                    last_problem = str(exc)
+        finally:
+            for task in asking:
+                task.cancel()
     raise RecoveryError(f"checkpoint {digest[:12]} not recovered from {len(urls)} peer(s): {last_problem}")

@@ -1,7 +1,9 @@
 """The checkpoint sidecar: each node serves its latest checkpoints over HTTP (aiohttp).
 
     GET /config                the run settings every member shares (to explain a digest mismatch)
-    GET /manifest              the manifest of the newest checkpoint (404 before the first one)
+    GET /manifest              the manifest of the newest checkpoint (404 before the first one);
+                               `?digest=D`: of the kept checkpoint with that digest (a joiner that
+                               read D from a heartbeat just before this node saved a newer one)
     GET /ckpt/{step}/{name}    one file of checkpoint step-N; Range requests work, so a download
                                can resume and be split across peers
     GET /delta/{step}          the encoded all-reduce result of outer step N, while kept in RAM
@@ -15,12 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
-from p2ptrain.ckpt.format import MANIFEST_FILE, checkpoint_name
+from p2ptrain.ckpt.format import MANIFEST_FILE, STAGED_KEEP, checkpoint_name
 from p2ptrain.ckpt.manifest import Manifest, ManifestError, parse_manifest
 from p2ptrain.ckpt.replay import RecentResults
 from p2ptrain.untrusted import decimal
@@ -40,6 +43,8 @@ class CheckpointSidecar:
         self.shared_config = shared_config or {}
         self.results = results or RecentResults(0)
         self.latest: Manifest | None = None
+        self._kept: OrderedDict[str, Manifest] = OrderedDict()
+        """Manifests of the checkpoints still in RAM, by digest, oldest first."""
         self._runner: web.AppRunner | None = None
         app = web.Application()
         app.router.add_get("/manifest", self._manifest)
@@ -58,14 +63,20 @@ class CheckpointSidecar:
 
     def announce(self, manifest: Manifest) -> None:
         self.latest = manifest
+        self._kept.pop(manifest.digest, None)
+        self._kept[manifest.digest] = manifest
+        while len(self._kept) > STAGED_KEEP:
+            self._kept.popitem(last=False)
 
     async def _config(self, request: web.Request) -> web.Response:
         return web.json_response(self.shared_config)
 
     async def _manifest(self, request: web.Request) -> web.Response:
-        if self.latest is None:
-            raise web.HTTPNotFound(text="no checkpoint yet")
-        return web.Response(text=self.latest.to_json(), content_type="application/json")
+        wanted = request.query.get("digest")
+        manifest = self._kept.get(wanted) if wanted else self.latest
+        if manifest is None:
+            raise web.HTTPNotFound(text="no such checkpoint kept" if wanted else "no checkpoint yet")
+        return web.Response(text=manifest.to_json(), content_type="application/json")
 
     async def _file(self, request: web.Request) -> web.StreamResponse:
         step, name = decimal(request.match_info["step"]), request.match_info["name"]

@@ -23,7 +23,7 @@ import aiohttp
 import numpy as np
 
 from p2ptrain.channel import Averaged
-from p2ptrain.ckpt.fetch import ACTIVE, fetch_checkpoint, majority_checkpoint, read_body
+from p2ptrain.ckpt.fetch import ACTIVE, RecoveryError, fetch_checkpoint, majority_checkpoint, read_body
 from p2ptrain.ckpt.manifest import build_manifest
 from p2ptrain.ckpt.replay import (
     RecentResults,
@@ -249,7 +249,9 @@ class SwarmLink(SoloSwarm):
         """Download the majority's checkpoint; None when no live member has one (a fresh run).
 
         With `wait`, keep re-reading the heartbeats (bounded by election_timeout) until a majority
-        agrees — a node that is off track needs a checkpoint, whatever the moment.
+        agrees — a node that is off track needs a checkpoint, whatever the moment. A download that
+        fails (the holders moved on to a newer checkpoint meanwhile, or went away) starts over from
+        a fresh read, within the same bound.
         """
         deadline = time.monotonic() + self.config.swarm.election_timeout
         while not stop.is_set():
@@ -259,7 +261,14 @@ class SwarmLink(SoloSwarm):
             found = majority_checkpoint(beats, self.identity.public_key, self.config.digest())
             if found is not None:
                 digest, holders = found
-                return await fetch_checkpoint(digest, holders, dest, self.config.checkpoint.fetch_timeout)
+                try:
+                    return await fetch_checkpoint(digest, holders, dest, self.config.checkpoint.fetch_timeout)
+                except RecoveryError as exc:
+                    if time.monotonic() > deadline:
+                        raise
+                    log.warning("recovery failed, reading the swarm again: %s", exc)
+                    await asyncio.sleep(self.config.swarm.heartbeat_interval / 2)
+                    continue
             if (not wait and not any(b.ckpt_digest for b in beats)) or time.monotonic() > deadline:
                 return None
             with contextlib.suppress(asyncio.TimeoutError):
