@@ -24,6 +24,7 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from p2ptrain.ckpt.format import MANIFEST_FILE, latest_checkpoint
 from p2ptrain.errors import UserError
 from p2ptrain.procs import ChildProcesses
 from p2ptrain.train.metrics import read_metrics
@@ -182,6 +183,15 @@ class _Demo:
             flush_leftovers(checkpoint_places(config, identity.short_id, work), config.checkpoint.keep)
             remove_stale_buffers(identity, work)
 
+    def _final_digest(self, name: str) -> str | None:
+        """The shared-state digest (θ_outer, momentum) of `name`'s newest checkpoint on disk."""
+        folder = latest_checkpoint(self.work_dir / name / "checkpoints")
+        manifest = folder / MANIFEST_FILE if folder is not None else None
+        if manifest is None or not manifest.is_file():
+            return None
+        digest = json.loads(manifest.read_text()).get("digest")
+        return digest if isinstance(digest, str) else None
+
     def outer(self, name: str) -> list[dict[str, Any]]:
         return [r for r in read_metrics(self.work_dir / name / "metrics.jsonl") if r["kind"] == "outer"]
 
@@ -246,17 +256,19 @@ class _Demo:
         if self.joiner and (self.logs / f"{self.joiner}.log").exists():
             found = re.search(r"join_s=([0-9.]+)", (self.logs / f"{self.joiner}.log").read_text())
             join_s = float(found.group(1)) if found else None
-        # the joiner caught up when it ended the run on the swarm's final params: as a member of the
-        # last steps, or (a slow machine) having replayed them from the others' results
-        joined = records.get(self.joiner, []) if self.joiner else []
-        caught_up = bool(joined) and joined[-1]["params_hash"] == lead[-1]["params_hash"]
+        # the joiner caught up when it ended the run on the swarm's final state: as a member of the
+        # last steps, or (a slow machine) having replayed them or fetched the final checkpoint
+        caught_up = None
+        if self.joiner:
+            finals = {self._final_digest(name) for name in self.names if name != self.victim} - {None}
+            caught_up = self._final_digest(self.joiner) in finals
         return {
             "outer_steps": len(by_step),
             "loss_first": round(first_inner["loss"], 4) if first_inner else None,
             "loss_last": round(statistics.mean(last_losses), 4) if last_losses else None,
             "nodes_max": max((r["members"] for rs in records.values() for r in rs), default=0),
             "join_s": join_s,
-            "joiner_caught_up": caught_up if self.joiner else None,
+            "joiner_caught_up": caught_up,
             "params_hash_agree": bool(by_step) and all(len(hashes) == 1 for hashes in by_step.values()),
             "killed": self.victim,
             "joined": self.joiner,

@@ -34,6 +34,8 @@ from p2ptrain.swarm.records import Heartbeat, NodeState
 
 log = logging.getLogger(__name__)
 CHUNK = 1 << 20
+MANIFEST_TIMEOUT = 3.0
+"""Seconds a holder has to send its manifest (a few KiB): one that cannot is not asked for files."""
 ACTIVE = (NodeState.TRAINING, NodeState.READY, NodeState.SYNCING, NodeState.FINISHED)
 """Members of a run, and holders of its state: nodes that train, and nodes that finished it."""
 
@@ -79,7 +81,8 @@ async def read_body(response: aiohttp.ClientResponse, limit: int) -> bytes:
 
 async def _get_manifest(session: aiohttp.ClientSession, url: str, digest: str) -> Manifest | None:
     try:
-        async with session.get(f"{url}/manifest", params={"digest": digest}) as response:
+        within = aiohttp.ClientTimeout(total=MANIFEST_TIMEOUT)
+        async with session.get(f"{url}/manifest", params={"digest": digest}, timeout=within) as response:
             if response.status != 200:
                 log.warning("recovery: %s answered %d for its manifest", url, response.status)
                 return None
@@ -180,28 +183,20 @@ async def _fetch_from(
 async def fetch_checkpoint(digest: str, holders: Sequence[Heartbeat], dest_dir: Path, timeout: float) -> Path:
     """Download the checkpoint with `digest` from `holders` into dest_dir/step-N; returns its path.
 
-    The manifests are asked of every holder at once (one that stalls, frozen or far away, holds no
-    one up); then one holder's manifest (and its node-specific files) at a time, in the order they
-    answered; if that holder fails, the next one's, keeping the shared files already verified."""
+    Every holder is asked for its manifest at once, within MANIFEST_TIMEOUT: only those that
+    answered (a frozen or far-away holder does not, and would stall every file it is asked for) serve
+    the files. Then one holder's manifest (and its node-specific files) at a time; if that holder
+    fails, the next one's, keeping the shared files already verified."""
     client_timeout = stall_timeout(timeout)
     urls = [holder.ckpt_addr.rstrip("/") for holder in holders]
     last_problem = "no peer served the majority's checkpoint manifest"
     async with aiohttp.ClientSession(timeout=client_timeout) as session:
-
-        async def ask(url: str) -> tuple[str, Manifest | None]:
-            return url, await _get_manifest(session, url, digest)
-
-        asking = [asyncio.ensure_future(ask(url)) for url in urls]
-        try:
-            for answer in asyncio.as_completed(asking):
-                source, manifest = await answer
-                if manifest is None:
-                    continue
-                try:
-                    return await _fetch_from(session, urls, source, manifest, digest, dest_dir)
-                except RecoveryError as exc:
-                    last_problem = str(exc)
-        finally:
-            for task in asking:
-                task.cancel()
+        answers = await asyncio.gather(*(_get_manifest(session, url, digest) for url in urls))
+        manifests = {url: manifest for url, manifest in zip(urls, answers, strict=True) if manifest}
+        responsive = list(manifests)
+        for source, manifest in manifests.items():
+            try:
+                return await _fetch_from(session, responsive, source, manifest, digest, dest_dir)
+            except RecoveryError as exc:
+                last_problem = str(exc)
     raise RecoveryError(f"checkpoint {digest[:12]} not recovered from {len(urls)} peer(s): {last_problem}")

@@ -207,7 +207,10 @@ class TrainingNode:
                 f"{message.parameters / 1e6:.2f}M parameters on {message.world_size} rank(s), "
                 f"run {self.config.run.id!r}{resumed}"
             )
-            await self.swarm.training(message.start_step)
+            if not self.joining:
+                # a joiner's first step has no inner phase and weight 0: it stays `joining` until it
+                # is ready, so nobody waits for it (if the step is done by then, it replays it)
+                await self.swarm.training(message.start_step)
         elif isinstance(message, Progress):
             self.view.inner(message)
         elif isinstance(message, Ready):
@@ -309,8 +312,8 @@ class TrainingNode:
             await asyncio.to_thread(flush_leftovers, self.places, self.config.checkpoint.keep)
             await self.swarm.start(self.stop, self.out)
             if self.swarm.networked and self.resume is None:
-                # the ranks announce their step once they are up (Hello): starting them takes
-                # seconds, which nobody should wait for
+                # starting the ranks takes seconds, which nobody should wait for: the node stays
+                # `joining` until it is ready for its first step
                 self.resume = await self._fetch_checkpoint("joined a run in progress", wait=False)
             if not self.stop.is_set():
                 await self._run_ranks()
