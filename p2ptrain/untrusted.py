@@ -1,7 +1,10 @@
-"""Decoding bytes that came from the network: every size bounded before it is allocated."""
+"""Bytes that came from the network: decoded with every size bounded before it is allocated, and
+refused with log lines that a flood of them cannot multiply."""
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import msgpack
@@ -37,3 +40,29 @@ def decimal(text: str, max_digits: int = 12) -> int | None:
     if not text or len(text) > max_digits or not (text.isascii() and text.isdigit()):
         return None
     return int(text)
+
+
+LOG_INTERVAL = 10.0
+
+
+class ThrottledLog:
+    """Logs the first of a kind of event, then at most once per `interval` with the count in between."""
+
+    def __init__(self, logger: logging.Logger, interval: float = LOG_INTERVAL):
+        self.logger = logger
+        self.interval = interval
+        self._last = -1e9
+        self._skipped = 0
+
+    def warning(self, message: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last < self.interval:
+            self._skipped += 1
+            return
+        suffix = (
+            f" (and {self._skipped} more like it in the last {now - self._last:.0f} s)"
+            if self._skipped
+            else ""
+        )
+        self._last, self._skipped = now, 0
+        self.logger.warning(message + suffix, *args)

@@ -22,10 +22,17 @@ def drill_log(swarm: LocalSwarm, name: str) -> list[dict]:
 
 
 def start_drill(
-    swarm: LocalSwarm, steps: int, *extra: str, nodes: int = 3, env: dict[str, dict[str, str]] | None = None
+    swarm: LocalSwarm,
+    steps: int,
+    *extra: str,
+    nodes: int = 3,
+    env: dict[str, dict[str, str]] | None = None,
+    bootstrap: bool = True,
 ) -> list[str]:
-    """Bootstrap peer plus `nodes` drill nodes (`env` by name); returns once node0 has done three steps."""
-    swarm.start_bootstrap()
+    """Bootstrap peer (unless started already) plus `nodes` drill nodes (`env` by name); returns
+    once node0 has done three steps."""
+    if bootstrap:
+        swarm.start_bootstrap()
     names = [f"node{i}" for i in range(nodes)]
     for name in names:
         swarm.start_node(

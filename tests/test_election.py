@@ -294,3 +294,13 @@ def test_a_node_behind_a_finished_run_catches_up_even_after_the_others_left():
         asyncio.run(
             elect(read, 4, straggler_deadline=0, timeout=5, poll_interval=0, me=me, finished={key(2): 5})
         )
+
+
+def test_a_member_of_the_previous_step_whose_newer_record_is_late_is_waited_for():
+    """Node 2 took step 4 with node 1; its record still says syncing(4) here. Without knowing it is
+    on its way, node 1 and 3 would take step 5 without it (and it would find the swarm past it)."""
+    beats = [beat(1, NodeState.READY, 5), beat(2, NodeState.SYNCING, 4), beat(3, NodeState.READY, 5)]
+    assert decide(beats, 5, deadline_passed=False) is not None
+    assert decide(beats, 5, deadline_passed=False, in_transit={key(1), key(2)}) is None
+    late = decide(beats, 5, deadline_passed=True, in_transit={key(1), key(2)})
+    assert late is not None and len(late.members) == 2  # a majority after the deadline, as for a straggler

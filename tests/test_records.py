@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from pathlib import Path
 
 import msgpack
@@ -33,7 +34,11 @@ def identities(tmp_path_factory: pytest.TempPathFactory):
     return load_or_create_identity(root / "a"), load_or_create_identity(root / "b")
 
 
-def beat(identity, seq: int = 1, expiration: float = 1e10, **changes) -> Heartbeat:
+SOON = time.time() + 600
+"""An expiration every validator accepts (records may not expire years ahead)."""
+
+
+def beat(identity, seq: int = 1, expiration: float = SOON, **changes) -> Heartbeat:
     fields = dict(
         run_id=RUN,
         node_key=identity.public_key,
@@ -46,7 +51,7 @@ def beat(identity, seq: int = 1, expiration: float = 1e10, **changes) -> Heartbe
     return Heartbeat(**fields)
 
 
-def as_record(value: bytes, subkey: bytes, expiration: float = 1e10, run: str = RUN) -> DHTRecord:
+def as_record(value: bytes, subkey: bytes, expiration: float = SOON, run: str = RUN) -> DHTRecord:
     """The record as hivemind hands it to validators: msgpack-serialized value and subkey."""
     return DHTRecord(key_id(heartbeat_key(run)), msgpack.packb(subkey), msgpack.packb(value), expiration)
 
@@ -105,7 +110,7 @@ def test_record_moved_to_another_run_is_refused(identities):
 def test_extended_expiration_is_refused(identities):
     a, _ = identities
     value = beat(a, expiration=100.0).sign(a)
-    assert not HeartbeatValidator((RUN,)).validate(as_record(value, a.public_key, expiration=1e10))
+    assert not HeartbeatValidator((RUN,)).validate(as_record(value, a.public_key, expiration=SOON))
 
 
 def test_replayed_record_is_refused(identities):
@@ -125,7 +130,7 @@ def test_unsigned_and_malformed_values_at_the_run_key_are_refused(identities):
     validator = HeartbeatValidator((RUN,))
     key = key_id(heartbeat_key(RUN))
     for value in [msgpack.packb(b"hello"), msgpack.packb(123), msgpack.packb({"a": 1}), b"\xc1garbage"]:
-        assert not validator.validate(DHTRecord(key, msgpack.packb(a.public_key), value, 1e10))
+        assert not validator.validate(DHTRecord(key, msgpack.packb(a.public_key), value, SOON))
 
 
 def test_oversized_record_is_refused(identities):
@@ -146,8 +151,8 @@ def test_bootstrap_validator_still_checks_heartbeats_of_any_run(identities):
 def test_foreign_keys_allow_small_values_only():
     validator = HeartbeatValidator((RUN,))
     other = key_id("someone-else")
-    assert validator.validate(DHTRecord(other, msgpack.packb(None), msgpack.packb(b"small"), 1e10))
-    assert not validator.validate(DHTRecord(other, msgpack.packb(None), msgpack.packb(b"x" * 5000), 1e10))
+    assert validator.validate(DHTRecord(other, msgpack.packb(None), msgpack.packb(b"small"), SOON))
+    assert not validator.validate(DHTRecord(other, msgpack.packb(None), msgpack.packb(b"x" * 5000), SOON))
 
 
 def test_states_and_counters_are_checked(identities):

@@ -63,3 +63,35 @@ def test_the_bootstrap_peer_refuses_bad_records(swarm: LocalSwarm, tmp_path: Pat
         "replayed": False,
         "still_good": True,
     }
+
+
+def test_the_bootstrap_peer_keeps_junk_and_far_expirations_out_of_a_runs_key(
+    swarm: LocalSwarm, tmp_path: Path
+):
+    """The bootstrap peer knows no run, yet once it has seen a heartbeat at a key it takes nothing
+    else there; and it refuses a validly signed record that would live for years."""
+    peer = swarm.start_bootstrap()
+    honest, stranger = load_or_create_identity(tmp_path / "a"), load_or_create_identity(tmp_path / "s")
+    settings = DHTSettings(peers=[peer], listen=["/ip4/127.0.0.1/tcp/0"], client_mode=True, retries=2)
+    run = "some-run-the-bootstrap-never-heard-of"
+
+    async def scenario(dht: SwarmDHT) -> dict[str, bool]:
+        key, now = heartbeat_key(run), get_dht_time()
+        good = Heartbeat(run, honest.public_key, 100, 1.0, now + 30, NodeState.IDLE)
+        decade = Heartbeat(run, stranger.public_key, 100, 1.0, now + 10 * 365 * 86400, NodeState.IDLE)
+        return {
+            "good": await dht.store(key, honest.public_key, good.sign(honest), now + 30),
+            "junk": await dht.store(key, b"junk", b"\x00" * 512, now + 30),
+            "decade": await dht.store(key, stranger.public_key, decade.sign(stranger), decade.expiration),
+            "elsewhere": await dht.store("some/other/key", b"x", b"\x00" * 512, now + 30),
+        }
+
+    async def read(dht: SwarmDHT) -> set[bytes]:
+        return set(await dht.get(heartbeat_key(run)) or {})
+
+    with SwarmDHT.start(settings) as client:
+        results = asyncio.run(scenario(client))
+    with SwarmDHT.start(settings) as reader:
+        kept = asyncio.run(read(reader))
+    assert results == {"good": True, "junk": False, "decade": False, "elsewhere": True}
+    assert kept == {honest.public_key}

@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 
 from p2ptrain.comm import quant
-from p2ptrain.comm.dataplane import dial_member, membership_digest
+from p2ptrain.comm.budget import MAX_PENDING_HANDSHAKES, MAX_PENDING_PER_SOURCE
+from p2ptrain.comm.connect import dial_member
+from p2ptrain.comm.dataplane import membership_digest
+from p2ptrain.comm.handshake import HandshakeError
 from p2ptrain.comm.ring import AllReduceError, DataPlaneServer, RingMember, RingSettings, ring_all_reduce
 from p2ptrain.comm.wire import MAGIC, PREFIX, VERSION, encode_frame
 from p2ptrain.identity import load_or_create_identity
@@ -94,25 +97,68 @@ def test_bad_frame_from_an_authenticated_peer(tmp_path: Path, case: str, caplog)
     assert any("all-reduce of step" in record.getMessage() for record in caplog.records)
 
 
-def test_handshake_flood_is_capped(tmp_path: Path):
-    """Unauthenticated connections beyond the cap are closed at once; memory stays bounded."""
-    from p2ptrain.comm.dataplane import MAX_PENDING_HANDSHAKES
+async def idle_connections(port: int, source: str, count: int) -> list[tuple]:
+    return [await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0)) for _ in range(count)]
 
-    async def scenario() -> int:
+
+async def settle(condition, what: str) -> None:
+    for _ in range(300):  # until the server has taken the connections in (bounded)
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(what)
+
+
+def test_one_source_holds_at_most_its_share_of_pending_handshakes(tmp_path: Path):
+    """Idle connections beyond a source's share are closed at once; memory stays bounded."""
+
+    async def scenario() -> None:
         server = DataPlaneServer(load_or_create_identity(tmp_path / "x"), RingSettings(failure_timeout=5.0))
+        _, port = await server.start()
+        idle = await idle_connections(port, "127.0.0.2", MAX_PENDING_PER_SOURCE)
+        await settle(lambda: server.pending_handshakes == MAX_PENDING_PER_SOURCE, "the source's share held")
+        reader, writer = (await idle_connections(port, "127.0.0.2", 1))[0]
+        assert await asyncio.wait_for(reader.read(), 2.0) == b"", "closed at once"
+        assert server.pending_handshakes == MAX_PENDING_PER_SOURCE
+        for _, idle_writer in [*idle, (reader, writer)]:
+            idle_writer.close()
+        await server.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_member_gets_through_a_full_pool_of_idle_connections(tmp_path: Path):
+    """Idle connections from many sources fill the pool; a member's dial still completes its
+    handshake (the oldest idle one gives way), and a hello for a far step is refused at once."""
+
+    async def scenario() -> None:
+        settings = RingSettings(failure_timeout=5.0, setup_timeout=5.0)
+        listener_id, member_id = (
+            load_or_create_identity(tmp_path / "l"),
+            load_or_create_identity(tmp_path / "m"),
+        )
+        server = DataPlaneServer(listener_id, settings)
         host, port = await server.start()
-        idle = [await asyncio.open_connection(host, port) for _ in range(MAX_PENDING_HANDSHAKES)]
-        for _ in range(200):  # until the server has taken them all in (bounded)
-            if server.pending_handshakes == MAX_PENDING_HANDSHAKES:
-                break
-            await asyncio.sleep(0.01)
-        assert server.pending_handshakes == MAX_PENDING_HANDSHAKES
-        reader, writer = await asyncio.open_connection(host, port)
-        closed_at_once = await asyncio.wait_for(reader.read(), 2.0) == b""
+        sources = [f"127.0.0.{i}" for i in range(2, 2 + MAX_PENDING_HANDSHAKES // MAX_PENDING_PER_SOURCE + 1)]
+        idle = [
+            conn
+            for source in sources
+            for conn in await idle_connections(port, source, MAX_PENDING_PER_SOURCE)
+        ]
+        await settle(lambda: server.pending_handshakes == MAX_PENDING_HANDSHAKES, "a full pool")
+        assert server.pending.evicted >= MAX_PENDING_PER_SOURCE
+        listener = RingMember(listener_id.public_key, host, port)
+        members = [listener, RingMember(member_id.public_key, "127.0.0.1", 1)]
+        digest = membership_digest(STEP, members)
+        server.at_step(STEP)
+        registration = server.expect(STEP, [member_id.public_key], digest)
+        _, writer = await dial_member(member_id, listener, STEP, digest, settings)
+        assert (await asyncio.wait_for(registration.incoming[(member_id.public_key, 0)], 5)) is not None
+        writer.close()
+        with pytest.raises(HandshakeError, match="far ahead"):
+            await dial_member(member_id, listener, STEP + 1000, digest, settings)
         for _, idle_writer in idle:
             idle_writer.close()
-        writer.close()
         await server.close()
-        return closed_at_once
 
-    assert asyncio.run(scenario())
+    asyncio.run(asyncio.wait_for(scenario(), 60))

@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2ptrain.comm.dataplane import DataPlaneServer, RingMember, RingSettings, dial_member
+from p2ptrain.comm.connect import dial_member
+from p2ptrain.comm.dataplane import DataPlaneServer, RingMember, RingSettings
 from p2ptrain.comm.handshake import AttemptBehind, HandshakeError, accept, dial
 from p2ptrain.comm.wire import (
     MAGIC,

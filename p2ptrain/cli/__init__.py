@@ -1,12 +1,15 @@
 """Console entry point: `p2ptrain bootstrap | join | status | config show | identity | export | demo`.
 
 Errors a user can fix print as one line (`p2ptrain: error: ...`) with a non-zero exit code;
-SIGINT and SIGTERM stop a running node or bootstrap peer cleanly, children included.
+SIGINT and SIGTERM stop a running node or bootstrap peer cleanly, children included; SIGUSR1 prints
+every thread's stack to stderr (the node's log), for a node that seems stuck.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -25,6 +28,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         shift_wall_clock()  # a fault hook for tests; before hivemind binds its clock
         return args.handler(args)

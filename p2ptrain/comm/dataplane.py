@@ -1,4 +1,4 @@
-"""The data plane's shared parts: members, settings, the listening server, and authenticated dialing.
+"""The data plane's shared parts: members, settings and the listening server (dialing: connect.py).
 
 Every node listens on one TCP port. For each all-reduce step the schedule (ring.py) tells the server
 which peers may connect and under which membership digest; the server authenticates each incoming
@@ -25,19 +25,19 @@ from typing import Literal, TypeVar
 
 import numpy as np
 
+from p2ptrain.comm.budget import PendingBudget, WaitingBudget
 from p2ptrain.comm.handshake import (
     MAX_LANES,
     Admission,
-    AttemptBehind,
-    PeerBusy,
+    HandshakeError,
     Refusal,
     Session,
     accept_any,
-    dial,
 )
 from p2ptrain.comm.quant import Buffer
-from p2ptrain.comm.wire import PeerTimeout, WireError
+from p2ptrain.comm.wire import WireError
 from p2ptrain.identity import NodeIdentity, short_id
+from p2ptrain.untrusted import ThrottledLog
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -46,14 +46,11 @@ Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 LaneKey = tuple[bytes, int]
 """(peer key, lane): one of the `connections` parallel connections from that peer."""
 
-REFUSED_GRACE = 1.0
-"""Seconds a refused or failed connect is retried before the member counts as gone."""
-BUSY_RETRY_MAX = 0.5
-"""Longest pause between dials to a member still in an earlier attempt (within setup_timeout)."""
 KEPT_STEPS = 4
 """Steps whose next attempt number the server remembers (older ones cannot come back)."""
-MAX_PENDING_HANDSHAKES = 64
-"""Unauthenticated connections a node holds at once; more are closed at once (bounded memory)."""
+MAX_STEPS_AHEAD = 1
+"""A hello for a step further ahead of this node's own is refused at once (a member dials only once
+this node published ready for that step; one step of slack for a dialer that registered first)."""
 
 
 class AllReduceError(WireError):
@@ -192,7 +189,10 @@ class DataPlaneServer:
         self._changed = asyncio.Event()
         self._latest_step = -1
         self._completed_step = -1
-        self._pending = 0
+        self.pending = PendingBudget()
+        self.waiting = WaitingBudget()
+        self._refusals = ThrottledLog(log)
+        self._drops = ThrottledLog(log)
         self.address: tuple[str, int] = ("", 0)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
@@ -202,8 +202,14 @@ class DataPlaneServer:
 
     @property
     def pending_handshakes(self) -> int:
-        """Incoming connections not yet authenticated."""
-        return self._pending
+        """Incoming connections that have not sent their hello yet."""
+        return len(self.pending)
+
+    def at_step(self, step: int, candidates: Collection[bytes] = ()) -> None:
+        """This node works on `step` now, with these nodes ready for it as far as it knows: their
+        hellos may wait for us, and hellos for steps beyond it are refused at once."""
+        self._latest_step = max(self._latest_step, step)
+        self.waiting.candidates = frozenset(candidates)
 
     async def close(self) -> None:
         if self._server is not None:
@@ -244,17 +250,28 @@ class DataPlaneServer:
         """The all-reduce of `step` succeeded here: dials for it (or older) are refused at once."""
         self._completed_step = max(self._completed_step, step)
 
-    async def _admission(self, step: int) -> Admission | None:
+    async def _admission(self, step: int, key: bytes) -> Admission | None:
         """Wait (bounded) for the local node to reach `step`: a fast peer may dial before we get there."""
-        if step not in self._expected and (step < self._latest_step or step <= self._completed_step):
+        if step in self._expected:
+            return self._expected[step].admission
+        if step < self._latest_step or step <= self._completed_step:
             return None  # an older step than ours, or one done here: nothing to wait for
-        deadline = time.monotonic() + self.settings.setup_timeout
-        while step not in self._expected:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), remaining)
+        if self._latest_step >= 0 and step > self._latest_step + MAX_STEPS_AHEAD:
+            raise HandshakeError(f"step {step} is far ahead of this node's step {self._latest_step}")
+        if not self.waiting.may_wait(key):
+            raise HandshakeError(f"{self.waiting.strangers} connections already wait for step {step}")
+        stranger = key not in self.waiting.candidates
+        self.waiting.waiting_strangers += stranger
+        try:
+            deadline = time.monotonic() + self.settings.setup_timeout
+            while step not in self._expected:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), remaining)
+        finally:
+            self.waiting.waiting_strangers -= stranger
         return self._expected[step].admission
 
     def _claim(self, session: Session) -> Refusal | None:
@@ -276,21 +293,41 @@ class DataPlaneServer:
         return None
 
     async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._pending >= MAX_PENDING_HANDSHAKES:
-            log.warning("data-plane connection refused: %d handshakes already pending", self._pending)
-            writer.close()
+        peer = writer.get_extra_info("peername")
+        source = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        ticket = self.pending.enter(source, writer)
+        if ticket is None:
+            self._refusals.warning(
+                "data-plane connection from %s refused: %d of its handshakes already pending",
+                source,
+                self.pending.per_source,
+            )
+            writer.transport.abort()
             return
-        self._pending += 1
+
+        async def resolve(step: int, key: bytes) -> Admission | None:
+            self.pending.leave(ticket)  # the hello is in: no longer an idle connection
+            return await self._admission(step, key)
+
         try:
             session = await accept_any(
-                reader, writer, self.identity, self._admission, self.settings.failure_timeout, self._claim
+                reader,
+                writer,
+                self.identity,
+                resolve,
+                self.settings.failure_timeout,
+                self._claim,
+                lambda reason: self._refusals.warning("refused data-plane connection: %s", reason),
             )
+        except HandshakeError:
+            writer.close()  # refused, and logged, by the handshake
+            return
         except WireError as exc:
-            log.info("data-plane connection dropped: %s", exc)
+            self._drops.warning("data-plane connection from %s dropped in its handshake: %s", source, exc)
             writer.close()
             return
         finally:
-            self._pending -= 1
+            self.pending.leave(ticket)
         registration = self._expected.get(session.step)
         future = None
         if registration is not None and registration.attempt == session.attempt:
@@ -299,105 +336,3 @@ class DataPlaneServer:
             writer.close()  # the attempt ended while "ok" was on its way
             return
         future.set_result((reader, writer))
-
-
-async def dial_member(
-    identity: NodeIdentity,
-    member: RingMember,
-    step: int,
-    digest: bytes,
-    settings: RingSettings,
-    lane: int = 0,
-    attempt: int = 0,
-) -> Connection:
-    """Connect and authenticate lane `lane` of attempt `attempt` to `member`.
-
-    A member publishes its address only once its server listens, so a refused connection means
-    it is gone: that is retried only briefly (REFUSED_GRACE), not for the whole setup deadline. A
-    member still in an earlier attempt of the step (PeerBusy) is dialed again until setup_timeout.
-    """
-    started = time.monotonic()
-    refused_deadline = started + min(settings.setup_timeout, REFUSED_GRACE)
-    busy_deadline = started + settings.setup_timeout
-    refused_delay, busy_delay = 0.05, 0.02
-    while True:
-        try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(member.host, member.port), settings.failure_timeout
-            )
-        except (OSError, asyncio.TimeoutError) as exc:
-            if time.monotonic() + refused_delay > refused_deadline:
-                raise AllReduceError(
-                    f"cannot connect to {short_id(member.key)} at {member.host}:{member.port}: {exc}",
-                    member.key,
-                ) from None
-            await asyncio.sleep(refused_delay)
-            refused_delay = min(refused_delay * 2, 1.0)
-            continue
-        try:
-            await dial(
-                reader, writer, identity, member.key, step, digest, settings.setup_timeout, lane, attempt
-            )
-        except PeerTimeout as exc:
-            writer.close()
-            raise AllReduceError(
-                f"{short_id(member.key)} did not answer the handshake: {exc}", member.key
-            ) from None
-        except PeerBusy as exc:
-            writer.close()
-            if time.monotonic() + busy_delay > busy_deadline:
-                raise AllReduceError(f"step {step}: {exc} for {settings.setup_timeout:.0f} s") from None
-            await asyncio.sleep(busy_delay)
-            busy_delay = min(busy_delay * 2, BUSY_RETRY_MAX)
-            continue
-        except BaseException:
-            writer.close()
-            raise
-        return reader, writer
-
-
-async def connect_lanes(
-    server: DataPlaneServer,
-    members: Sequence[RingMember],
-    out_peers: Sequence[int],
-    registration: Registration,
-    step: int,
-    digest: bytes,
-    connections: list[Connection],
-) -> dict[tuple[int, int], Connection]:
-    """Dial every lane to every out-peer and wait for every lane of every in-peer; all connections
-    land in `connections`. Returns the outgoing ones by (peer, lane)."""
-    settings = server.settings
-
-    async def dial_one(peer: int, lane: int) -> tuple[tuple[int, int], Connection]:
-        try:
-            connection = await dial_member(
-                server.identity, members[peer], step, digest, settings, lane, registration.attempt
-            )
-        except AttemptBehind as exc:
-            server.learn_attempt(step, exc.attempt)
-            raise AllReduceError(f"step {step}: {exc}") from None
-        connections.append(connection)
-        return (peer, lane), connection
-
-    async def connect_all() -> dict[tuple[int, int], Connection]:
-        outgoing = dict(await asyncio.gather(*dials))
-        for (key, _), future in registration.incoming.items():
-            try:
-                connections.append(await asyncio.wait_for(asyncio.shield(future), settings.setup_timeout))
-            except asyncio.TimeoutError:
-                raise AllReduceError(
-                    f"{short_id(key)} did not connect within {settings.setup_timeout:.0f} s", key
-                ) from None
-        return outgoing
-
-    dials = [
-        asyncio.create_task(dial_one(peer, lane))
-        for peer in out_peers
-        for lane in range(settings.connections)
-    ]
-    try:
-        return await registration.unless_abandoned(connect_all())
-    finally:
-        for task in dials:
-            task.cancel()

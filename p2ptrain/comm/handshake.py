@@ -168,7 +168,8 @@ class Admission:
     lanes: int = 1
 
 
-Resolver = Callable[[int], Awaitable["Admission | None"]]
+Resolver = Callable[[int, bytes], Awaitable["Admission | None"]]
+"""Who may connect for (step, the key the hello claims); may raise HandshakeError with the reason."""
 Claim = Callable[[Session], "Refusal | None"]
 """Called once the dialer has proven its key: None takes the connection."""
 
@@ -184,7 +185,7 @@ async def accept(
 ) -> Session:
     """Authenticate an incoming connection for one known step (see `accept_any`)."""
 
-    async def resolve(asked: int) -> Admission | None:
+    async def resolve(asked: int, _: bytes) -> Admission | None:
         return Admission(members, digest) if asked == step else None
 
     return await accept_any(reader, writer, identity, resolve, timeout)
@@ -197,11 +198,13 @@ async def accept_any(
     resolve: Resolver,
     timeout: float,
     claim: Claim | None = None,
+    log_refusal: Callable[[str], None] | None = None,
 ) -> Session:
-    """Authenticate an incoming connection; `resolve(step)` says who may connect for that step, and
-    `claim` whether the authenticated connection is wanted now.
+    """Authenticate an incoming connection; `resolve(step, key)` says who may connect for that
+    step, and `claim` whether the authenticated connection is wanted now.
 
-    A refusal is sent to the peer, logged, and raised as HandshakeError.
+    A refusal is sent to the peer, logged (by `log_refusal`, which a server throttles), and raised
+    as HandshakeError.
     """
     hello = expect(await read_frame(reader, timeout, MAX_HANDSHAKE_FRAME), "hello")
     try:
@@ -210,7 +213,7 @@ async def accept_any(
         step = _int_field(hello.header, "step", 1 << 63)
         lane = _int_field(hello.header, "lane", MAX_LANES)
         attempt = _int_field(hello.header, "attempt", MAX_ATTEMPT + 1)
-        admission = await resolve(step)
+        admission = await resolve(step, peer_key)
         reason = None
         if admission is None:
             reason = f"step {step} is not a step this node is reducing"
@@ -236,7 +239,7 @@ async def accept_any(
         if not verify(peer_key, _bytes_field(proof.header, "signature", 64), transcript):
             raise HandshakeError(f"{short_id(peer_key)} failed to prove its key")
     except (HandshakeError, FrameError) as exc:
-        log.warning("refused data-plane connection: %s", exc)
+        (log_refusal or _log_refusal)(str(exc))
         await _refuse(writer, {"reason": str(exc)})
         raise HandshakeError(str(exc)) from None
     refusal = claim(session) if claim is not None else None
@@ -252,6 +255,10 @@ async def accept_any(
     transport.pause_reading()  # the rest of this connection is read from its raw socket
     await write_frame(writer, {"kind": "ok"}, timeout=timeout)
     return session
+
+
+def _log_refusal(reason: str) -> None:
+    log.warning("refused data-plane connection: %s", reason)
 
 
 async def _refuse(writer: asyncio.StreamWriter, fields: dict) -> None:

@@ -48,6 +48,7 @@ import numpy as np
 import zstandard
 
 from p2ptrain.comm import lanes, quant
+from p2ptrain.comm.connect import connect_lanes
 from p2ptrain.comm.dataplane import (
     AllReduceError,
     Connection,
@@ -55,7 +56,6 @@ from p2ptrain.comm.dataplane import (
     RingMember,
     RingSettings,
     RingStats,
-    connect_lanes,
     membership_digest,
     segment_bounds,
     shares,

@@ -20,6 +20,7 @@ from p2ptrain.comm.dataplane import AllReduceError, DataPlaneServer, RingSetting
 from p2ptrain.comm.ring import ring_all_reduce
 from p2ptrain.config import Config
 from p2ptrain.faults import Faults
+from p2ptrain.identity import short_id
 from p2ptrain.swarm.crash_watch import CrashWatch
 from p2ptrain.swarm.dht import SwarmDHT
 from p2ptrain.swarm.election import (
@@ -27,10 +28,12 @@ from p2ptrain.swarm.election import (
     LINK_PREFIX_HEX,
     LINKS_FIELD,
     Election,
+    LeftOut,
     SwarmAhead,
     elect,
     ready_for,
 )
+from p2ptrain.swarm.evidence import BLAME_FIELD, Offences, blame_field
 from p2ptrain.swarm.membership import HeartbeatPublisher, SwarmView, live
 from p2ptrain.swarm.records import Heartbeat, NodeState
 
@@ -88,6 +91,9 @@ class OuterSync:
         self.links: dict[bytes, float] = {}
         """Receiver key → bytes/s of our slow links, latest measurement; published when ready."""
         self.crashes = CrashWatch()
+        self.offences = Offences()
+        self._last_members: tuple[int, frozenset[bytes]] = (-1, frozenset())
+        """The last step this node completed and its members."""
         self._seen: dict[bytes, Heartbeat] = {}
 
     async def _live_heartbeats(self, step: int) -> list[Heartbeat]:
@@ -95,11 +101,27 @@ class OuterSync:
         without those whose data port refuses connections: crashed, not worth waiting for."""
         digest, me = self.config.digest(), self.publisher.current.node_key
         beats = [beat for beat in live(await self.view.read()) if beat.config_digest in (digest, "")]
+        # our own record as we last signed it: the copy in the DHT may not show our newest evidence yet
+        beats = sorted(
+            [beat for beat in beats if beat.node_key != me] + [self.publisher.current],
+            key=lambda beat: beat.node_key,
+        )
         self._seen = {beat.node_key: beat for beat in beats}
+        self.server.at_step(step, [beat.node_key for beat in ready_for(beats, step)])
+        transit = self._in_transit(step)
         self.crashes.watch(
-            b for b in beats if b.node_key != me and b.state in IN_STEPS and b.outer_step == step
+            b
+            for b in beats
+            if b.node_key != me
+            and b.state in IN_STEPS
+            and (b.outer_step == step or (b.node_key in transit and b.outer_step == step - 1))
         )
         return self.crashes.alive(beats)
+
+    def _in_transit(self, step: int) -> frozenset[bytes]:
+        """The members of our step - 1, on their way to `step` (election.expected_for)."""
+        completed, members = self._last_members
+        return members if completed == step - 1 else frozenset()
 
     def close(self) -> None:
         self.crashes.close()
@@ -112,9 +134,17 @@ class OuterSync:
         while len(self.links) > MAX_PUBLISHED_LINKS:
             self.links.pop(next(iter(self.links)))
 
-    def _extra_with_links(self) -> dict:
-        """The record's extra fields with our slow links, which elections use to order the ring."""
-        extra = {key: value for key, value in self.publisher.current.extra.items() if key != LINKS_FIELD}
+    def _extra_for(self, step: int, named: set[bytes], report: bool = False) -> dict:
+        """The record's extra fields with our slow links, which elections use to order the ring, and
+        the members we name for `step` (evidence.py): `report` after a failed attempt, even if we
+        name no one."""
+        extra = {
+            key: value
+            for key, value in self.publisher.current.extra.items()
+            if key not in (LINKS_FIELD, BLAME_FIELD)
+        }
+        if named or report:
+            extra[BLAME_FIELD] = blame_field(step, named)
         if self.links:
             extra[LINKS_FIELD] = {
                 key.hex()[:LINK_PREFIX_HEX]: round(rate) for key, rate in self.links.items()
@@ -134,12 +164,27 @@ class OuterSync:
 
     async def sync(self, step: int, vector: np.ndarray, tokens: int) -> SyncResult:
         """Average `vector` with the members of `step`; raises StepGivenUp when every attempt failed."""
-        swarm = self.config.swarm
         if step == self.faults.late_step:
             await self._straggle(step)
+        ignored = self.offences.named_at(step)
+        named = set(ignored)
+        self.server.at_step(step)
         await self.publisher.publish(
-            state=NodeState.READY, outer_step=step, tokens=tokens, extra=self._extra_with_links()
+            state=NodeState.READY, outer_step=step, tokens=tokens, extra=self._extra_for(step, named)
         )
+        try:
+            result = await self._attempts(step, vector, named)
+        except StepGivenUp:
+            self.offences.step_done(step, (), named - ignored)
+            raise
+        self.offences.step_done(step, result.election.keys, named - ignored)
+        self._last_members = (step, frozenset(result.election.keys))
+        return result
+
+    async def _attempts(self, step: int, vector: np.ndarray, named: set[bytes]) -> SyncResult:
+        """Elect and all-reduce until an attempt completes; `named` collects whom we blame."""
+        swarm = self.config.swarm
+        me = self.publisher.current.node_key
         last_error: Exception | None = None
         attempt = 0
         while attempt < swarm.sync_retries:
@@ -150,12 +195,13 @@ class OuterSync:
                     swarm.straggler_deadline,
                     swarm.election_timeout,
                     poll_interval=min(0.25, swarm.heartbeat_interval),
-                    me=self.publisher.current.node_key,
+                    me=me,
                     finished=self.view.finished,
+                    in_transit=self._in_transit(step),
                 )
-            except (TimeoutError, SwarmAhead) as exc:
+            except (TimeoutError, SwarmAhead, LeftOut) as exc:
                 raise StepGivenUp(str(exc)) from None
-            if self.publisher.current.node_key not in election.keys:
+            if me not in election.keys:
                 # our ready record has not reached the others' view yet: read again shortly
                 await asyncio.sleep(swarm.heartbeat_interval / 2)
                 continue
@@ -168,14 +214,16 @@ class OuterSync:
             except AllReduceError as exc:
                 last_error = exc
                 log.warning("step %d attempt %d failed (%s); electing the survivors", step, attempt, exc)
-                await self.publisher.publish(state=NodeState.READY)
-                # a member that crashed is left out of the next election at once, and one that did not
-                # answer (frozen, cut off) until its heartbeat shows it is still there
-                others = [key for key in election.keys if key != self.publisher.current.node_key]
+                # a member that crashed (its port refuses) is left out by everyone's own probe; one
+                # that did not answer (frozen, cut off, a stranger) by the evidence we publish now
+                others = [key for key in election.keys if key != me]
                 await self._live_heartbeats(step)  # their newest records
                 await self.crashes.probe_now(self._seen[key] for key in others if key in self._seen)
-                if exc.unresponsive in self._seen:
-                    self.crashes.suspect(self._seen[exc.unresponsive])
+                culprit = exc.unresponsive
+                if culprit in others and culprit in self._seen and self.crashes.alive([self._seen[culprit]]):
+                    log.warning("naming %s in the evidence of step %d", short_id(culprit), step)
+                    named.add(culprit)
+                await self.publisher.publish(state=NodeState.READY, extra=self._extra_for(step, named, True))
                 continue
             self._remember_links(stats.link_rates)
             return SyncResult(election, stats, attempt)

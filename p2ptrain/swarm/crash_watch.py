@@ -6,8 +6,10 @@ node's agent is gone — killed, crashed, out of memory — even though its last
 looks fresh. A port that accepts, times out or cannot be routed proves nothing: a frozen or
 partitioned node still goes by the heartbeat timeout, as before.
 
-The verdict belongs to one record: a node whose sequence number advances after its port refused
-(it restarted, it moved to another port) is judged afresh.
+The verdict belongs to the address that refused, not to one record: a record refreshed with the
+same dead address (a stranger's, republished every half second; a node announcing an address
+nobody can reach) stays out. The port is probed again every `interval`, so a node that restarted
+on it, or moved to another address, is judged afresh.
 """
 
 from __future__ import annotations
@@ -52,20 +54,14 @@ class CrashWatch:
     def __init__(self, interval: float = PROBE_INTERVAL, timeout: float = PROBE_TIMEOUT):
         self.interval = interval
         self.timeout = timeout
-        self._crashed: dict[bytes, int] = {}
-        """node key → seq of the record whose port refused."""
+        self._crashed: dict[bytes, str] = {}
+        """node key → the data address that refused connections."""
         self._last_probe: dict[bytes, float] = {}
         self._running: dict[bytes, asyncio.Task[None]] = {}
 
     def alive(self, beats: Iterable[Heartbeat]) -> list[Heartbeat]:
-        """`beats` without the nodes whose port refused since their record was published."""
-        return [beat for beat in beats if self._crashed.get(beat.node_key, -1) < beat.seq]
-
-    def suspect(self, beat: Heartbeat) -> None:
-        """Leave this node out until it publishes a newer record: it did not answer in time, so a
-        step that includes it again would only wait for it again."""
-        log.warning("%s did not answer; left out until its heartbeat advances", short_id(beat.node_key))
-        self._crashed[beat.node_key] = max(self._crashed.get(beat.node_key, -1), beat.seq)
+        """`beats` without the nodes whose port refuses connections."""
+        return [beat for beat in beats if self._crashed.get(beat.node_key) != beat.data_addr]
 
     def watch(self, beats: Iterable[Heartbeat]) -> None:
         """Probe these nodes in the background (each at most once per `interval`)."""
@@ -91,14 +87,18 @@ class CrashWatch:
 
     async def _probe(self, beat: Heartbeat) -> None:
         try:
-            if await port_refuses(beat.data_addr, self.timeout):
-                if self._crashed.get(beat.node_key, -1) < beat.seq:
-                    log.warning(
-                        "%s is gone: its data port %s refuses connections",
-                        short_id(beat.node_key),
-                        beat.data_addr,
-                    )
-                self._crashed[beat.node_key] = max(self._crashed.get(beat.node_key, -1), beat.seq)
+            refused = await port_refuses(beat.data_addr, self.timeout)
+            known = self._crashed.get(beat.node_key) == beat.data_addr
+            if refused and not known:
+                log.warning(
+                    "%s is gone: its data port %s refuses connections",
+                    short_id(beat.node_key),
+                    beat.data_addr,
+                )
+                self._crashed[beat.node_key] = beat.data_addr
+            elif not refused and known:
+                log.info("%s: its data port takes connections again", short_id(beat.node_key))
+                del self._crashed[beat.node_key]
         finally:
             self._running.pop(beat.node_key, None)
 

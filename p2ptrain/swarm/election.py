@@ -13,7 +13,9 @@ outer_step N, its data-plane address and its weight (tokens processed). Then eac
    others: two halves that each see only their own ready records (a DHT view not yet converged)
    must not both take the step. So in a two-node swarm a straggler holds the other back, and so
    does a slow half of any swarm;
-2. takes the ready(N) nodes as the members, ordered by `ring_order`.
+2. takes the ready(N) nodes as the members, ordered by `ring_order`, without those the signed
+   evidence of failed attempts leaves out (evidence.py): one unreachable or lying node costs an
+   attempt, not the step.
 
 Nodes whose views differ (a record not yet propagated, a straggler seen by some only) compute
 different membership digests; the data-plane handshake refuses the mismatch, the all-reduce fails
@@ -28,10 +30,11 @@ import hashlib
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from p2ptrain.comm.dataplane import RingMember, membership_digest
+from p2ptrain.swarm.evidence import left_out
 from p2ptrain.swarm.records import Heartbeat, NodeState, record_number
 from p2ptrain.untrusted import decimal
 
@@ -50,6 +53,8 @@ LINK_PREFIX_HEX = 16
 class Election:
     step: int
     members: list[RingMember]
+    left_out: dict[bytes, str] = field(default_factory=dict)
+    """Ready nodes the evidence leaves out of this attempt, each with the reason."""
 
     @property
     def digest(self) -> bytes:
@@ -80,9 +85,23 @@ def ready_for(heartbeats: Iterable[Heartbeat], step: int) -> list[Heartbeat]:
     ]
 
 
-def expected_for(heartbeats: Iterable[Heartbeat], step: int) -> list[Heartbeat]:
-    """Live nodes still training towards `step`: worth waiting for until the straggler deadline."""
-    return [beat for beat in heartbeats if beat.state is NodeState.TRAINING and beat.outer_step == step]
+def expected_for(
+    heartbeats: Iterable[Heartbeat], step: int, in_transit: Collection[bytes] = ()
+) -> list[Heartbeat]:
+    """Live nodes still training towards `step`: worth waiting for until the straggler deadline.
+
+    `in_transit`: the members of the previous step with this node. Until their newer record
+    reaches us, theirs still says ready or syncing for step - 1, but they are on their way."""
+    return [
+        beat
+        for beat in heartbeats
+        if (beat.state is NodeState.TRAINING and beat.outer_step == step)
+        or (
+            beat.node_key in in_transit
+            and beat.state in (NodeState.READY, NodeState.SYNCING)
+            and beat.outer_step == step - 1
+        )
+    ]
 
 
 def ring_order(keys: Sequence[bytes], step: int, throughput: Throughput | None = None) -> list[bytes]:
@@ -179,21 +198,30 @@ IN_STEPS = (NodeState.TRAINING, NodeState.READY, NodeState.SYNCING)
 """States of a node that takes part in the outer steps (its outer_step is the one it works on)."""
 
 
-def _others_at(heartbeats: Iterable[Heartbeat], step: int, me: bytes) -> bool:
+def _others_at(heartbeats: Iterable[Heartbeat], step: int, me: bytes, ignored: Collection[bytes]) -> bool:
     return any(
-        beat.node_key != me and beat.outer_step == step and beat.state is not NodeState.DEAD
+        beat.node_key != me
+        and beat.node_key not in ignored
+        and beat.outer_step == step
+        and beat.state is not NodeState.DEAD
         for beat in heartbeats
     )
 
 
 def decide(
-    heartbeats: Sequence[Heartbeat], step: int, deadline_passed: bool, throughput: Throughput | None = None
+    heartbeats: Sequence[Heartbeat],
+    step: int,
+    deadline_passed: bool,
+    throughput: Throughput | None = None,
+    in_transit: Collection[bytes] = (),
 ) -> Election | None:
     """The members of `step` if this view allows a decision now, else None (keep waiting)."""
-    ready, expected = ready_for(heartbeats, step), expected_for(heartbeats, step)
+    ready, expected = ready_for(heartbeats, step), expected_for(heartbeats, step, in_transit)
+    excluded = left_out(ready, step)
+    ready = [beat for beat in ready if beat.node_key not in excluded]
     if not ready or (expected and (not deadline_passed or 2 * len(ready) <= len(ready) + len(expected))):
         return None
-    if len(ready) == 1 and (not deadline_passed or _others_at(heartbeats, step, ready[0].node_key)):
+    if len(ready) == 1 and (not deadline_passed or _others_at(heartbeats, step, ready[0].node_key, excluded)):
         # Alone in this view: a one-member "all-reduce" has no handshake that would reveal a
         # disagreement, so never go solo while any other live node is at this step (its ready record
         # may just not have reached us), and otherwise only after the deadline.
@@ -207,11 +235,15 @@ def decide(
         assert address is not None, "ready_for keeps only records with a usable address"
         host, port = address
         members.append(RingMember(key, host, port, float(by_key[key].tokens)))
-    return Election(step, members)
+    return Election(step, members, excluded)
 
 
 class SwarmAhead(Exception):
     """The swarm is done with this step: no election of it can include anyone else."""
+
+
+class LeftOut(Exception):
+    """The evidence of failed attempts leaves this node out of the step (the message says why)."""
 
 
 def swarm_ahead(
@@ -244,13 +276,15 @@ async def elect(
     clock: Callable[[], float] = time.monotonic,
     me: bytes | None = None,
     finished: Mapping[bytes, int] | None = None,
+    in_transit: Collection[bytes] = (),
 ) -> Election:
     """Poll the heartbeats (via `read`) until `decide` gives the members of `step`.
 
     The DHT offers no change notification across processes, hence the bounded poll.
-    Raises TimeoutError when no decision is possible within `timeout` seconds, and SwarmAhead
-    (given `me`) as soon as the swarm is done with `step` (`swarm_ahead`; `finished` is read again
-    at every poll): a straggler must catch up, not take the step alone.
+    Raises TimeoutError when no decision is possible within `timeout` seconds, SwarmAhead (given
+    `me`) as soon as the swarm is done with `step` (`swarm_ahead`; `finished` is read again at every
+    poll): a straggler must catch up, not take the step alone; and LeftOut when the evidence leaves
+    `me` out of the step.
     """
     started = clock()
     first_ready: float | None = None
@@ -258,11 +292,14 @@ async def elect(
         heartbeats = await read()
         if me is not None and swarm_ahead(heartbeats, step, me, finished):
             raise SwarmAhead(f"the swarm is past outer step {step}")
+        reason = left_out(ready_for(heartbeats, step), step).get(me or b"")
+        if reason is not None:
+            raise LeftOut(f"left out of outer step {step}: {reason}")
         now = clock()
         if first_ready is None and ready_for(heartbeats, step):
             first_ready = now
         passed = first_ready is not None and now - first_ready >= straggler_deadline
-        election = decide(heartbeats, step, passed)
+        election = decide(heartbeats, step, passed, in_transit=in_transit)
         if election is not None:
             return election
         if now - started >= timeout:

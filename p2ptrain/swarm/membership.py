@@ -35,6 +35,8 @@ from p2ptrain.swarm.records import (
     decode_heartbeat,
     heartbeat_key,
 )
+from p2ptrain.untrusted import ThrottledLog
+from p2ptrain.untrusted import ThrottledLog
 
 log = logging.getLogger(__name__)
 
@@ -100,12 +102,16 @@ async def keep_alive(publisher: HeartbeatPublisher, interval: float, stop: async
             log.warning("heartbeat not stored by any DHT peer; retrying")
 
 
-async def read_heartbeats(dht: SwarmDHT, run_id: str) -> list[Heartbeat]:
+async def read_heartbeats(
+    dht: SwarmDHT, run_id: str, refusals: ThrottledLog | None = None
+) -> list[Heartbeat]:
     """Every valid, unexpired heartbeat of `run_id`, ordered by node key.
 
     The DHT validator already refused bad records where they were stored; the reader verifies
-    again because a record may come from a node that runs no validator.
+    again because a record may come from a node that runs no validator. What it ignores goes to
+    `refusals` (a node that reads several times a second passes a throttled log).
     """
+    refusals = refusals or ThrottledLog(log, interval=0.0)
     found = await dht.get(heartbeat_key(run_id))
     if not found:
         return []
@@ -114,10 +120,10 @@ async def read_heartbeats(dht: SwarmDHT, run_id: str) -> list[Heartbeat]:
         try:
             heartbeat = decode_heartbeat(item.value)
         except (RecordError, TypeError) as exc:
-            log.warning("ignoring heartbeat under subkey %r: %s", subkey[:8], exc)
+            refusals.warning("ignoring heartbeat under subkey %r: %s", subkey[:8], exc)
             continue
         if heartbeat.node_key != subkey or heartbeat.run_id != run_id:
-            log.warning("ignoring heartbeat filed under another node's subkey")
+            refusals.warning("ignoring heartbeat filed under another node's subkey")
             continue
         heartbeats.append(heartbeat)
     return sorted(heartbeats, key=lambda beat: beat.node_key)
@@ -147,10 +153,11 @@ class SwarmView:
         """node key → (newest record seen, when its seq was first seen)."""
         self.finished: dict[bytes, int] = {}
         """node key → the outer step at which it finished the run (never forgotten)."""
+        self._refusals = ThrottledLog(log)
 
     async def read(self) -> list[Heartbeat]:
         """Every heartbeat in the DHT whose sender is not silent, ordered by node key."""
-        return self.judge(await read_heartbeats(self._dht, self.run_id))
+        return self.judge(await read_heartbeats(self._dht, self.run_id, self._refusals))
 
     def judge(self, heartbeats: list[Heartbeat]) -> list[Heartbeat]:
         """The non-silent subset of one DHT read (its records replaced by newer ones seen before)."""

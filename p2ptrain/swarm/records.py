@@ -18,10 +18,11 @@ from typing import Any
 import msgpack
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils import get_dht_time
 
 import p2ptrain.swarm.quiet  # noqa: F401  (hivemind keeps quiet)
 from p2ptrain.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, NodeIdentity, verify
-from p2ptrain.untrusted import UndecodableError, unpack_untrusted
+from p2ptrain.untrusted import ThrottledLog, UndecodableError, unpack_untrusted
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,10 @@ MAX_RECORD_BYTES = 4096
 """Far below hivemind's ~16 KiB pipe limit; every heartbeat field is short."""
 MAX_FOREIGN_BYTES = 1024
 """Values at keys that are not ours (a stranger's, or hivemind tooling's) are tolerated up to this."""
+MAX_LIFETIME_ANY_RUN = 600.0 + 2 * 3600.0
+"""The longest record life any run's settings allow (heartbeat_timeout + max_clock_skew, their
+maxima), plus the clock skew: what a validator that does not know the run accepts."""
+MAX_PROTECTED_KEYS = 4096
 _DOMAIN = b"p2ptrain/heartbeat/v1\0"
 _MAX_STRING = 512
 
@@ -179,12 +184,23 @@ class HeartbeatValidator(RecordValidatorBase):
 
     Runs inside every DHT node (bootstrap peers included), so a forged, replayed, oversized or
     malformed heartbeat is refused where it would be stored, not only where it is read.
-    `run_ids` are the runs whose key must hold heartbeats only; a bootstrap peer that serves any
-    run passes none and still verifies every value that claims to be a heartbeat.
+    `run_ids` are the runs whose key must hold heartbeats only. A bootstrap peer serves any run:
+    it cannot tell a run's key from a hash, so it protects every key at which it has seen a valid
+    heartbeat (DHT keys are hashes of the run id: junk stored there first stays only until a
+    heartbeat arrives, and never longer than its expiration). No record may expire later than
+    `max_lifetime` seconds from now (the run's record lifetime plus the clock skew it allows).
     """
 
-    def __init__(self, run_ids: tuple[str, ...] = (), max_tracked: int = 65536):
+    def __init__(
+        self,
+        run_ids: tuple[str, ...] = (),
+        max_tracked: int = 65536,
+        max_lifetime: float = MAX_LIFETIME_ANY_RUN,
+    ):
         self._protected = {key_id(heartbeat_key(run)) for run in run_ids}
+        self._learned: OrderedDict[bytes, None] = OrderedDict()
+        self._refusals = ThrottledLog(log)
+        self._max_lifetime = max_lifetime
         self._latest: OrderedDict[tuple[bytes, bytes], tuple[int, bytes]] = OrderedDict()
         self._max_tracked = max_tracked
 
@@ -196,7 +212,7 @@ class HeartbeatValidator(RecordValidatorBase):
             log.info("refused DHT record: %s", exc)
             return False
         except RecordError as exc:
-            log.warning("refused DHT record: %s", exc)
+            self._refusals.warning("refused DHT record: %s", exc)
             return False
         return True
 
@@ -204,7 +220,7 @@ class HeartbeatValidator(RecordValidatorBase):
         try:
             heartbeat = decode_heartbeat(_unpack_value(record.value))
         except RecordError:
-            if record.key in self._protected:
+            if record.key in self._protected or record.key in self._learned:
                 raise
             if len(record.value) > MAX_FOREIGN_BYTES:
                 raise RecordError(
@@ -217,7 +233,18 @@ class HeartbeatValidator(RecordValidatorBase):
             raise RecordError(f"heartbeat of {heartbeat.node_key.hex()[:12]} under another node's subkey")
         if record.expiration_time != heartbeat.expiration:
             raise RecordError(f"heartbeat of {heartbeat.node_key.hex()[:12]} with altered expiration")
+        ahead = heartbeat.expiration - get_dht_time()
+        if ahead > self._max_lifetime:
+            raise RecordError(
+                f"heartbeat of {heartbeat.node_key.hex()[:12]} expires {ahead:.0f} s from now "
+                f"(at most {self._max_lifetime:.0f} s)"
+            )
         self._check_sequence(record.key, heartbeat)
+        if record.key not in self._protected:
+            self._learned[record.key] = None
+            self._learned.move_to_end(record.key)
+            while len(self._learned) > MAX_PROTECTED_KEYS:
+                self._learned.popitem(last=False)
 
     def _check_sequence(self, key: bytes, heartbeat: Heartbeat) -> None:
         slot = (key, heartbeat.node_key)

@@ -1,0 +1,86 @@
+"""Budgets for the data port's unauthenticated connections, so a flood cannot starve the members.
+
+Anyone can open a TCP connection to a node's data port. Until its handshake completes a connection
+is a stranger's, and it costs the node a socket, a task and memory. Two phases, two budgets:
+
+1. **Before the hello** (the dialer's first frame): at most `per_source` connections from one
+   address and `total` in all. When the pool is full the *oldest* one is dropped for the newcomer:
+   an honest dialer sends its hello within milliseconds, so idle connections — the flood — are the
+   ones that grow old. A single source cannot fill the pool at all.
+2. **Waiting for this node to reach the step** the hello names (a fast member may dial before we got
+   there): hellos from the nodes this node currently sees ready for its step (`candidates`) wait
+   freely; anyone else shares `strangers` slots, refused when those are taken. Hellos for steps far
+   from this node's own are refused at once (dataplane.py).
+
+Every refusal is logged, but at most once per 10 s with a count (untrusted.ThrottledLog), so a
+flood cannot fill the disk either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter, OrderedDict
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+MAX_PENDING_HANDSHAKES = 64
+"""Connections that have not sent their hello yet, in all."""
+MAX_PENDING_PER_SOURCE = 16
+"""…and from one source address."""
+MAX_WAITING_STRANGERS = 32
+"""Connections of non-candidates waiting for this node to reach their step."""
+
+
+@dataclass
+class PendingBudget:
+    """Phase 1: connections before their hello, by source address, oldest dropped first."""
+
+    total: int = MAX_PENDING_HANDSHAKES
+    per_source: int = MAX_PENDING_PER_SOURCE
+    _order: OrderedDict[int, tuple[str, asyncio.StreamWriter]] = field(default_factory=OrderedDict)
+    _by_source: Counter[str] = field(default_factory=Counter)
+    _next: int = 0
+    refused: int = 0
+    evicted: int = 0
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def enter(self, source: str, writer: asyncio.StreamWriter) -> int | None:
+        """A ticket for this connection, or None when its source already holds its share."""
+        if self._by_source[source] >= self.per_source:
+            self.refused += 1
+            return None
+        if len(self._order) >= self.total:
+            _, (old_source, old_writer) = self._order.popitem(last=False)
+            self._release(old_source)
+            old_writer.transport.abort()  # its handshake task ends on the closed connection
+            self.evicted += 1
+        self._next += 1
+        self._order[self._next] = (source, writer)
+        self._by_source[source] += 1
+        return self._next
+
+    def leave(self, ticket: int) -> None:
+        """The connection sent its hello (or ended): it no longer counts here."""
+        entry = self._order.pop(ticket, None)
+        if entry is not None:
+            self._release(entry[0])
+
+    def _release(self, source: str) -> None:
+        self._by_source[source] -= 1
+        if self._by_source[source] <= 0:
+            del self._by_source[source]
+
+
+@dataclass
+class WaitingBudget:
+    """Phase 2: hellos waiting for this node to reach their step; candidates are not counted."""
+
+    strangers: int = MAX_WAITING_STRANGERS
+    candidates: Collection[bytes] = frozenset()
+    """Nodes this node last saw ready for its step (set by the node's sync before each election)."""
+    waiting_strangers: int = 0
+
+    def may_wait(self, key: bytes) -> bool:
+        return key in self.candidates or self.waiting_strangers < self.strangers

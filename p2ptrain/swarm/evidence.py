@@ -1,0 +1,135 @@
+"""Who is left out of a step, by one rule every node applies to the same signed records.
+
+A member that never connects, never answers the handshake or breaks the protocol fails the attempt
+for everyone. Each node that saw it happen names the culprit in its own ready record for the step:
+
+    extra["blame"] = {"step": N, "keys": [hex prefix of each member it could not work with]}
+
+The field is part of the signed record, sticky for the rest of the step, and present (perhaps
+empty) on every node that has had an attempt of step N fail: it *reported*. Every node then elects
+the next attempt from the ready records minus `left_out(ready, N)`:
+
+- every member named by an accuser that is not itself left out is left out;
+- a member named by two or more accusers is surely the problem: only it goes;
+- a member named by a single accuser, that reported and does not name the accuser back, says the
+  link was fine from its side. One of the two is lying or broken and nobody can tell which, so both
+  go: a liar costs the swarm one member per lie (itself), never the step;
+- an accuser who is left out by two or more others loses its voice (a stranger accusing honest
+  members after everyone named it).
+
+A node that has seen a member fail steps in a row names it in its ready record from the start of
+the next steps (`Offences`), so an unreachable node is ignored for a while instead of costing every
+step a failed attempt. Records of other steps and names that match no ready member count for
+nothing, so an old or forged accusation cannot reach beyond one step.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from p2ptrain.identity import short_id
+from p2ptrain.swarm.records import Heartbeat
+
+BLAME_FIELD = "blame"
+PREFIX_HEX = 16
+"""64 bits of a node key name it among the members of a step (as the link measurements do)."""
+MAX_BLAMED = 8
+"""Names a record may carry; beyond that, an accuser could only be flooding."""
+MAX_IGNORE_STEPS = 64
+"""Longest a repeat offender is named from the start of a step (steps)."""
+MAX_OFFENDERS = 1024
+"""Offenders a node remembers (the oldest offence is forgotten first): bounded memory."""
+
+
+def blame_field(step: int, keys: Iterable[bytes]) -> dict[str, Any]:
+    """The record field saying that this node, at `step`, could not work with `keys`."""
+    names = sorted({key.hex()[:PREFIX_HEX] for key in keys})[:MAX_BLAMED]
+    return {"step": step, "keys": names}
+
+
+def reported(beat: Heartbeat, step: int) -> set[str] | None:
+    """The key prefixes `beat` names for `step`, or None when it reported nothing for that step."""
+    blame = beat.extra.get(BLAME_FIELD)
+    if not isinstance(blame, Mapping):
+        return None
+    at = blame.get("step")
+    if not isinstance(at, int) or isinstance(at, bool) or at != step:
+        return None
+    keys = blame.get("keys")
+    if not isinstance(keys, list) or len(keys) > MAX_BLAMED:
+        return set()
+    return {name for name in keys if isinstance(name, str) and len(name) == PREFIX_HEX and _hex(name)}
+
+
+def _hex(text: str) -> bool:
+    return all(char in "0123456789abcdef" for char in text)
+
+
+def accusations(ready: Iterable[Heartbeat], step: int) -> dict[bytes, set[bytes]]:
+    """Accused → its accusers, among the ready members of `step`."""
+    beats = list(ready)
+    by_prefix = {beat.node_key.hex()[:PREFIX_HEX]: beat.node_key for beat in beats}
+    accused: dict[bytes, set[bytes]] = defaultdict(set)
+    for beat in beats:
+        for name in reported(beat, step) or ():
+            key = by_prefix.get(name)
+            if key is not None and key != beat.node_key:
+                accused[key].add(beat.node_key)
+    return dict(accused)
+
+
+def left_out(ready: Collection[Heartbeat], step: int) -> dict[bytes, str]:
+    """The ready members of `step` that its next attempt goes without, each with the reason."""
+    accused = accusations(ready, step)
+    if not accused:
+        return {}
+    reporters = {beat.node_key for beat in ready if reported(beat, step) is not None}
+    surely = {key for key, accusers in accused.items() if len(accusers) >= 2}
+    out = {key: f"named by {len(accused[key])} members it failed" for key in surely}
+    for key, accusers in accused.items():
+        voiced = accusers - surely
+        if key in surely or not voiced:
+            continue
+        accuser = min(voiced)
+        out[key] = f"named by {short_id(accuser)}"
+        if key in reporters and key not in accused.get(accuser, set()) and len(voiced) == 1:
+            out.setdefault(accuser, f"its accusation of {short_id(key)} is not confirmed")
+    return out
+
+
+@dataclass
+class Offences:
+    """The members this node saw fail steps in a row, to name from the start of the next steps.
+
+    A member this node named in a step is named from the start of the next 2 steps; each time it
+    fails again before it took part in a completed step, for twice as many (4, 8, …, at most
+    MAX_IGNORE_STEPS). Taking part in a completed step clears its record.
+    """
+
+    _count: dict[bytes, int] = field(default_factory=dict)
+    _last: dict[bytes, int] = field(default_factory=dict)
+    _until: dict[bytes, int] = field(default_factory=dict)
+
+    def step_done(self, step: int, members: Iterable[bytes], named: Iterable[bytes]) -> None:
+        """After `step`: who took part in it (cleared) and whom this node named in it."""
+        for key in members:
+            for table in (self._count, self._last, self._until):
+                table.pop(key, None)
+        for key in named:
+            if self._last.get(key) == step:
+                continue
+            # no completed step with it since its last offence: a repeat, named for twice as long
+            self._count[key] = self._count.get(key, 0) + 1
+            self._last[key] = step
+            self._until[key] = step + 1 + min(2 ** self._count[key], MAX_IGNORE_STEPS)
+        while len(self._last) > MAX_OFFENDERS:
+            oldest = min(self._last, key=self._last.__getitem__)
+            for table in (self._count, self._last, self._until):
+                table.pop(oldest, None)
+
+    def named_at(self, step: int) -> set[bytes]:
+        """Whom to name in the ready record of `step` before any attempt of it."""
+        return {key for key, until in self._until.items() if self._last[key] < step < until}

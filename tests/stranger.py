@@ -1,0 +1,90 @@
+"""A stranger on the swarm's DHT, run as its own process by the tests and benchmarks.
+
+    python -m tests.stranger --peer MADDR --run-id RUN --mode refused|silent [--address-file F]
+
+It makes a fresh key and, every `--interval` seconds, publishes a validly signed heartbeat saying
+"ready for the current outer step" (the highest step the honest nodes are at, with their config
+digest copied from their records) with a data-plane address that cannot take part:
+
+- `refused`: 127.0.0.1:9, where nobody listens (the kernel refuses every connect);
+- `silent`: a port of its own that accepts connections and never answers (a frozen or malicious
+  node looks like this), so only a timeout can tell.
+
+It runs until SIGTERM; with `--address-file` it writes its key there once it is on the DHT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import socket
+import tempfile
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from p2ptrain.identity import NodeIdentity
+from p2ptrain.swarm.dht import DHTSettings, SwarmDHT
+from p2ptrain.swarm.election import IN_STEPS
+from p2ptrain.swarm.membership import HeartbeatPublisher, read_heartbeats
+from p2ptrain.swarm.records import NodeState
+
+
+def silent_listener() -> socket.socket:
+    """A port that completes TCP handshakes (the kernel's backlog) and never reads or answers."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1024)
+    return sock
+
+
+async def publish_forever(args: argparse.Namespace, address: str) -> None:
+    identity = NodeIdentity(Ed25519PrivateKey.generate(), Path(tempfile.gettempdir()))
+    dht = SwarmDHT.start(DHTSettings(peers=[args.peer], listen=["/ip4/127.0.0.1/tcp/0"]))
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    publisher = HeartbeatPublisher(dht, identity, args.run_id, ttl=30.0, data_addr=address)
+    if args.address_file:
+        Path(args.address_file).write_text(identity.public_key.hex())
+    try:
+        while not stop.is_set():
+            honest = [
+                beat
+                for beat in await read_heartbeats(dht, args.run_id)
+                if beat.node_key != identity.public_key and beat.state in IN_STEPS
+            ]
+            if honest:
+                newest = max(honest, key=lambda beat: beat.outer_step)
+                await publisher.publish(
+                    state=NodeState.READY,
+                    outer_step=newest.outer_step,
+                    tokens=1000,
+                    config_digest=newest.config_digest,
+                )
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), args.interval)
+    finally:
+        dht.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peer", required=True)
+    parser.add_argument("--run-id", default="p2ptrain-debug")
+    parser.add_argument("--mode", choices=["refused", "silent"], default="refused")
+    parser.add_argument("--interval", type=float, default=0.5)
+    parser.add_argument("--address-file", default="")
+    args = parser.parse_args()
+    listener = silent_listener() if args.mode == "silent" else None
+    address = f"127.0.0.1:{listener.getsockname()[1]}" if listener else "127.0.0.1:9"
+    try:
+        asyncio.run(publish_forever(args, address))
+    finally:
+        if listener is not None:
+            listener.close()
+
+
+if __name__ == "__main__":
+    main()

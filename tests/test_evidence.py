@@ -1,0 +1,94 @@
+"""The evidence rule: who is left out of a step's next attempt, from the accusations in ready records."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from p2ptrain.swarm.election import decide
+from p2ptrain.swarm.evidence import BLAME_FIELD, MAX_BLAMED, Offences, blame_field, left_out
+from p2ptrain.swarm.records import NodeState
+from tests.test_election import beat, key
+
+STEP = 7
+
+
+def ready(index: int, blames: list[int] | None = None, step: int = STEP):
+    """Node `index` ready for STEP; `blames` is its report (None: it reported nothing)."""
+    record = beat(index, NodeState.READY, STEP)
+    if blames is not None:
+        record = replace(record, extra={BLAME_FIELD: blame_field(step, [key(i) for i in blames])})
+    return record
+
+
+def names(out: dict[bytes, str]) -> set[int]:
+    return {member[0] for member in out}
+
+
+def test_no_reports_leave_no_one_out():
+    assert left_out([ready(1), ready(2), ready(3)], STEP) == {}
+    assert left_out([ready(1, []), ready(2, []), ready(3)], STEP) == {}
+
+
+def test_a_silent_member_named_by_one_accuser_goes_alone():
+    # node 3 reported nothing (dead, frozen, a stranger that only publishes ready records)
+    assert names(left_out([ready(1, [3]), ready(2), ready(3)], STEP)) == {3}
+
+
+def test_a_member_named_by_two_goes_alone_even_if_it_denies_it():
+    out = left_out([ready(1, [3]), ready(2, [3]), ready(3, [])], STEP)
+    assert names(out) == {3}
+    # its own accusations no longer count once two others named it
+    out = left_out([ready(1, [3]), ready(2, [3]), ready(3, [1, 2])], STEP)
+    assert names(out) == {3}
+
+
+def test_an_unconfirmed_accusation_costs_the_accuser_too():
+    """Node 2 reported its failed attempt without naming node 1: one of them lies, both go."""
+    out = left_out([ready(1, [2]), ready(2, []), ready(3, [])], STEP)
+    assert names(out) == {1, 2}
+    assert "not confirmed" in out[key(1)]
+
+
+def test_mutual_accusations_leave_both_out():
+    assert names(left_out([ready(1, [2]), ready(2, [1]), ready(3, [])], STEP)) == {1, 2}
+
+
+def test_accusations_of_another_step_or_of_nobody_count_for_nothing():
+    assert left_out([ready(1, [2], step=STEP - 1), ready(2), ready(3)], STEP) == {}
+    assert left_out([ready(1, [9]), ready(2), ready(3)], STEP) == {}  # 9 is no member
+    assert left_out([ready(1, [1]), ready(2), ready(3)], STEP) == {}  # naming itself
+    junk = [
+        {"step": STEP, "keys": "00" * 8},
+        {"step": True, "keys": [key(2).hex()[:16]]},
+        {"step": STEP, "keys": ["zz" * 8]},
+        {"step": STEP, "keys": [key(2).hex()[:16]] * (MAX_BLAMED + 1)},
+        "blame",
+    ]
+    for value in junk:
+        record = replace(ready(1), extra={BLAME_FIELD: value})
+        assert left_out([record, ready(2), ready(3)], STEP) == {}, value
+
+
+def test_the_election_goes_on_without_the_left_out_and_says_so():
+    beats = [ready(1, [4]), ready(2, [4]), ready(3, []), ready(4)]
+    election = decide(beats, STEP, deadline_passed=False)
+    assert election is not None
+    assert sorted(member.key[0] for member in election.members) == [1, 2, 3]
+    assert set(election.left_out) == {key(4)}
+
+
+def test_a_node_alone_with_the_member_it_named_may_go_on_after_the_deadline():
+    beats = [ready(1, [2]), ready(2)]
+    assert decide(beats, STEP, deadline_passed=False) is None
+    election = decide(beats, STEP, deadline_passed=True)
+    assert election is not None and [member.key[0] for member in election.members] == [1]
+
+
+def test_offenders_are_named_for_2_then_4_steps_until_they_take_part_again():
+    offences = Offences()
+    offences.step_done(10, members=[key(1)], named=[key(9)])
+    assert [step for step in range(10, 20) if key(9) in offences.named_at(step)] == [11, 12]
+    offences.step_done(13, members=[key(1)], named=[key(9)])  # failed again when tried
+    assert [step for step in range(13, 24) if key(9) in offences.named_at(step)] == [14, 15, 16, 17]
+    offences.step_done(18, members=[key(1), key(9)], named=[])  # it took part: cleared
+    assert offences.named_at(19) == set()

@@ -1,0 +1,84 @@
+"""Strangers on the network, each a real adversary process next to real drill nodes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+
+from tests.helpers import LocalSwarm, read_address, wait_until
+from tests.test_drill import assert_agreement, finish, start_drill
+
+STEPS = 15
+
+
+def start_stranger(swarm: LocalSwarm, mode: str) -> str:
+    """A fresh key publishing 'ready for the current step' every 0.5 s with a dead address; its key."""
+    key_file = swarm.root / f"stranger-{mode}.key"
+    swarm.children.spawn(
+        f"stranger-{mode}",
+        [
+            sys.executable,
+            "-m",
+            "tests.stranger",
+            "--peer",
+            swarm.bootstrap_addr,
+            "--mode",
+            mode,
+            "--address-file",
+            str(key_file),
+        ],
+        swarm.root / f"stranger-{mode}.log",
+    )
+    return read_address(key_file, timeout=60)
+
+
+@pytest.mark.parametrize("mode", ["refused", "silent"])
+def test_a_stranger_ready_at_every_step_with_a_dead_address_does_not_stall_the_swarm(
+    swarm: LocalSwarm, mode: str
+):
+    """Every step is taken by the three honest nodes, the stranger never a member, and few steps pay
+    for it: its record is refreshed every 0.5 s, so a verdict that a newer record undoes would let
+    it back into every election, and a verdict some nodes reach and others do not would split them."""
+    swarm.start_bootstrap()
+    stranger = start_stranger(swarm, mode)
+    names = start_drill(swarm, STEPS, "--set", "comm.failure_timeout=3", bootstrap=False)
+    logs = finish(swarm, names)
+    assert all(len(log) == STEPS for log in logs.values()), logs
+    assert_agreement(logs, range(STEPS))
+    assert all(stranger not in entry["members"] for log in logs.values() for entry in log)
+    assert all(len(entry["members"]) == 3 for entry in logs["node0"])
+    # a step that tries the stranger pays one failed attempt; then it is left out for 2, 4, 8 steps
+    retried = [entry["step"] for entry in logs["node0"] if entry["attempts"] > 1]
+    assert len(retried) <= 4, retried
+
+
+def data_port(swarm: LocalSwarm, name: str) -> int:
+    match = re.search(r"data plane on port (\d+)", swarm.log(name))
+    assert match, swarm.log(name)
+    return int(match.group(1))
+
+
+@pytest.mark.parametrize("mode", ["idle", "hellos"])
+def test_a_flood_on_one_nodes_data_port_does_not_keep_it_out_of_the_steps(swarm: LocalSwarm, mode: str):
+    """500 connections from another address (idle ones, or hellos for step 10⁹ from fresh keys),
+    reopened as fast as the node closes them: the node still takes part in every step."""
+    names = start_drill(swarm, STEPS, "--set", "comm.failure_timeout=3")
+    target = f"127.0.0.1:{data_port(swarm, 'node0')}"
+    swarm.children.spawn(
+        "flooder",
+        [sys.executable, "-m", "tests.flooder", "--mode", mode, "--count", "500", "--target", target],
+        swarm.root / "flooder.log",
+    )
+    wait_until(lambda: "closed by the node" in swarm.log("flooder"), timeout=30, what="the flood")
+    logs = finish(swarm, names)
+    assert_agreement(logs, range(STEPS))
+    flooded = [entry for entry in logs["node0"] if entry["step"] >= 3]
+    assert all(len(entry["members"]) == 3 for entry in flooded), flooded
+    counts = re.findall(r"holding (\d+), closed by the node (\d+)", swarm.log("flooder"))
+    assert counts and int(counts[-1][1]) > 0, "the node must close the flood's connections"
+    refusals = [
+        line for line in swarm.log("node0").splitlines() if "127.0.0.2" in line or "far ahead" in line
+    ]
+    assert 0 < len(refusals) < 30, "refusals are logged, a few lines per 10 s"
