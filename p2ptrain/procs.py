@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -184,3 +185,12 @@ class ChildProcesses:
         orphans = self.leftovers()
         terminate(orphans, timeout=2.0)
         return orphans
+
+
+def raise_open_file_limit() -> tuple[int, int]:
+    """Raise this process's soft limit on open files to its hard limit; (before, after)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return soft, resource.getrlimit(resource.RLIMIT_NOFILE)[0]

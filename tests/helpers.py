@@ -127,14 +127,17 @@ class LocalSwarm:
         *extra: str,
         train: bool = False,
         env: dict[str, str] | None = None,
+        prefix: tuple[str, ...] = (),
     ) -> Path:
-        """A node agent; heartbeat-only (`--observe`) unless `train` (or a `--drill` in `extra`)."""
+        """A node agent; heartbeat-only (`--observe`) unless `train` (or a `--drill` in `extra`);
+        `prefix` runs it under a wrapper command (`prlimit --nofile=…`, which execs it)."""
         address_file = self.root / f"{name}.addr"
         if not train:
             extra = ("--observe", *extra)
         self.children.spawn(
             name,
             [
+                *prefix,
                 sys.executable,
                 "-m",
                 "p2ptrain",

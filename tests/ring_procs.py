@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,10 +111,14 @@ def run_ring(
     faults: dict[int, tuple[str, int]] | None = None,
     timeout: float = 60.0,
     retries: int = 1,
+    proxy: Callable[[str, int], tuple[str, int]] | None = None,
+    proxied: int = -1,
 ) -> tuple[dict[int, Outcome], dict[int, np.ndarray], list[np.ndarray]]:
     """Run one all-reduce over `n` member processes; returns outcomes, results and the inputs.
 
     With `retries` > 1 each member tries again at once after an AllReduceError, as OuterSync does.
+    `proxy(host, port)` puts something on the path to member `proxied`: the others reach it at the
+    address it returns.
     """
     context = mp.get_context("spawn")
     outbox = context.Queue()
@@ -147,6 +152,9 @@ def run_ring(
             _, index, key, host, port = outbox.get(timeout=timeout)
             addresses[index] = (key, host, port)
         weights = weights or [1.0] * n
+        if proxy is not None:
+            key, host, port = addresses[proxied]
+            addresses[proxied] = (key, *proxy(host, port))
         members = [
             RingMember(addresses[i][0], addresses[i][1], addresses[i][2], weights[i]) for i in range(n)
         ]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +17,12 @@ from p2ptrain.comm.connect import dial_member
 from p2ptrain.comm.dataplane import membership_digest
 from p2ptrain.comm.handshake import HandshakeError
 from p2ptrain.comm.ring import AllReduceError, DataPlaneServer, RingMember, RingSettings, ring_all_reduce
-from p2ptrain.comm.wire import MAGIC, PREFIX, VERSION, encode_frame
+from p2ptrain.comm.seal import TAG_BYTES, FrameSeal
+from p2ptrain.comm.wire import MAGIC, PREFIX, VERSION, encode_frame, encode_head
 from p2ptrain.identity import load_or_create_identity
+from p2ptrain.procs import ChildProcesses
+from tests.helpers import read_address
+from tests.ring_procs import run_ring
 
 LENGTH = 1000
 STEP = 4
@@ -26,30 +32,54 @@ def rs_header(n: int = LENGTH // 2 + 12) -> dict:
     return {"kind": "rs", "step": STEP, "round": 0, "chunk": 0, "n": n}
 
 
-def frame(header: dict, payload: bytes) -> bytes:
-    return b"".join(bytes(part) for part in encode_frame(header, payload))
-
-
 def nan_params_payload(length: int) -> bytes:
     good = quant.encode_payload(np.ones(length, np.float32), 256)
     blocks = quant.num_blocks(length, 256)
     return np.full(blocks, np.nan, np.float32).tobytes() + bytes(good[4 * blocks :])  # NaN mins
 
 
+def sealed(seal: FrameSeal, header: dict, payload: bytes) -> bytes:
+    """The frame as the authenticated member sends it: sealed with its own session key."""
+    head = encode_head(header, len(payload) + TAG_BYTES)
+    out = bytearray(len(payload) + TAG_BYTES)
+    seal.seal_into(head, memoryview(payload), memoryview(out))
+    return head + bytes(out)
+
+
+def flipped(frame: bytes, offset: int) -> bytes:
+    changed = bytearray(frame)
+    changed[offset] ^= 0x01
+    return bytes(changed)
+
+
+GOOD = quant.encode_payload(np.ones(512, np.float32), 256)
+
+
+def good_frame(seal: FrameSeal) -> bytes:
+    return sealed(seal, rs_header(SEGMENT0), bytes(GOOD))
+
+
 # The honest member (index 0) owns segment 1 and receives segment 0 from the bad one first:
 # segment 0 spans [0, 512) with block-aligned bounds.
 SEGMENT0 = 512
-BAD_FRAMES = {
-    "wrong payload size": frame(rs_header(SEGMENT0), b"\x00" * 10),
-    "wrong value count": frame(rs_header(7), quant.encode_payload(np.ones(7, np.float32), 256)),
-    "non-finite block parameters": frame(rs_header(SEGMENT0), nan_params_payload(SEGMENT0)),
-    "garbage": b"GET / HTTP/1.1\r\n\r\n" + b"\x00" * 64,
-    "oversized length field": PREFIX.pack(MAGIC, VERSION, 2, 1 << 31) + b"\x80\x00",
-    "truncated frame": frame(rs_header(SEGMENT0), quant.encode_payload(np.ones(SEGMENT0, np.float32), 256))[
-        :-100
-    ],
-    "wrong step": frame(
-        {**rs_header(SEGMENT0), "step": STEP + 1}, quant.encode_payload(np.ones(SEGMENT0, np.float32), 256)
+BAD_FRAMES: dict[str, Callable[[FrameSeal], bytes]] = {
+    "wrong payload size": lambda seal: sealed(seal, rs_header(SEGMENT0), b"\x00" * 10),
+    "wrong value count": lambda seal: sealed(
+        seal, rs_header(7), quant.encode_payload(np.ones(7, np.float32), 256)
+    ),
+    "non-finite block parameters": lambda seal: sealed(
+        seal, rs_header(SEGMENT0), nan_params_payload(SEGMENT0)
+    ),
+    "garbage": lambda seal: b"GET / HTTP/1.1\r\n\r\n" + b"\x00" * 64,
+    "oversized length field": lambda seal: PREFIX.pack(MAGIC, VERSION, 2, 1 << 31) + b"\x80\x00",
+    "truncated frame": lambda seal: sealed(seal, rs_header(SEGMENT0), bytes(GOOD))[:-100],
+    "wrong step": lambda seal: sealed(seal, {**rs_header(SEGMENT0), "step": STEP + 1}, bytes(GOOD)),
+    "not sealed": lambda seal: b"".join(bytes(part) for part in encode_frame(rs_header(SEGMENT0), GOOD)),
+    "one payload bit flipped after sealing": lambda seal: flipped(
+        sealed(seal, rs_header(SEGMENT0), bytes(GOOD)), -40
+    ),
+    "one header bit flipped after sealing": lambda seal: flipped(
+        sealed(seal, rs_header(SEGMENT0), bytes(GOOD)), 20
     ),
 }
 
@@ -71,8 +101,9 @@ def test_bad_frame_from_an_authenticated_peer(tmp_path: Path, case: str, caplog)
         bad.expect(STEP, [honest_id.public_key], digest)  # accept the honest member's dial, then ignore it
 
         async def misbehave() -> None:
-            _, writer = await dial_member(bad_id, members[0], STEP, digest, settings)
-            writer.write(BAD_FRAMES[case])
+            _, writer, session = await dial_member(bad_id, members[0], STEP, digest, settings)
+            assert session.keys is not None
+            writer.write(BAD_FRAMES[case](FrameSeal(session.keys.sending)))
             await writer.drain()
             await asyncio.sleep(5)
             writer.close()
@@ -152,7 +183,7 @@ def test_a_member_gets_through_a_full_pool_of_idle_connections(tmp_path: Path):
         digest = membership_digest(STEP, members)
         server.at_step(STEP)
         registration = server.expect(STEP, [member_id.public_key], digest)
-        _, writer = await dial_member(member_id, listener, STEP, digest, settings)
+        _, writer, _ = await dial_member(member_id, listener, STEP, digest, settings)
         assert (await asyncio.wait_for(registration.incoming[(member_id.public_key, 0)], 5)) is not None
         writer.close()
         with pytest.raises(HandshakeError, match="far ahead"):
@@ -162,3 +193,29 @@ def test_a_member_gets_through_a_full_pool_of_idle_connections(tmp_path: Path):
         await server.close()
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+@pytest.mark.parametrize(("offset", "phase"), [(2_000, "reduce-scatter"), (200_000, "all-gather")])
+def test_a_bit_flipped_on_the_path_fails_the_step_for_every_member(tmp_path: Path, offset: int, phase: str):
+    """A TCP proxy (its own process) in front of member 1 flips one bit of a frame its predecessor
+    sends, after the handshake. Unsealed, every member ended with the same wrong result (flip in
+    the reduce-scatter) or with different results (in the all-gather); now nobody averages it."""
+    children = ChildProcesses()
+
+    def through_proxy(host: str, port: int) -> tuple[str, int]:
+        address_file = tmp_path / "proxy.port"
+        argv = [sys.executable, "-m", "tests.proxy", "--target", f"{host}:{port}", "--flip-at", str(offset)]
+        children.spawn("proxy", [*argv, "--address-file", str(address_file)], tmp_path / "proxy.log")
+        return "127.0.0.1", int(read_address(address_file))
+
+    settings = RingSettings(chunk_bytes=1 << 16, topology="ring", failure_timeout=3.0)
+    try:
+        outcomes, results, _ = run_ring(
+            tmp_path, 3, 200_003, settings=settings, proxy=through_proxy, proxied=1
+        )
+    finally:
+        assert children.stop_all() == []
+    assert "flipped a bit" in (tmp_path / "proxy.log").read_text(), phase
+    assert len(outcomes) == 3 and not any(outcome.ok for outcome in outcomes.values()), outcomes
+    assert results == {}
+    assert "failed authentication" in outcomes[1].error, outcomes[1].error

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import re
+import socket
 import sys
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -82,3 +85,48 @@ def test_a_flood_on_one_nodes_data_port_does_not_keep_it_out_of_the_steps(swarm:
         line for line in swarm.log("node0").splitlines() if "127.0.0.2" in line or "far ahead" in line
     ]
     assert 0 < len(refusals) < 30, "refusals are logged, a few lines per 10 s"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def get(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+def test_two_thousand_slow_http_connections_leave_the_sidecar_up_and_serving(swarm: LocalSwarm):
+    """A training node limited to 1024 open files; 2,000 connections from 4 other addresses
+    trickle request heads at it. It keeps serving an honest client and trains to the end."""
+    swarm.start_bootstrap()
+    port = free_port()
+    run = [
+        "--set",
+        "train.max_steps=80",
+        "--set",
+        f"node.ckpt_port={port}",
+        "--set",
+        'node.data_host="127.0.0.1"',
+    ]
+    swarm.start_node("a", None, *run, train=True, prefix=("prlimit", "--nofile=1024:1024"))
+    url = f"http://127.0.0.1:{port}/config"
+    wait_until(lambda: get(url) == 200, timeout=120, what="the sidecar")
+    swarm.children.spawn(
+        "slowloris",
+        [sys.executable, "-m", "tests.slowloris", "--target", f"127.0.0.1:{port}", "--count", "2000"],
+        swarm.root / "slowloris.log",
+    )
+    wait_until(lambda: "closed by the node" in swarm.log("slowloris"), timeout=30, what="the attack")
+    served = [get(url) for _ in range(5)]
+    assert served == [200] * 5, served
+    assert swarm.children.wait("a", timeout=300) == 0, swarm.log("a")
+    counts = re.findall(r"holding (\d+), closed by the node (\d+)", swarm.log("slowloris"))
+    assert int(counts[-1][1]) > 1000, counts[-1]
+    assert "HTTP connection from 127.0.0." in swarm.log("a")
+    assert "Too many open files" not in swarm.log("a")

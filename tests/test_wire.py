@@ -199,6 +199,45 @@ def test_handshake_between_members(nodes: Nodes):
     accepted, dialed = handshake(nodes.a, nodes.b, {nodes.a.public_key, nodes.b.public_key})
     assert accepted.peer_key == nodes.b.public_key and dialed.peer_key == nodes.a.public_key
     assert accepted.step == dialed.step == 5
+    # one key per direction, the same at both ends, fresh for every handshake
+    assert dialed.keys.sending == accepted.keys.receiving != dialed.keys.receiving == accepted.keys.sending
+    again, _ = handshake(nodes.a, nodes.b, {nodes.a.public_key, nodes.b.public_key})
+    assert again.keys.sending != accepted.keys.sending
+
+
+def test_a_sealed_frame_opens_only_once_in_order_on_its_own_direction():
+    """What a tampering proxy could do to sealed frames: flip a bit (payload, header or prefix),
+    drop, replay, reorder, reflect. Each is refused by the tag."""
+    from p2ptrain.comm.seal import TAG_BYTES, FrameSeal
+
+    key, other = b"k" * 32, b"o" * 32
+
+    def sealed(seal: FrameSeal, header: bytes, payload: bytes) -> bytearray:
+        out = bytearray(len(payload) + TAG_BYTES)
+        seal.seal_into(header, memoryview(payload), memoryview(out))
+        return out
+
+    def opens(seal: FrameSeal, header: bytes, frame: bytes) -> bool:
+        try:
+            seal.open_into(header, memoryview(frame), memoryview(bytearray(len(frame) - TAG_BYTES)))
+        except FrameError:
+            return False
+        return True
+
+    sender = FrameSeal(key)
+    frames = [sealed(sender, b"head%d" % i, b"payload %d" % i) for i in range(3)]
+    assert opens(FrameSeal(key), b"head0", frames[0])
+    flipped = bytearray(frames[0])
+    flipped[3] ^= 1
+    assert not opens(FrameSeal(key), b"head0", flipped)
+    assert not opens(FrameSeal(key), b"heaD0", frames[0])  # the header is authenticated
+    assert not opens(FrameSeal(key), b"head1", frames[1])  # frame 0 dropped: a gap
+    receiver = FrameSeal(key)
+    assert opens(receiver, b"head0", frames[0])
+    assert not opens(receiver, b"head0", frames[0])  # replayed
+    receiver = FrameSeal(key)
+    assert not opens(receiver, b"head1", frames[1])  # reordered
+    assert not opens(FrameSeal(other), b"head0", frames[0])  # reflected: the other direction's key
 
 
 @pytest.mark.parametrize(
@@ -272,8 +311,8 @@ def test_attempts_of_one_step_never_mix(nodes: Nodes):
             server.forget(5)
             following = server.expect(5, [nodes.b.public_key], DIGEST)
             assert following.attempt == 3
-            _, writer = await asyncio.wait_for(ahead, 10)
-            _, accepted = await asyncio.wait_for(following.incoming[(nodes.b.public_key, 0)], 10)
+            _, writer, _ = await asyncio.wait_for(ahead, 10)
+            _, accepted, _ = await asyncio.wait_for(following.incoming[(nodes.b.public_key, 0)], 10)
             writer.close()
             accepted.close()
         finally:

@@ -27,7 +27,7 @@ from p2ptrain.ckpt.format import MANIFEST_FILE, STAGED_KEEP, checkpoint_name
 from p2ptrain.ckpt.manifest import Manifest, ManifestError, parse_manifest
 from p2ptrain.ckpt.replay import RecentResults
 from p2ptrain.untrusted import decimal
-from p2ptrain.web.server import start_app
+from p2ptrain.web.server import Served, start_app
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class CheckpointSidecar:
         self.latest: Manifest | None = None
         self._kept: OrderedDict[str, Manifest] = OrderedDict()
         """Manifests of the checkpoints still in RAM, by digest, oldest first."""
-        self._runner: web.AppRunner | None = None
+        self._served: Served | None = None
         app = web.Application()
         app.router.add_get("/manifest", self._manifest)
         app.router.add_get("/config", self._config)
@@ -54,12 +54,12 @@ class CheckpointSidecar:
         self._app = app
 
     async def start(self, host: str, port: int) -> int:
-        self._runner, bound = await start_app(self._app, host, port)
+        self._served, bound = await start_app(self._app, host, port)
         return bound
 
     async def close(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
+        if self._served is not None:
+            await self._served.close()
 
     def announce(self, manifest: Manifest) -> None:
         self.latest = manifest

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from p2ptrain.cli.parser import build_parser
 from p2ptrain.errors import UserError
 from p2ptrain.faults import shift_wall_clock
+from p2ptrain.procs import raise_open_file_limit
 
 __all__ = ["build_parser", "main"]
 
@@ -29,6 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         datefmt="%H:%M:%S",
     )
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    raise_open_file_limit()  # every connection a stranger opens costs a file: take what we may
     try:
         shift_wall_clock()  # a fault hook for tests; before hivemind binds its clock
         return args.handler(args)

@@ -61,7 +61,7 @@ async def dial_member(
             refused_delay = min(refused_delay * 2, 1.0)
             continue
         try:
-            await dial(
+            session = await dial(
                 reader, writer, identity, member.key, step, digest, settings.setup_timeout, lane, attempt
             )
         except PeerTimeout as exc:
@@ -79,7 +79,7 @@ async def dial_member(
         except BaseException:
             writer.close()
             raise
-        return reader, writer
+        return reader, writer, session
 
 
 async def connect_lanes(

@@ -42,7 +42,8 @@ from p2ptrain.untrusted import ThrottledLog
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter, Session]
+"""An authenticated connection and what its handshake established (its keys among it)."""
 LaneKey = tuple[bytes, int]
 """(peer key, lane): one of the `connections` parallel connections from that peer."""
 
@@ -335,4 +336,4 @@ class DataPlaneServer:
         if future is None or future.done():
             writer.close()  # the attempt ended while "ok" was on its way
             return
-        future.set_result((reader, writer))
+        future.set_result((reader, writer, session))

@@ -1,14 +1,16 @@
 """Mutual authentication of a data-plane connection between two members of one outer step.
 
-    dialer   → hello   {node_key, step, attempt, digest, nonce, lane}
-    listener → welcome {node_key, nonce, signature}     (or refuse {reason})
+    dialer   → hello   {node_key, step, attempt, digest, nonce, lane, ephemeral}
+    listener → welcome {node_key, nonce, ephemeral, signature}     (or refuse {reason})
     dialer   → proof   {signature}
     listener → ok                                     (or refuse {reason[, retry | attempt]})
 
 Each signature is Ed25519 over a transcript that binds both nonces, both keys, the role, the step,
-the attempt and the membership digest: a recorded handshake cannot be replayed, a member of another
-step or another membership cannot get in, and the dialer knows it reached the member it meant to
-reach. `lane` numbers the parallel connections between one pair of members (comm.connections).
+the attempt, the membership digest and both ephemeral X25519 keys: a recorded handshake cannot be
+replayed, a member of another step or another membership cannot get in, the dialer knows it
+reached the member it meant to reach, and the X25519 secret of the two ephemeral keys is shared
+with that member only. Every frame after the handshake is sealed with keys derived from it
+(seal.py). `lane` numbers the parallel connections between one pair of members (comm.connections).
 
 `attempt` numbers the tries of one step. A failed all-reduce is retried with the same members, hence
 the same digest, and members give an attempt up at slightly different times: without the number a
@@ -28,14 +30,15 @@ import asyncio
 import logging
 import secrets
 from collections.abc import Awaitable, Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from p2ptrain.comm.seal import EPHEMERAL_BYTES, Ephemeral, SessionKeys, derive_keys
 from p2ptrain.comm.wire import FrameError, WireError, expect, read_frame, write_frame
 from p2ptrain.identity import PUBLIC_KEY_BYTES, NodeIdentity, short_id, verify
 
 log = logging.getLogger(__name__)
 
-_DOMAIN = b"p2ptrain/ring-handshake/v3\0"
+_DOMAIN = b"p2ptrain/ring-handshake/v4\0"
 MAX_LANES = 16
 NONCE_BYTES = 32
 MAX_HANDSHAKE_FRAME = 1024
@@ -70,6 +73,8 @@ class Session:
     peer_key: bytes
     lane: int = 0
     attempt: int = 0
+    keys: SessionKeys | None = None
+    """This end's keys for the frames that follow (seal.py)."""
 
 
 @dataclass(frozen=True)
@@ -119,7 +124,7 @@ async def dial(
     Raises PeerBusy (dial again), AttemptBehind (start the next attempt at the peer's), other
     HandshakeErrors, or WireError.
     """
-    nonce = secrets.token_bytes(NONCE_BYTES)
+    nonce, ephemeral = secrets.token_bytes(NONCE_BYTES), Ephemeral()
     header = {
         "kind": "hello",
         "node_key": identity.public_key,
@@ -128,6 +133,7 @@ async def dial(
         "digest": digest,
         "nonce": nonce,
         "lane": lane,
+        "ephemeral": ephemeral.public,
     }
     await write_frame(writer, header, timeout=timeout)
     try:
@@ -136,11 +142,12 @@ async def dial(
         raise HandshakeError(str(exc)) from None
     peer_key = _bytes_field(welcome.header, "node_key", PUBLIC_KEY_BYTES)
     peer_nonce = _bytes_field(welcome.header, "nonce", NONCE_BYTES)
+    peer_ephemeral = _bytes_field(welcome.header, "ephemeral", EPHEMERAL_BYTES)
     signature = _bytes_field(welcome.header, "signature", 64)
     if peer_key != expected_peer:
         raise HandshakeError(f"reached {short_id(peer_key)} instead of {short_id(expected_peer)}")
     session = Session(step, digest, identity.public_key, peer_key, lane, attempt)
-    nonces = nonce + peer_nonce
+    nonces = nonce + peer_nonce + ephemeral.public + peer_ephemeral
     if not verify(peer_key, signature, _transcript(b"L", session, identity.public_key, peer_key, nonces)):
         raise HandshakeError(f"{short_id(peer_key)} failed to prove its key")
     proof = identity.sign(_transcript(b"D", session, identity.public_key, peer_key, nonces))
@@ -154,9 +161,11 @@ async def dial(
             raise AttemptBehind(reason, _int_field(answer.header, "attempt", MAX_ATTEMPT + 1))
     try:
         expect(answer, "ok")
+        secret = ephemeral.shared(peer_ephemeral)
     except FrameError as exc:
         raise HandshakeError(str(exc)) from None
-    return session
+    base = _transcript(b"K", session, identity.public_key, peer_key, nonces)
+    return replace(session, keys=derive_keys(secret, base, dialer=True))
 
 
 @dataclass(frozen=True)
@@ -210,6 +219,7 @@ async def accept_any(
     try:
         peer_key = _bytes_field(hello.header, "node_key", PUBLIC_KEY_BYTES)
         peer_nonce = _bytes_field(hello.header, "nonce", NONCE_BYTES)
+        peer_ephemeral = _bytes_field(hello.header, "ephemeral", EPHEMERAL_BYTES)
         step = _int_field(hello.header, "step", 1 << 63)
         lane = _int_field(hello.header, "lane", MAX_LANES)
         attempt = _int_field(hello.header, "attempt", MAX_ATTEMPT + 1)
@@ -226,18 +236,23 @@ async def accept_any(
         if reason or admission is None:
             raise HandshakeError(reason or "refused")
         session = Session(step, admission.digest, identity.public_key, peer_key, lane, attempt)
-        nonce = secrets.token_bytes(NONCE_BYTES)
-        nonces = peer_nonce + nonce
+        nonce, ephemeral = secrets.token_bytes(NONCE_BYTES), Ephemeral()
+        nonces = peer_nonce + nonce + peer_ephemeral + ephemeral.public
         signature = identity.sign(_transcript(b"L", session, peer_key, identity.public_key, nonces))
-        await write_frame(
-            writer,
-            {"kind": "welcome", "node_key": identity.public_key, "nonce": nonce, "signature": signature},
-            timeout=timeout,
-        )
+        welcome = {
+            "kind": "welcome",
+            "node_key": identity.public_key,
+            "nonce": nonce,
+            "ephemeral": ephemeral.public,
+            "signature": signature,
+        }
+        await write_frame(writer, welcome, timeout=timeout)
         proof = expect(await read_frame(reader, timeout, MAX_HANDSHAKE_FRAME), "proof")
         transcript = _transcript(b"D", session, peer_key, identity.public_key, nonces)
         if not verify(peer_key, _bytes_field(proof.header, "signature", 64), transcript):
             raise HandshakeError(f"{short_id(peer_key)} failed to prove its key")
+        base = _transcript(b"K", session, peer_key, identity.public_key, nonces)
+        session = replace(session, keys=derive_keys(ephemeral.shared(peer_ephemeral), base, dialer=False))
     except (HandshakeError, FrameError) as exc:
         (log_refusal or _log_refusal)(str(exc))
         await _refuse(writer, {"reason": str(exc)})

@@ -9,7 +9,8 @@ and our buffers, and the GIL is released for the whole wait. Deadlines are kerne
 wake the thread for every segment that arrives (measured: twice the CPU time of the ring on 2 cores).
 
 The frame format is wire.py's, with the same checks: every length is validated before anything is
-allocated, and every frame must arrive within its deadline.
+allocated, and every frame must arrive within its deadline. Every frame is sealed (seal.py): the
+payload travels encrypted with its tag, and is decrypted straight into the buffer it belongs in.
 """
 
 from __future__ import annotations
@@ -23,15 +24,32 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
+from p2ptrain.comm.seal import TAG_BYTES, FrameSeal
 from p2ptrain.comm.wire import (
     PREFIX,
     Frame,
+    FrameError,
     PeerClosed,
     PeerTimeout,
     decode_header,
-    encode_frame,
+    encode_head,
     parse_prefix,
 )
+
+
+class Channel:
+    """One direction of one detached connection: its socket, the seal of that direction, and the
+    buffer sealed payloads pass through (one thread uses a channel)."""
+
+    def __init__(self, sock: socket.socket, seal: FrameSeal):
+        self.sock = sock
+        self.seal = seal
+        self._buffer = bytearray()
+
+    def buffer(self, size: int) -> memoryview:
+        if len(self._buffer) < size:
+            self._buffer = bytearray(size)
+        return memoryview(self._buffer)[:size]
 
 
 def detach(writer: asyncio.StreamWriter) -> socket.socket:
@@ -84,32 +102,38 @@ Placement = Callable[[dict[str, Any], int], "memoryview | None"]
 many bytes, or None for a fresh buffer."""
 
 
-def recv_frame(
-    sock: socket.socket, timeout: float, max_payload: int, place: Placement | None = None
-) -> Frame:
-    """Read one whole frame within `timeout` seconds. The payload is received straight into the
-    buffer `place` picks for it (no copies); its length was checked against `max_payload` first."""
-    deadline = time.monotonic() + timeout
+def recv_frame(channel: Channel, timeout: float, max_payload: int, place: Placement | None = None) -> Frame:
+    """Read one whole sealed frame within `timeout` seconds and open it. The payload is decrypted
+    straight into the buffer `place` picks for it; its length was checked against `max_payload`
+    first. Raises FrameError when the frame fails authentication."""
+    sock, deadline = channel.sock, time.monotonic() + timeout
     prefix = bytearray(PREFIX.size)
     _recv_exactly(sock, memoryview(prefix), deadline)
-    header_len, payload_len = parse_prefix(bytes(prefix), max_payload)
+    header_len, sealed_len = parse_prefix(bytes(prefix), max_payload + TAG_BYTES)
+    if sealed_len < TAG_BYTES:
+        raise FrameError(f"sealed payload of {sealed_len} bytes is shorter than its tag")
     head = bytearray(header_len)
     _recv_exactly(sock, memoryview(head), deadline)
-    header = decode_header(bytes(head))
+    sealed = channel.buffer(sealed_len)
+    _recv_exactly(sock, sealed, deadline)
+    header = decode_header(bytes(head))  # authenticated below, before anyone acts on it
+    payload_len = sealed_len - TAG_BYTES
     target = place(header, payload_len) if place is not None else None
     payload = memoryview(bytearray(payload_len)) if target is None else target
     if len(payload) != payload_len:
         raise ValueError(f"placement of {len(payload)} bytes for a {payload_len}-byte payload")
-    if payload_len:
-        _recv_exactly(sock, payload, deadline)
+    channel.seal.open_into(bytes(prefix) + bytes(head), sealed, payload)
     return Frame(header, payload)
 
 
-def send_frame(sock: socket.socket, header: Mapping[str, Any], payload: Any, timeout: float) -> None:
-    """Hand one frame to the kernel within `timeout` seconds; the payload is sent from where it lies."""
-    deadline = time.monotonic() + timeout
-    views = [memoryview(part).cast("B") for part in encode_frame(header, payload)]
-    views = [view for view in views if len(view)]
+def send_frame(channel: Channel, header: Mapping[str, Any], payload: Any, timeout: float) -> None:
+    """Seal one frame and hand it to the kernel within `timeout` seconds."""
+    sock, deadline = channel.sock, time.monotonic() + timeout
+    body = memoryview(payload).cast("B")
+    head = encode_head(header, body.nbytes + TAG_BYTES)
+    sealed = channel.buffer(body.nbytes + TAG_BYTES)
+    channel.seal.seal_into(head, body, sealed)
+    views = [memoryview(head), sealed]
     while views:
         _kernel_timeout(sock, socket.SO_SNDTIMEO, deadline, "peer did not take the frame")
         try:

@@ -152,7 +152,7 @@ class _AllReduce:
 
     # ---- sending (one thread per outgoing lane) -----------------------------------------------
 
-    def send_lane(self, peer: int, lane: int, sock: socket.socket) -> None:
+    def send_lane(self, peer: int, lane: int, channel: lanes.Channel) -> None:
         compressor = zstandard.ZstdCompressor(level=1) if self.settings.zstd else None
         scratch = bytearray(self.largest_payload)  # our own encoded chunks, one at a time
         for phase, rnd, chunk, start, stop in self.schedule.send_frames(peer, lane):
@@ -172,7 +172,7 @@ class _AllReduce:
             with self.lock:  # counted before the send: the peer may hang up as soon as it has all
                 self.frames_queued[peer] += 1
             sent_at = time.monotonic()
-            lanes.send_frame(sock, header, payload, self.settings.failure_timeout)
+            lanes.send_frame(channel, header, payload, self.settings.failure_timeout)
             waited = time.monotonic() - sent_at
             with self.lock:
                 if spare is not None:  # in the kernel now: the buffer can take the next partial sum
@@ -199,13 +199,13 @@ class _AllReduce:
 
     # ---- receiving (one thread per incoming lane) ---------------------------------------------
 
-    def receive_lane(self, peer: int, lane: int, sock: socket.socket) -> None:
+    def receive_lane(self, peer: int, lane: int, channel: lanes.Channel) -> None:
         decompressor = zstandard.ZstdDecompressor() if self.settings.zstd else None
         scratch = memoryview(bytearray(self.largest_payload))  # reduce-scatter frames, used at once
         for spec in self.schedule.receive_frames(peer, lane):
             phase, rnd, chunk, start, stop = spec
             place = functools.partial(self._place, spec, scratch)
-            frame = lanes.recv_frame(sock, self.settings.failure_timeout, self.max_payload, place)
+            frame = lanes.recv_frame(channel, self.settings.failure_timeout, self.max_payload, place)
             expected, got = self._expected(spec), _identity(frame.header)
             if got != expected:
                 raise FrameError(f"expected frame {expected}, got {got}")
@@ -354,9 +354,9 @@ async def ring_all_reduce(
             server, members, plan.schedule.out_peers(), registration, step, digest, connections
         )
         transfer.start(
-            {slot: transfer.adopt(writer) for slot, (_, writer) in outgoing.items()},
+            {slot: transfer.adopt(connection, sending=True) for slot, connection in outgoing.items()},
             {
-                (keys.index(key), lane): transfer.adopt(future.result()[1])
+                (keys.index(key), lane): transfer.adopt(future.result(), sending=False)
                 for (key, lane), future in incoming.items()
             },
         )
@@ -383,7 +383,7 @@ async def ring_all_reduce(
         for future in incoming.values():  # accepted, but the step failed before they were used
             if future.done() and not future.cancelled() and future.exception() is None:
                 future.result()[1].close()
-        for _, writer in connections:
+        for _, writer, _ in connections:
             writer.close()
         server.forget(step)
         if not cancelled:

@@ -17,7 +17,10 @@ from collections.abc import Callable
 from typing import Protocol
 
 from p2ptrain.comm import lanes
+from p2ptrain.comm.dataplane import Connection
 from p2ptrain.comm.quant import Buffer
+from p2ptrain.comm.seal import FrameSeal
+from p2ptrain.comm.wire import PeerClosed
 
 SlotKey = tuple[str, int, int]
 """(phase, round, chunk) of a frame whose payload another thread produces."""
@@ -29,9 +32,9 @@ class Plan(Protocol):
     sockets: list[socket.socket]
     failure: BaseException | None
 
-    def send_lane(self, peer: int, lane: int, sock: socket.socket) -> None: ...
+    def send_lane(self, peer: int, lane: int, channel: lanes.Channel) -> None: ...
 
-    def receive_lane(self, peer: int, lane: int, sock: socket.socket) -> None: ...
+    def receive_lane(self, peer: int, lane: int, channel: lanes.Channel) -> None: ...
 
     def hung_up(self, peer: int, state: str) -> None: ...
 
@@ -84,24 +87,30 @@ class Transfer:
         """fd → each socket we only send on, watched by the event loop."""
         self.running = 0
 
-    def adopt(self, writer: asyncio.StreamWriter) -> socket.socket:
-        """Take a connection's socket out of asyncio; `stop` closes it whatever happens next."""
+    def adopt(self, connection: Connection, sending: bool) -> lanes.Channel:
+        """Take a connection's socket out of asyncio, with the seal of the direction we use it in;
+        `stop` closes it whatever happens next."""
+        _, writer, session = connection
+        if session.keys is None:
+            raise PeerClosed("the connection has no keys: its handshake did not complete")
         sock = lanes.detach(writer)
         self.plan.sockets.append(sock)
-        return sock
+        key = session.keys.sending if sending else session.keys.receiving
+        return lanes.Channel(sock, FrameSeal(key))
 
     def start(
-        self, outgoing: dict[tuple[int, int], socket.socket], incoming: dict[tuple[int, int], socket.socket]
+        self, outgoing: dict[tuple[int, int], lanes.Channel], incoming: dict[tuple[int, int], lanes.Channel]
     ) -> None:
         plan = self.plan
-        for (peer, lane), sock in outgoing.items():
-            self._spawn(f"send-{peer}.{lane}", plan.send_lane, peer, lane, sock)
+        for (peer, lane), channel in outgoing.items():
+            self._spawn(f"send-{peer}.{lane}", plan.send_lane, peer, lane, channel)
+            sock = channel.sock
             self.watched[sock.fileno()] = sock
             self.loop.add_reader(sock.fileno(), self._readable, peer, sock)
-        for (peer, lane), sock in incoming.items():
-            self._spawn(f"recv-{peer}.{lane}", plan.receive_lane, peer, lane, sock)
+        for (peer, lane), channel in incoming.items():
+            self._spawn(f"recv-{peer}.{lane}", plan.receive_lane, peer, lane, channel)
 
-    def _spawn(self, name: str, work: Callable[[int, int, socket.socket], None], *args: object) -> None:
+    def _spawn(self, name: str, work: Callable[[int, int, lanes.Channel], None], *args: object) -> None:
         thread = threading.Thread(
             target=self._run, args=(work, *args), name=f"p2ptrain-ring-{name}", daemon=True
         )

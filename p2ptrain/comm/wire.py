@@ -2,7 +2,8 @@
 
     prefix   11 bytes   magic b"P2PT" · version (u8) · header length (u16) · payload length (u32)
     header   ≤ 4 KiB    msgpack map with str keys (kind, step, chunk, …)
-    payload  ≤ limit    raw bytes (int8 codes, block parameters, …), never copied into the header
+    payload  ≤ limit    raw bytes (int8 codes, block parameters, …), never copied into the header;
+                        after the handshake, sealed: AES-256-GCM ciphertext + 16-byte tag (seal.py)
 
 Every length is checked against a limit before anything is allocated, and every read has a
 deadline, so a peer that sends garbage, lies about sizes or stalls costs bounded memory and time.
@@ -22,7 +23,7 @@ import msgpack
 from p2ptrain.untrusted import UndecodableError, unpack_untrusted
 
 MAGIC = b"P2PT"
-VERSION = 2
+VERSION = 3
 PREFIX = struct.Struct("!4sBHI")
 MAX_HEADER_BYTES = 4096
 DEFAULT_MAX_PAYLOAD = 256 << 20
@@ -54,17 +55,22 @@ class Frame:
         return str(self.header.get("kind", ""))
 
 
+def encode_head(header: Mapping[str, Any], payload_bytes: int) -> bytes:
+    """Prefix and header of a frame whose payload takes `payload_bytes` on the wire."""
+    head = msgpack.packb(dict(header), use_bin_type=True)
+    if len(head) > MAX_HEADER_BYTES:
+        raise ValueError(f"frame header of {len(head)} bytes exceeds {MAX_HEADER_BYTES}")
+    if payload_bytes >= 1 << 32:
+        raise ValueError("payload too large for one frame")
+    return PREFIX.pack(MAGIC, VERSION, len(head), payload_bytes) + head
+
+
 def encode_frame(
     header: Mapping[str, Any], payload: bytes | bytearray | memoryview = b""
 ) -> list[bytes | memoryview]:
     """The frame as buffers for `writer.writelines`; the payload is passed through without a copy."""
-    head = msgpack.packb(dict(header), use_bin_type=True)
-    if len(head) > MAX_HEADER_BYTES:
-        raise ValueError(f"frame header of {len(head)} bytes exceeds {MAX_HEADER_BYTES}")
     body = memoryview(payload).cast("B")
-    if body.nbytes >= 1 << 32:
-        raise ValueError("payload too large for one frame")
-    return [PREFIX.pack(MAGIC, VERSION, len(head), body.nbytes) + head, body]
+    return [encode_head(header, body.nbytes), body]
 
 
 def parse_prefix(data: bytes, max_payload: int) -> tuple[int, int]:

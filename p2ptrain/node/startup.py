@@ -23,11 +23,7 @@ def dht_settings(config: Config, *, p2p_key: Path | None, client_mode: bool = Fa
         retries=swarm.connect_retries,
         backoff=swarm.connect_backoff,
         shutdown_timeout=swarm.shutdown_timeout,
-        validators=(
-            HeartbeatValidator(
-                run_ids=(config.run.id,), max_lifetime=swarm.record_lifetime + swarm.max_clock_skew
-            ),
-        ),
+        validators=(HeartbeatValidator(run_ids=(config.run.id,)),),
     )
 
 

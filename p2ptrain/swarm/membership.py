@@ -36,7 +36,6 @@ from p2ptrain.swarm.records import (
     heartbeat_key,
 )
 from p2ptrain.untrusted import ThrottledLog
-from p2ptrain.untrusted import ThrottledLog
 
 log = logging.getLogger(__name__)
 

@@ -32,8 +32,9 @@ MAX_RECORD_BYTES = 4096
 MAX_FOREIGN_BYTES = 1024
 """Values at keys that are not ours (a stranger's, or hivemind tooling's) are tolerated up to this."""
 MAX_LIFETIME_ANY_RUN = 600.0 + 2 * 3600.0
-"""The longest record life any run's settings allow (heartbeat_timeout + max_clock_skew, their
-maxima), plus the clock skew: what a validator that does not know the run accepts."""
+"""The longest record life any node's settings allow (heartbeat_timeout + max_clock_skew, at their
+maxima), plus that clock skew. Nodes of one run may differ in these settings (they are not part of
+the shared config), so every validator uses this bound: about two hours, not ten years."""
 MAX_PROTECTED_KEYS = 4096
 _DOMAIN = b"p2ptrain/heartbeat/v1\0"
 _MAX_STRING = 512
@@ -188,7 +189,7 @@ class HeartbeatValidator(RecordValidatorBase):
     it cannot tell a run's key from a hash, so it protects every key at which it has seen a valid
     heartbeat (DHT keys are hashes of the run id: junk stored there first stays only until a
     heartbeat arrives, and never longer than its expiration). No record may expire later than
-    `max_lifetime` seconds from now (the run's record lifetime plus the clock skew it allows).
+    `max_lifetime` seconds from now.
     """
 
     def __init__(

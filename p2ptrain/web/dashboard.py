@@ -23,7 +23,7 @@ from aiohttp import web
 from p2ptrain.swarm.records import Heartbeat, record_number
 from p2ptrain.swarm.status import status_json
 from p2ptrain.untrusted import decimal
-from p2ptrain.web.server import start_app
+from p2ptrain.web.server import Served, start_app
 
 log = logging.getLogger(__name__)
 MAX_POINTS = 5000
@@ -38,7 +38,7 @@ class Dashboard:
         self.status: dict[str, Any] = {"nodes": [], "last_ring": None, "checkpoint": None}
         self.history: dict[str, dict[int, float]] = {}
         self.updated = 0.0
-        self._runner: web.AppRunner | None = None
+        self._served: Served | None = None
         self._poller: asyncio.Task[None] | None = None
         self._page = resources.files("p2ptrain.web").joinpath("dashboard.html").read_text()
         app = web.Application()
@@ -47,7 +47,7 @@ class Dashboard:
         self._app = app
 
     async def start(self, host: str, port: int) -> int:
-        self._runner, bound = await start_app(self._app, host, port)
+        self._served, bound = await start_app(self._app, host, port)
         self._poller = asyncio.create_task(self._poll())
         return bound
 
@@ -56,8 +56,8 @@ class Dashboard:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
-        if self._runner is not None:
-            await self._runner.cleanup()
+        if self._served is not None:
+            await self._served.close()
 
     def observe(self, heartbeats: list[Heartbeat]) -> None:
         """Take in one reading of the heartbeats."""
