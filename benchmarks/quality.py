@@ -8,8 +8,15 @@ servers on 127.0.0.1 in this process), (a') the same 2 nodes averaging in exact 
 alone (DiLoCo's outer step with itself). The loss that counts is measured on held-out batches
 (another shard of the corpus) with the outer parameters every node agrees on.
 
-Reports int8_vs_fp32_loss_ratio (target within 2 % of 1) and diloco_vs_single_loss_ratio (< 1);
-writes quality.csv and, with matplotlib installed, quality.png into --out.
+Reports int8_vs_fp32_loss_ratio (target within 2 % of 1) and diloco_vs_single_loss_ratio (< 1).
+
+Robust aggregation, 3 nodes through the int8 all-reduce: (c) the plain weighted mean, (d) with
+`comm.clip` = 2 (butterfly, shares clipped at the owners), (e) the same with node 2 sending 100 × its
+pseudo-gradient from the first outer step, (f) that poisoner against the plain mean. Reports
+clipped_vs_mean_loss_ratio = d / c (target within 0.5 % of 1) and poisoned_vs_honest_loss_ratio =
+e / d (target ≤ 1.03), with loss_poisoned_unclipped for scale.
+
+Writes quality.csv and, with matplotlib installed, quality.png into --out.
 """
 
 from __future__ import annotations
@@ -62,14 +69,19 @@ def exact_mean(buffers: list[torch.Tensor], weights: list[int], step: int) -> No
 class Int8Ring:
     """The real int8 all-reduce between in-process members, each with its own server and key."""
 
-    def __init__(self, count: int, root: Path):
+    def __init__(self, count: int, root: Path, settings: RingSettings | None = None, poison: float = 1.0):
         self.loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self.loop)
+        self.poison = poison
+        """The last member multiplies its pseudo-gradient by this (a poisoner, values finite)."""
         self.identities = [load_or_create_identity(root / f"id{i}") for i in range(count)]
-        self.servers = [DataPlaneServer(identity, RingSettings()) for identity in self.identities]
+        settings = settings or RingSettings()
+        self.servers = [DataPlaneServer(identity, settings) for identity in self.identities]
         self.ports = [self.loop.run_until_complete(s.start("127.0.0.1", 0))[1] for s in self.servers]
 
     def __call__(self, buffers: list[torch.Tensor], weights: list[int], step: int) -> None:
+        if self.poison != 1.0:
+            buffers[-1].mul_(self.poison)
         members = [
             RingMember(identity.public_key, "127.0.0.1", port, float(weight))
             for identity, port, weight in zip(self.identities, self.ports, weights, strict=True)
@@ -155,6 +167,19 @@ def main() -> None:
             ring.close()
         fp32 = run("2 nodes fp32", config, 2, exact_mean, Path(tmp), writer)
         single = run("1 node", config, 1, lambda buffers, weights, step: None, Path(tmp), writer)
+        robust = {}
+        cases = {
+            "3 nodes mean": (None, 1.0),
+            "3 nodes clipped": (RingSettings(clip=2.0), 1.0),
+            "3 nodes clipped, one poisoner x100": (RingSettings(clip=2.0), 100.0),
+            "3 nodes mean, one poisoner x100": (None, 100.0),
+        }
+        for name, (settings, poison) in cases.items():
+            ring = Int8Ring(3, Path(tmp) / name.replace(" ", "-"), settings, poison)
+            try:
+                robust[name] = run(name, config, 3, ring, Path(tmp), writer)
+            finally:
+                ring.close()
     plotted = plot(out / "quality.csv", out / "quality.png")
     report(
         {
@@ -164,6 +189,14 @@ def main() -> None:
             "loss_single": round(single, 4),
             "int8_vs_fp32_loss_ratio": round(int8 / fp32, 4),
             "diloco_vs_single_loss_ratio": round(int8 / single, 4),
+            "loss_3_mean": round(robust["3 nodes mean"], 4),
+            "loss_3_clipped": round(robust["3 nodes clipped"], 4),
+            "loss_poisoned_clipped": round(robust["3 nodes clipped, one poisoner x100"], 4),
+            "loss_poisoned_unclipped": round(robust["3 nodes mean, one poisoner x100"], 4),
+            "clipped_vs_mean_loss_ratio": round(robust["3 nodes clipped"] / robust["3 nodes mean"], 4),
+            "poisoned_vs_honest_loss_ratio": round(
+                robust["3 nodes clipped, one poisoner x100"] / robust["3 nodes clipped"], 4
+            ),
             "csv": str(out / "quality.csv"),
             "png": str(out / "quality.png") if plotted else None,
             "seconds": round(time.monotonic() - started, 1),

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import ErrorDetails
 
 from p2ptrain.errors import ConfigError
@@ -126,6 +126,9 @@ class TrainConfig(Section):
     inner_steps: int = Field(10, gt=0)
     """H: inner AdamW steps between two outer steps."""
     batch_size: int = Field(8, gt=0)
+    max_batch_size: int = Field(256, gt=0)
+    """The largest batch_size a node of this run may use (shared): a member's claimed tokens per
+    outer step, its weight in the average, count at most max_batch_size × seq_len × inner_steps."""
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.1, ge=0)
     warmup_steps: int = Field(10, ge=0)
@@ -139,6 +142,14 @@ class TrainConfig(Section):
     """torch.compile each block (GPU runs; compile time dwarfs a CPU debug run)."""
     time_box: float = Field(0.0, ge=0)
     """Seconds after which an outer step starts even if fewer than inner_steps were done (0: off)."""
+
+    @model_validator(mode="after")
+    def _batch_within_the_runs_limit(self) -> TrainConfig:
+        if self.batch_size > self.max_batch_size:
+            raise ValueError(
+                f"batch_size {self.batch_size} exceeds the run's max_batch_size {self.max_batch_size}"
+            )
+        return self
 
 
 class DataConfig(Section):
@@ -201,6 +212,11 @@ class CommConfig(Section):
     failure_timeout: float = Field(5.0, gt=0, le=600)
     topology: Literal["auto", "ring", "butterfly"] = "auto"
     """Reduce-scatter path: ring (neighbours only) or butterfly (straight to each segment's owner)."""
+    clip: float = Field(0.0, ge=0, le=1000)
+    """Robust aggregation when > 0: the butterfly's owner of each chunk clips every member's share
+    to `clip` × the median of the members' share norms (weight-normalised) before it sums them, so
+    one member's huge but finite pseudo-gradient counts as at most `clip` typical ones. 0: the
+    plain weighted mean (ring or butterfly)."""
 
 
 class Config(Section):
@@ -221,7 +237,7 @@ class Config(Section):
     """Training settings each node may choose for itself (its hardware's), outside the digest."""
 
     RING_FIELDS: ClassVar[frozenset[str]] = frozenset(
-        {"quant_block", "chunk_bytes", "connections", "zstd", "topology"}
+        {"quant_block", "chunk_bytes", "connections", "zstd", "topology", "clip"}
     )
     """Data-plane settings every member of a ring must agree on (frame sizes, lanes, encoding)."""
 
@@ -234,6 +250,10 @@ class Config(Section):
         comm = self.comm.model_dump()
         shared["comm"] = {key: value for key, value in comm.items() if key in self.RING_FIELDS}
         return shared
+
+    def max_tokens(self) -> int:
+        """The most tokens a member may claim for one outer step (its weight is capped there)."""
+        return self.train.max_batch_size * self.model.seq_len * self.train.inner_steps
 
     def digest(self) -> str:
         """sha256 of `shared()`: published in every heartbeat, compared before a node joins."""

@@ -7,6 +7,9 @@ Read once per process from the environment:
                                       ready(N): a straggler, however fast each node computes (agent)
     P2PTRAIN_INJECT_DIE_IN_SYNC=N     the node SIGKILLs itself once the all-reduce of step N has data
                                       in flight, as a machine that loses power mid-reduce (agent)
+    P2PTRAIN_INJECT_SCALE=N:FACTOR    from outer step N on, the node multiplies its pseudo-gradient by
+                                      FACTOR before the all-reduce (negative flips it): a poisoner
+                                      whose values stay finite (agent)
     P2PTRAIN_INJECT_CLOCK_OFFSET=S    the process's wall clock (time.time) runs S seconds ahead (or
                                       behind, when negative), as on a host whose clock is off; set
                                       by `shift_wall_clock` at process start, before hivemind loads
@@ -58,6 +61,8 @@ class Faults:
     late_step: int = NEVER
     late_seconds: float = 0.0
     die_in_sync_step: int = NEVER
+    scale_step: int = NEVER
+    scale_factor: float = 1.0
 
     @classmethod
     def from_env(cls) -> Faults:
@@ -67,12 +72,24 @@ class Faults:
             late_pair = (int(late_step), float(late_seconds or 0)) if late else (NEVER, 0.0)
         except ValueError:
             raise UserError(f"P2PTRAIN_INJECT_LATE={late!r}: expected STEP:SECONDS") from None
+        scale = os.environ.get("P2PTRAIN_INJECT_SCALE", "")
+        scale_step, _, scale_factor = scale.partition(":")
+        try:
+            scale_pair = (int(scale_step), float(scale_factor)) if scale else (NEVER, 1.0)
+        except ValueError:
+            raise UserError(f"P2PTRAIN_INJECT_SCALE={scale!r}: expected STEP:FACTOR") from None
         return cls(
             nan_step=_step("P2PTRAIN_INJECT_NAN_STEP"),
             late_step=late_pair[0],
             late_seconds=late_pair[1],
             die_in_sync_step=_step("P2PTRAIN_INJECT_DIE_IN_SYNC"),
+            scale_step=scale_pair[0],
+            scale_factor=scale_pair[1],
         )
+
+    def scale(self, step: int) -> float:
+        """The factor P2PTRAIN_INJECT_SCALE applies to this node's pseudo-gradient of `step`."""
+        return self.scale_factor if self.scale_step != NEVER and step >= self.scale_step else 1.0
 
     def die_mid_reduce(self, step: int) -> None:
         """Called as all-reduce frames of `step` arrive: the first one of the chosen step kills us."""

@@ -72,6 +72,8 @@ def _member(
 
         if fault == "nan":
             buffer[length // 2] = np.nan
+        if fault == "scale":  # a poisoner: finite values, fault_after times its own
+            buffer *= np.float32(fault_after)
         started = time.monotonic()
         attempts = 0
         try:

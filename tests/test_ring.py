@@ -188,3 +188,22 @@ def test_members_retrying_at_once_after_a_stale_view_converge(tmp_path: Path, n:
     assert all(np.array_equal(results[0], other) for other in results.values())
     assert relative_error(results[0], weighted_mean(inputs, [1.0] * n)) <= BUDGET
     assert max(outcome.attempts for outcome in outcomes.values()) <= 3, outcomes
+
+
+def test_robust_aggregation_clips_a_poisoner_and_leaves_honest_members_alone(tmp_path: Path):
+    """4 members, butterfly with comm.clip = 2; member 3 sends 100 × its vector. Unclipped, the
+    mean would be ~50× off; clipped, member 3 counts as at most two typical members."""
+    n, length = 4, 100_003
+    settings = RingSettings(chunk_bytes=1 << 16, clip=2.0)
+    _, honest, inputs = run_ring(tmp_path / "honest", n, length, settings=settings)
+    exact = weighted_mean(inputs, [1.0] * n)
+    assert relative_error(honest[0], exact) <= BUDGET, "no honest share is clipped"
+    poisoner = {3: ("scale", 100)}
+    outcomes, poisoned, _ = run_ring(tmp_path / "poisoned", n, length, settings=settings, faults=poisoner)
+    assert all(outcome.ok for outcome in outcomes.values()), outcomes
+    assert all(
+        np.array_equal(poisoned[0].view(np.uint32), other.view(np.uint32)) for other in poisoned.values()
+    )
+    assert relative_error(poisoned[0], exact) <= 0.6  # its share counts at most 2 × (≈ +0.5)
+    _, plain, _ = run_ring(tmp_path / "plain", n, length, faults=poisoner)
+    assert relative_error(plain[0], exact) > 20, "without clipping the poisoner dominates"

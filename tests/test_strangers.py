@@ -99,6 +99,8 @@ def get(url: str) -> int:
             return int(response.status)
     except urllib.error.HTTPError as exc:
         return int(exc.code)
+    except (urllib.error.URLError, OSError):
+        return 0  # not up (yet), or refused
 
 
 def test_two_thousand_slow_http_connections_leave_the_sidecar_up_and_serving(swarm: LocalSwarm):

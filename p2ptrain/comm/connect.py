@@ -112,8 +112,10 @@ async def connect_lanes(
             try:
                 connections.append(await asyncio.wait_for(asyncio.shield(future), settings.setup_timeout))
             except asyncio.TimeoutError:
+                # one that dialed and was refused elected other members: alive, not to be blamed
+                blamed = None if key in registration.heard else key
                 raise AllReduceError(
-                    f"{short_id(key)} did not connect within {settings.setup_timeout:.0f} s", key
+                    f"{short_id(key)} did not connect within {settings.setup_timeout:.0f} s", blamed
                 ) from None
         return outgoing
 

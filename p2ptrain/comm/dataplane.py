@@ -87,6 +87,8 @@ class RingSettings:
     connections: int = 1
     """Parallel TCP connections (lanes) to each peer; chunks take them in turn. More than one
     helps on long fat links, where one TCP connection's window cannot fill the pipe."""
+    clip: float = 0.0
+    """Robust aggregation (> 0): see ring.py; it takes the butterfly."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.connections <= MAX_LANES:
@@ -104,6 +106,8 @@ class RingStats:
     link_rates: dict[bytes, float] = field(default_factory=dict)
     """Bytes/s to each peer we sent to, measured over the frames whose send it held up; inf for a
     peer that took our frames as fast as we produced them (its link was not our bottleneck)."""
+    clipped: dict[bytes, int] = field(default_factory=dict)
+    """Robust aggregation: member → chunks of ours (we own them) in which its share was clipped."""
 
 
 def membership_digest(step: int, members: Sequence[RingMember]) -> bytes:
@@ -153,6 +157,9 @@ class Registration:
     admission: Admission
     incoming: dict[LaneKey, asyncio.Future[Connection]]
     claimed: set[LaneKey] = field(default_factory=set)
+    heard: set[bytes] = field(default_factory=set)
+    """Keys whose hello for this step arrived during the attempt, taken or not: alive and trying
+    (a refused one elected other members), so not to be named as unresponsive."""
     abandoned: asyncio.Event = field(default_factory=asyncio.Event)
     reason: str = ""
 
@@ -254,7 +261,7 @@ class DataPlaneServer:
     async def _admission(self, step: int, key: bytes) -> Admission | None:
         """Wait (bounded) for the local node to reach `step`: a fast peer may dial before we get there."""
         if step in self._expected:
-            return self._expected[step].admission
+            return self._heard(step, key)
         if step < self._latest_step or step <= self._completed_step:
             return None  # an older step than ours, or one done here: nothing to wait for
         if self._latest_step >= 0 and step > self._latest_step + MAX_STEPS_AHEAD:
@@ -273,7 +280,13 @@ class DataPlaneServer:
                     await asyncio.wait_for(self._changed.wait(), remaining)
         finally:
             self.waiting.waiting_strangers -= stranger
-        return self._expected[step].admission
+        return self._heard(step, key)
+
+    def _heard(self, step: int, key: bytes) -> Admission:
+        registration = self._expected[step]
+        if len(registration.heard) < 4 * len(registration.admission.allowed) + 16:  # bounded
+            registration.heard.add(key)
+        return registration.admission
 
     def _claim(self, session: Session) -> Refusal | None:
         """None when the attempt registered now for the session's step takes this connection."""

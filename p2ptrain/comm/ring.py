@@ -14,6 +14,8 @@ chunks (`chunk_bytes`). Two reduce-scatter topologies share one all-gather:
 - all-gather (both): each owner encodes its reduced segment once; the bytes travel around the ring
   unchanged, and every member, the owner included, decodes the same bytes: bit-identical results.
 
+Robust aggregation (`clip` > 0) takes the butterfly, whose owners clip the shares they sum (robust.py).
+
 `RingSettings.topology = "auto"` takes the ring up to 3 members (where it meets the 1 % error
 budget) and the butterfly above. Weights are part of the membership, hence of its digest: each
 member scales its own values by its share of the total.
@@ -47,7 +49,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import zstandard
 
-from p2ptrain.comm import lanes, quant
+from p2ptrain.comm import lanes, quant, robust
 from p2ptrain.comm.connect import connect_lanes
 from p2ptrain.comm.dataplane import (
     AllReduceError,
@@ -105,7 +107,8 @@ class _AllReduce:
         self.index = index
         self.keys = [member.key for member in members]
         self.own = own  # the caller's buffer: read only, never written before success
-        self.share = float(np.float32(shares(members)[index]))
+        self.fractions = [float(np.float32(share)) for share in shares(members)]
+        self.share = self.fractions[index]
         self.settings = settings
         self.block = settings.block
         self.step = step
@@ -127,6 +130,7 @@ class _AllReduce:
         owned = len(self.schedule.chunks[self.schedule.successor])
         self.chunk_locks = [threading.Lock() for _ in range(owned)]
         self.partial: dict[int, np.ndarray] = {}  # butterfly: chunk index -> fp32 sum so far
+        self.contributions: dict[int, dict[int, np.ndarray]] = {}  # clipped butterfly: chunk -> shares
         self.arrived: dict[int, int] = {}
         self.frames_queued = dict.fromkeys(self.schedule.out_peers(), 0)
         self.held_up = {peer: [0, 0.0] for peer in self.schedule.out_peers()}
@@ -218,7 +222,7 @@ class _AllReduce:
                 encoded = quant.decode_payload(payload, stop - start, self.block)
             except quant.PayloadError as exc:
                 raise FrameError(str(exc)) from None
-            self._absorb(phase, rnd, chunk, start, stop, encoded, payload)
+            self._absorb(peer, phase, rnd, chunk, start, stop, encoded, payload)
             with self.lock:
                 self.stats.frames += 1
             if self.progress is not None:
@@ -240,6 +244,7 @@ class _AllReduce:
 
     def _absorb(
         self,
+        peer: int,
         phase: str,
         rnd: int,
         chunk: int,
@@ -265,6 +270,8 @@ class _AllReduce:
                     own, self.share, encoded, self.threads, self.placed(start, stop)
                 )
                 self._finish_chunk(chunk, start, stop, final)
+        elif self.settings.clip > 0:
+            self._absorb_clipped(peer, chunk, start, stop, encoded)
         else:
             with self.chunk_locks[chunk]:  # contributions to one chunk arrive from every peer at once
                 if chunk not in self.partial:
@@ -276,6 +283,24 @@ class _AllReduce:
                         self.partial.pop(chunk), self.block, 1.0, self.threads, self.placed(start, stop)
                     )
                     self._finish_chunk(chunk, start, stop, final)
+
+    def _absorb_clipped(self, peer: int, chunk: int, start: int, stop: int, encoded: quant.Encoded) -> None:
+        """Robust aggregation: keep each share of the chunk; once all are in, clip and sum them."""
+        values = np.zeros(stop - start, np.float32)
+        quant.dequantize_add(encoded, values, self.threads)
+        with self.chunk_locks[chunk]:
+            arrived = self.contributions.setdefault(chunk, {})
+            arrived[peer] = values
+            if len(arrived) < self.n - 1:
+                return
+            del self.contributions[chunk]
+        arrived[self.index] = np.multiply(self.own[start:stop], np.float32(self.share))
+        total, clipped = robust.clipped_sum(arrived, self.fractions, self.settings.clip)
+        with self.lock:
+            for key in (self.keys[member] for member in clipped):
+                self.stats.clipped[key] = self.stats.clipped.get(key, 0) + 1
+        final = quant.encode_payload(total, self.block, 1.0, self.threads, self.placed(start, stop))
+        self._finish_chunk(chunk, start, stop, final)
 
     def placed(self, start: int, stop: int) -> memoryview:
         """Where the encoded chunk [start, stop) lies in `result` (chunks start on a block boundary)."""

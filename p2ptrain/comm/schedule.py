@@ -21,6 +21,8 @@ AUTO_RING_MAX_MEMBERS = 3
 
 
 def choose_topology(settings: RingSettings, members: int) -> str:
+    if settings.clip > 0:
+        return "butterfly"  # the ring re-encodes partial sums: no member's share is seen alone
     if settings.topology != "auto":
         return settings.topology
     return "ring" if members <= AUTO_RING_MAX_MEMBERS else "butterfly"

@@ -79,7 +79,8 @@ async def run_drill(
                     break  # told to stop in the middle of the sync
                 except StepGivenUp as exc:
                     print(f"drill: step {step} given up: {exc}", file=out, flush=True)
-                    log_file.write(json.dumps({"step": step, "given_up": str(exc)}) + "\n")
+                    given_up = {"step": step, "given_up": str(exc), "time": round(time.time(), 3)}
+                    log_file.write(json.dumps(given_up) + "\n")
                     log_file.flush()
                     continue
                 params_hash = hashlib.sha256(vector.tobytes()).hexdigest()
@@ -91,6 +92,7 @@ async def run_drill(
                     "attempts": result.attempts,
                     "sync_s": round(time.monotonic() - started, 3),
                     "bytes_sent": result.stats.bytes_sent,
+                    "time": round(time.time(), 3),
                 }
                 log_file.write(json.dumps(line) + "\n")
                 log_file.flush()

@@ -63,6 +63,7 @@ def ring_settings(config: Config) -> RingSettings:
         zstd=comm.zstd,
         topology=comm.topology,
         connections=comm.connections,
+        clip=comm.clip,
         setup_timeout=max(comm.failure_timeout, config.swarm.heartbeat_timeout),
     )
 
@@ -166,6 +167,9 @@ class OuterSync:
         """Average `vector` with the members of `step`; raises StepGivenUp when every attempt failed."""
         if step == self.faults.late_step:
             await self._straggle(step)
+        if (factor := self.faults.scale(step)) != 1.0:
+            log.warning("fault injection: sending %g × this node's pseudo-gradient of step %d", factor, step)
+            np.multiply(vector, np.float32(factor), out=vector)
         ignored = self.offences.named_at(step)
         named = set(ignored)
         self.server.at_step(step)
@@ -198,6 +202,7 @@ class OuterSync:
                     me=me,
                     finished=self.view.finished,
                     in_transit=self._in_transit(step),
+                    max_tokens=self.config.max_tokens(),
                 )
             except (TimeoutError, SwarmAhead, LeftOut) as exc:
                 raise StepGivenUp(str(exc)) from None
@@ -226,6 +231,14 @@ class OuterSync:
                 await self.publisher.publish(state=NodeState.READY, extra=self._extra_for(step, named, True))
                 continue
             self._remember_links(stats.link_rates)
+            for key, chunks in stats.clipped.items():
+                log.warning(
+                    "step %d: clipped %s's share in %d chunk(s) (comm.clip: its pseudo-gradient is "
+                    "far larger than the members' median)",
+                    step,
+                    short_id(key),
+                    chunks,
+                )
             return SyncResult(election, stats, attempt)
         raise StepGivenUp(
             f"step {step}: no all-reduce completed in {swarm.sync_retries} attempts ({last_error})"

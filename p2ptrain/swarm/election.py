@@ -214,8 +214,12 @@ def decide(
     deadline_passed: bool,
     throughput: Throughput | None = None,
     in_transit: Collection[bytes] = (),
+    max_tokens: int | None = None,
 ) -> Election | None:
-    """The members of `step` if this view allows a decision now, else None (keep waiting)."""
+    """The members of `step` if this view allows a decision now, else None (keep waiting).
+
+    Each member's weight is the tokens its record claims, at most `max_tokens` (what the run's
+    settings allow one node in one outer step): a member cannot buy itself the average."""
     ready, expected = ready_for(heartbeats, step), expected_for(heartbeats, step, in_transit)
     excluded = left_out(ready, step)
     ready = [beat for beat in ready if beat.node_key not in excluded]
@@ -234,7 +238,8 @@ def decide(
         address = parse_address(by_key[key].data_addr)
         assert address is not None, "ready_for keeps only records with a usable address"
         host, port = address
-        members.append(RingMember(key, host, port, float(by_key[key].tokens)))
+        tokens = by_key[key].tokens if max_tokens is None else min(by_key[key].tokens, max_tokens)
+        members.append(RingMember(key, host, port, float(tokens)))
     return Election(step, members, excluded)
 
 
@@ -277,6 +282,7 @@ async def elect(
     me: bytes | None = None,
     finished: Mapping[bytes, int] | None = None,
     in_transit: Collection[bytes] = (),
+    max_tokens: int | None = None,
 ) -> Election:
     """Poll the heartbeats (via `read`) until `decide` gives the members of `step`.
 
@@ -299,7 +305,7 @@ async def elect(
         if first_ready is None and ready_for(heartbeats, step):
             first_ready = now
         passed = first_ready is not None and now - first_ready >= straggler_deadline
-        election = decide(heartbeats, step, passed, in_transit=in_transit)
+        election = decide(heartbeats, step, passed, in_transit=in_transit, max_tokens=max_tokens)
         if election is not None:
             return election
         if now - started >= timeout:

@@ -1,0 +1,122 @@
+"""Does a node that cannot take part slow the swarm down? Drill swarms on 127.0.0.1, side by side.
+
+    python -m benchmarks.strangers --json [--steps 30] [--set KEY=VALUE ...]
+
+Runs a bootstrap peer and 3 drill nodes (`p2ptrain join --drill`, 1 MiB vectors, inner phases of
+up to 0.3 s) for --steps outer steps, once per case:
+
+- `honest`: nobody else;
+- `stranger_refused`: a fresh key publishes "ready for the current step" every 0.5 s with a data
+  address nobody listens on (127.0.0.1:9) — tests/stranger.py;
+- `stranger_silent`: the same with an address that accepts connections and never answers;
+- `node_dead_address`: a fourth, real drill node that announces 127.0.0.1:9 (`node.data_announce`).
+
+Per case: the step rate (steps per second of node0, first to last step), steps given up, steps
+that needed more than one attempt, the longest sync; and `<case>_vs_honest`, the step rate over
+the honest one. Target: ≥ 0.8 for every case. `--set` passes settings to the
+honest nodes (e.g. `--set comm.failure_timeout=3`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import parser, report
+from p2ptrain.procs import ChildProcesses
+
+NODES = 3
+CASES = ("honest", "stranger_refused", "stranger_silent", "node_dead_address")
+
+
+def wait_for(path: Path, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip():
+            return path.read_text().strip()
+        time.sleep(0.1)
+    raise SystemExit(f"benchmarks.strangers: error: {path.name} did not appear within {timeout:.0f} s")
+
+
+def join(root: Path, name: str, peer: str, steps: int, extra: list[str]) -> list[str]:
+    return [
+        sys.executable, "-m", "p2ptrain", "join", "--peer", peer, "--config", "debug",
+        "--work-dir", str(root / name), "--listen", "/ip4/127.0.0.1/tcp/0", "--table-every", "0",
+        "--drill", str(steps), "--drill-nodes", str(NODES), "--drill-inner", "0.3",
+        "--drill-size", str(1 << 18), "--set", 'node.data_host="127.0.0.1"', *extra,
+    ]  # fmt: skip
+
+
+def run_case(case: str, steps: int, settings: list[str]) -> dict[str, Any]:
+    children = ChildProcesses()
+    with tempfile.TemporaryDirectory(prefix=f"p2ptrain-{case}-") as tmp:
+        root = Path(tmp)
+        try:
+            address = root / "bootstrap.addr"
+            children.spawn(
+                "bootstrap",
+                [sys.executable, "-m", "p2ptrain", "bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0",
+                 "--identity", str(root / "bootstrap"), "--address-file", str(address)],
+                root / "bootstrap.log",
+            )  # fmt: skip
+            peer = wait_for(address, 60)
+            if case.startswith("stranger_"):
+                mode = case.removeprefix("stranger_")
+                children.spawn(
+                    "stranger",
+                    [sys.executable, "-m", "tests.stranger", "--peer", peer, "--mode", mode,
+                     "--address-file", str(root / "stranger.key")],
+                    root / "stranger.log",
+                )  # fmt: skip
+                wait_for(root / "stranger.key", 60)
+            if case == "node_dead_address":
+                dead = ["--set", 'node.data_announce="127.0.0.1:9"']
+                children.spawn("dead", join(root, "dead", peer, steps, dead), root / "dead.log")
+            for index in range(NODES):
+                name = f"node{index}"
+                children.spawn(name, join(root, name, peer, steps, settings), root / f"{name}.log")
+            for index in range(NODES):
+                code = children.wait(f"node{index}", timeout=60 + 20 * steps)
+                if code != 0:
+                    log = (root / f"node{index}.log").read_text(errors="replace")[-2000:]
+                    raise SystemExit(
+                        f"benchmarks.strangers: error: node{index} of {case} exited {code}\n{log}"
+                    )
+            lines = [json.loads(line) for line in (root / "node0" / "drill.jsonl").read_text().splitlines()]
+        finally:
+            children.stop_all()
+    done = [line for line in lines if "given_up" not in line]
+    span = lines[-1]["time"] - lines[0]["time"] if len(lines) > 1 else float("nan")
+    return {
+        "steps_per_s": round((len(lines) - 1) / span, 3) if span > 0 else float("nan"),
+        "steps_given_up": len(lines) - len(done),
+        "retried_steps": sum(1 for line in done if line.get("attempts", 1) > 1),
+        "max_sync_s": max((line["sync_s"] for line in done), default=float("nan")),
+    }
+
+
+def main() -> None:
+    args = parser(__doc__.splitlines()[0])
+    args.add_argument("--steps", type=int, default=30)
+    args.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    options = args.parse_args()
+    if options.steps < 5:
+        raise SystemExit("benchmarks.strangers: error: --steps must be at least 5")
+    settings = [item for pair in options.set for item in ("--set", pair)]
+    result: dict[str, Any] = {"nodes": NODES, "steps": options.steps}
+    for case in CASES:
+        figures = run_case(case, options.steps, settings)
+        result.update({f"{case}_{key}": value for key, value in figures.items()})
+        if not options.json:
+            print(f"{case}: {figures}", file=sys.stderr, flush=True)
+    for case in CASES[1:]:
+        result[f"{case}_vs_honest"] = round(result[f"{case}_steps_per_s"] / result["honest_steps_per_s"], 3)
+    report(result, options.json)
+
+
+if __name__ == "__main__":
+    main()

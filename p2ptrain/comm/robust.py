@@ -1,0 +1,45 @@
+"""Robust aggregation: one member's huge but finite pseudo-gradient counts as at most a few typical ones.
+
+With `comm.clip` > 0 the all-reduce takes the butterfly, where the owner of each chunk receives
+every member's share of it separately (the ring sums them on the way and cannot). The owner waits
+for all shares of a chunk, takes each one's L2 norm divided by that member's weight share (so a
+member that processed more tokens is not held against the others), and scales every share whose
+normalised norm is above `clip` × the median of those norms down to that limit before summing.
+With one poisoner among three or more members the median is an honest norm. The owner counts whose
+shares it clipped (RingStats.clipped); the node logs it, so poisoning is never silent.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def norm(values: np.ndarray) -> float:
+    """L2 norm in float64: a float32 sum of huge squares would overflow to inf."""
+    wide = values.astype(np.float64)
+    return math.sqrt(float(np.dot(wide, wide)))
+
+
+def clipped_sum(
+    arrived: dict[int, np.ndarray], fractions: Sequence[float], clip: float
+) -> tuple[np.ndarray, list[int]]:
+    """Σ of every member's (weighted) share of one chunk, each clipped as described above, summed
+    in member order; and the members whose shares were clipped."""
+    norms = {
+        member: norm(share) / fractions[member] for member, share in arrived.items() if fractions[member] > 0
+    }
+    limit = clip * statistics.median(norms.values()) if norms else math.inf
+    total = np.zeros_like(next(iter(arrived.values())))
+    clipped = []
+    for member in sorted(arrived):
+        share, size = arrived[member], norms.get(member, 0.0)
+        if size > limit:
+            factor = limit / size if math.isfinite(size) else 0.0
+            share = np.multiply(share, np.float32(factor))
+            clipped.append(member)
+        total += share
+    return total, clipped
