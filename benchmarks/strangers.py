@@ -51,10 +51,11 @@ def join(root: Path, name: str, peer: str, steps: int, extra: list[str]) -> list
     ]  # fmt: skip
 
 
-def run_case(case: str, steps: int, settings: list[str]) -> dict[str, Any]:
+def run_case(case: str, steps: int, settings: list[str], keep: Path | None) -> dict[str, Any]:
     children = ChildProcesses()
     with tempfile.TemporaryDirectory(prefix=f"p2ptrain-{case}-") as tmp:
-        root = Path(tmp)
+        root = Path(tmp) if keep is None else keep / case
+        root.mkdir(parents=True, exist_ok=True)
         try:
             address = root / "bootstrap.addr"
             children.spawn(
@@ -103,17 +104,26 @@ def main() -> None:
     args = parser(__doc__.splitlines()[0])
     args.add_argument("--steps", type=int, default=30)
     args.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args.add_argument("--cases", default=",".join(CASES), help="comma-separated (default: all)")
+    args.add_argument("--keep", default="", help="keep the nodes' logs in this folder")
     options = args.parse_args()
     if options.steps < 5:
         raise SystemExit("benchmarks.strangers: error: --steps must be at least 5")
     settings = [item for pair in options.set for item in ("--set", pair)]
     result: dict[str, Any] = {"nodes": NODES, "steps": options.steps}
-    for case in CASES:
-        figures = run_case(case, options.steps, settings)
+    cases = [case for case in options.cases.split(",") if case]
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown or "honest" not in cases:
+        raise SystemExit(
+            f"benchmarks.strangers: error: --cases takes honest and any of {', '.join(CASES[1:])}"
+        )
+    keep = Path(options.keep) if options.keep else None
+    for case in cases:
+        figures = run_case(case, options.steps, settings, keep)
         result.update({f"{case}_{key}": value for key, value in figures.items()})
         if not options.json:
             print(f"{case}: {figures}", file=sys.stderr, flush=True)
-    for case in CASES[1:]:
+    for case in cases[1:]:
         result[f"{case}_vs_honest"] = round(result[f"{case}_steps_per_s"] / result["honest_steps_per_s"], 3)
     report(result, options.json)
 

@@ -113,9 +113,11 @@ async def connect_lanes(
                 connections.append(await asyncio.wait_for(asyncio.shield(future), settings.setup_timeout))
             except asyncio.TimeoutError:
                 # one that dialed and was refused elected other members: alive, not to be blamed
-                blamed = None if key in registration.heard else key
+                heard = key in registration.heard
                 raise AllReduceError(
-                    f"{short_id(key)} did not connect within {settings.setup_timeout:.0f} s", blamed
+                    f"{short_id(key)} did not connect within {settings.setup_timeout:.0f} s",
+                    None if heard else key,
+                    views_differ=heard,
                 ) from None
         return outgoing
 

@@ -57,9 +57,11 @@ this node published ready for that step; one step of slack for a dialer that reg
 class AllReduceError(WireError):
     """This member's all-reduce failed; its buffer is unchanged. Retry with the survivors."""
 
-    def __init__(self, message: str, unresponsive: bytes | None = None):
+    def __init__(self, message: str, unresponsive: bytes | None = None, views_differ: bool = False):
         super().__init__(message)
         self.unresponsive = unresponsive
+        self.views_differ = views_differ
+        """A peer elected other members (another digest): elect again shortly, blaming no one."""
         """A member that this node could not reach or that did not answer in time (frozen, cut
         off, gone), where the failure names one."""
 

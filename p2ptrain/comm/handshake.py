@@ -48,6 +48,11 @@ class HandshakeError(WireError):
     """The peer is not who it should be, or not a member of this step (reason in the message)."""
 
 
+class ViewsDiffer(HandshakeError):
+    """The peer elected other members for this step (another digest): both views are still
+    converging, and a new election shortly after, not a blame, is the answer."""
+
+
 class PeerBusy(HandshakeError):
     """The peer accepted our proof but is still in an earlier attempt of the step: dial again."""
 
@@ -136,8 +141,11 @@ async def dial(
         "ephemeral": ephemeral.public,
     }
     await write_frame(writer, header, timeout=timeout)
+    first = await read_frame(reader, timeout, MAX_HANDSHAKE_FRAME)
+    if first.kind == "refuse" and first.header.get("views_differ") is True:
+        raise ViewsDiffer(f"peer refused: {str(first.header.get('reason', ''))[:200]}")
     try:
-        welcome = expect(await read_frame(reader, timeout, MAX_HANDSHAKE_FRAME), "welcome")
+        welcome = expect(first, "welcome")
     except FrameError as exc:
         raise HandshakeError(str(exc)) from None
     peer_key = _bytes_field(welcome.header, "node_key", PUBLIC_KEY_BYTES)
@@ -228,7 +236,7 @@ async def accept_any(
         if admission is None:
             reason = f"step {step} is not a step this node is reducing"
         elif hello.header.get("digest") != admission.digest:
-            reason = "membership digest differs (the two nodes elected different members)"
+            raise ViewsDiffer("membership digest differs (the two nodes elected different members)")
         elif peer_key not in admission.allowed or peer_key == identity.public_key:
             reason = f"{short_id(peer_key)} is not a member of step {step}"
         elif lane >= admission.lanes:
@@ -255,7 +263,7 @@ async def accept_any(
         session = replace(session, keys=derive_keys(ephemeral.shared(peer_ephemeral), base, dialer=False))
     except (HandshakeError, FrameError) as exc:
         (log_refusal or _log_refusal)(str(exc))
-        await _refuse(writer, {"reason": str(exc)})
+        await _refuse(writer, {"reason": str(exc), "views_differ": isinstance(exc, ViewsDiffer)})
         raise HandshakeError(str(exc)) from None
     refusal = claim(session) if claim is not None else None
     if refusal is not None:

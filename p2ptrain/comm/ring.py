@@ -62,7 +62,7 @@ from p2ptrain.comm.dataplane import (
     segment_bounds,
     shares,
 )
-from p2ptrain.comm.handshake import HandshakeError
+from p2ptrain.comm.handshake import HandshakeError, ViewsDiffer
 from p2ptrain.comm.quant import Buffer
 from p2ptrain.comm.schedule import FrameSpec, Schedule, choose_topology
 from p2ptrain.comm.transfer import Slots, Transfer
@@ -399,7 +399,7 @@ async def ring_all_reduce(
         ) from exc
     except (WireError, HandshakeError, OSError) as exc:
         log.warning("all-reduce of step %d failed, connections dropped: %s", step, exc)
-        raise AllReduceError(f"step {step}: {exc}") from exc
+        raise AllReduceError(f"step {step}: {exc}", views_differ=isinstance(exc, ViewsDiffer)) from exc
     except asyncio.CancelledError:
         cancelled = True  # the caller stops waiting: do not block its cancellation on the threads
         raise

@@ -21,7 +21,7 @@ from p2ptrain.comm.ring import ring_all_reduce
 from p2ptrain.config import Config
 from p2ptrain.faults import Faults
 from p2ptrain.identity import short_id
-from p2ptrain.swarm.crash_watch import CrashWatch
+from p2ptrain.swarm.crash_watch import CrashWatch, answers_hello
 from p2ptrain.swarm.dht import SwarmDHT
 from p2ptrain.swarm.election import (
     IN_STEPS,
@@ -163,6 +163,19 @@ class OuterSync:
         log.warning("fault injection: reporting ready(%d) %.1f s late", step, self.faults.late_seconds)
         await asyncio.sleep(self.faults.late_seconds)
 
+    async def _probe_offenders(self, step: int) -> None:
+        """Offenders due to be tried again this step answer a hello first, or stay named (a step
+        that included one that still cannot take part would pay a failed attempt for it)."""
+        due = [self._seen[key] for key in self.offences.due_at(step) if key in self._seen]
+        if not due:
+            return
+        identity = self.server.identity
+        answers = await asyncio.gather(*(answers_hello(beat.data_addr, identity) for beat in due))
+        failing = [beat.node_key for beat, answered in zip(due, answers, strict=True) if not answered]
+        for key in failing:
+            log.warning("%s still does not answer its data port; named again in step %d", short_id(key), step)
+        self.offences.still_failing(step, failing)
+
     async def sync(self, step: int, vector: np.ndarray, tokens: int) -> SyncResult:
         """Average `vector` with the members of `step`; raises StepGivenUp when every attempt failed."""
         if step == self.faults.late_step:
@@ -170,6 +183,7 @@ class OuterSync:
         if (factor := self.faults.scale(step)) != 1.0:
             log.warning("fault injection: sending %g × this node's pseudo-gradient of step %d", factor, step)
             np.multiply(vector, np.float32(factor), out=vector)
+        await self._probe_offenders(step)
         ignored = self.offences.named_at(step)
         named = set(ignored)
         self.server.at_step(step)
@@ -191,7 +205,8 @@ class OuterSync:
         me = self.publisher.current.node_key
         last_error: Exception | None = None
         attempt = 0
-        while attempt < swarm.sync_retries:
+        deadline = time.monotonic() + swarm.election_timeout
+        while attempt < swarm.sync_retries and time.monotonic() < deadline:
             try:
                 election = await elect(
                     lambda: self._live_heartbeats(step),
@@ -219,6 +234,12 @@ class OuterSync:
             except AllReduceError as exc:
                 last_error = exc
                 log.warning("step %d attempt %d failed (%s); electing the survivors", step, attempt, exc)
+                if exc.views_differ:
+                    # our views of the ready records still differ: not a failed try, and read again
+                    # only after they had time to converge (instant refusals burned every retry)
+                    attempt -= 1
+                    await asyncio.sleep(min(0.5, swarm.heartbeat_interval / 2))
+                    continue
                 # a member that crashed (its port refuses) is left out by everyone's own probe; one
                 # that did not answer (frozen, cut off, a stranger) by the evidence we publish now
                 others = [key for key in election.keys if key != me]
@@ -241,5 +262,6 @@ class OuterSync:
                 )
             return SyncResult(election, stats, attempt)
         raise StepGivenUp(
-            f"step {step}: no all-reduce completed in {swarm.sync_retries} attempts ({last_error})"
+            f"step {step}: no all-reduce completed in {attempt} attempts within "
+            f"{swarm.election_timeout:.0f} s ({last_error})"
         )

@@ -17,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import Iterable
 
-from p2ptrain.identity import short_id
+from p2ptrain.comm.wire import WireError, read_frame, write_frame
+from p2ptrain.identity import NodeIdentity, short_id
 from p2ptrain.swarm.election import parse_address
 from p2ptrain.swarm.records import Heartbeat
 
@@ -29,6 +31,37 @@ log = logging.getLogger(__name__)
 PROBE_INTERVAL = 0.5
 """Seconds between two probes of the same node."""
 PROBE_TIMEOUT = 1.0
+PROBE_STEP = 1 << 62
+"""The step of a probing hello: far beyond any node's, so a live node refuses it at once."""
+
+
+async def answers_hello(address: str, identity: NodeIdentity, timeout: float = PROBE_TIMEOUT) -> bool:
+    """True when the data port at `address` answers a hello (for a far step: a live node refuses it
+    at once) within `timeout`; False for a port that refuses, never answers, or is unreachable."""
+    parsed = parse_address(address)
+    if parsed is None:
+        return False
+    writer = None
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(*parsed), timeout)
+        hello = {
+            "kind": "hello",
+            "node_key": identity.public_key,
+            "step": PROBE_STEP,
+            "attempt": 0,
+            "digest": bytes(32),
+            "nonce": secrets.token_bytes(32),
+            "lane": 0,
+            "ephemeral": bytes(32),
+        }
+        await write_frame(writer, hello, timeout=timeout)
+        await read_frame(reader, timeout, 4096)
+    except (OSError, asyncio.TimeoutError, WireError):
+        return False
+    finally:
+        if writer is not None:
+            writer.close()
+    return True
 
 
 async def port_refuses(address: str, timeout: float = PROBE_TIMEOUT) -> bool:

@@ -19,8 +19,10 @@ the next attempt from the ready records minus `left_out(ready, N)`:
 
 A node that has seen a member fail steps in a row names it in its ready record from the start of
 the next steps (`Offences`), so an unreachable node is ignored for a while instead of costing every
-step a failed attempt. Records of other steps and names that match no ready member count for
-nothing, so an old or forged accusation cannot reach beyond one step.
+step a failed attempt; when that while is over, the node first probes it (a hello it must answer
+within a second) and names it again at once if it still does not answer. Records of other steps and
+names that match no ready member count for nothing, so an old or forged accusation cannot reach
+beyond one step.
 """
 
 from __future__ import annotations
@@ -129,6 +131,17 @@ class Offences:
             oldest = min(self._last, key=self._last.__getitem__)
             for table in (self._count, self._last, self._until):
                 table.pop(oldest, None)
+
+    def due_at(self, step: int) -> set[bytes]:
+        """Offenders whose window has ended by `step`: tried again unless they still fail a probe."""
+        return {key for key, until in self._until.items() if until <= step}
+
+    def still_failing(self, step: int, keys: Iterable[bytes]) -> None:
+        """These offenders failed a probe before `step`: named from its start, for twice as long."""
+        for key in keys:
+            self._count[key] = self._count.get(key, 0) + 1
+            self._last[key] = step - 1
+            self._until[key] = step + min(2 ** self._count[key], MAX_IGNORE_STEPS)
 
     def named_at(self, step: int) -> set[bytes]:
         """Whom to name in the ready record of `step` before any attempt of it."""
