@@ -4,7 +4,8 @@
 
 Keeps `count` connections open, spread over `--sources` loopback addresses from 127.0.0.2 on
 (strangers' hosts), each sending a request head one byte every second and never finishing it;
-a connection the node closes is opened again. Runs until SIGTERM, printing one line per second.
+a connection the node closes is opened again 3 s later. Runs until SIGTERM, printing one line per
+second.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class Slowloris:
             self.held -= 1
             self.closed += 1
             writer.close()
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(3.0)
 
     async def run(self) -> None:
         stop = asyncio.Event()
