@@ -108,7 +108,8 @@ def run(name: str, config: Config, nodes: int, average: Averager, work: Path, wr
         readies = [
             trainer.prepare_outer(tokens) for trainer, (tokens, _) in zip(trainers, phases, strict=True)
         ]
-        average([t.buffer for t in trainers], [r.tokens for r in readies], trainers[0].outer_step)
+        buffers = [t.leader.buffer for t in trainers if t.leader is not None]
+        average(buffers, [r.tokens for r in readies if r is not None], trainers[0].outer_step)
         hashes = {
             t.apply_outer(r, Averaged(r.outer_step, nodes)) for t, r in zip(trainers, readies, strict=True)
         }
