@@ -113,6 +113,28 @@ def _bytes_field(header: dict, name: str, size: int) -> bytes:
     return value
 
 
+def hello_header(
+    identity: NodeIdentity,
+    step: int,
+    digest: bytes,
+    nonce: bytes,
+    ephemeral: bytes,
+    lane: int = 0,
+    attempt: int = 0,
+) -> dict:
+    """The dialer's first frame (see the module docstring)."""
+    return {
+        "kind": "hello",
+        "node_key": identity.public_key,
+        "step": step,
+        "attempt": attempt,
+        "digest": digest,
+        "nonce": nonce,
+        "lane": lane,
+        "ephemeral": ephemeral,
+    }
+
+
 async def dial(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
@@ -130,16 +152,7 @@ async def dial(
     HandshakeErrors, or WireError.
     """
     nonce, ephemeral = secrets.token_bytes(NONCE_BYTES), Ephemeral()
-    header = {
-        "kind": "hello",
-        "node_key": identity.public_key,
-        "step": step,
-        "attempt": attempt,
-        "digest": digest,
-        "nonce": nonce,
-        "lane": lane,
-        "ephemeral": ephemeral.public,
-    }
+    header = hello_header(identity, step, digest, nonce, ephemeral.public, lane, attempt)
     await write_frame(writer, header, timeout=timeout)
     first = await read_frame(reader, timeout, MAX_HANDSHAKE_FRAME)
     if first.kind == "refuse" and first.header.get("views_differ") is True:

@@ -21,6 +21,7 @@ import secrets
 import time
 from collections.abc import Iterable
 
+from p2ptrain.comm.handshake import NONCE_BYTES, hello_header
 from p2ptrain.comm.wire import WireError, read_frame, write_frame
 from p2ptrain.identity import NodeIdentity, short_id
 from p2ptrain.swarm.election import parse_address
@@ -44,16 +45,7 @@ async def answers_hello(address: str, identity: NodeIdentity, timeout: float = P
     writer = None
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(*parsed), timeout)
-        hello = {
-            "kind": "hello",
-            "node_key": identity.public_key,
-            "step": PROBE_STEP,
-            "attempt": 0,
-            "digest": bytes(32),
-            "nonce": secrets.token_bytes(32),
-            "lane": 0,
-            "ephemeral": bytes(32),
-        }
+        hello = hello_header(identity, PROBE_STEP, bytes(32), secrets.token_bytes(NONCE_BYTES), bytes(32))
         await write_frame(writer, hello, timeout=timeout)
         await read_frame(reader, timeout, 4096)
     except (OSError, asyncio.TimeoutError, WireError):

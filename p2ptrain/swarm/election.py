@@ -215,13 +215,16 @@ def decide(
     throughput: Throughput | None = None,
     in_transit: Collection[bytes] = (),
     max_tokens: int | None = None,
+    excluded: Mapping[bytes, str] | None = None,
 ) -> Election | None:
     """The members of `step` if this view allows a decision now, else None (keep waiting).
 
     Each member's weight is the tokens its record claims, at most `max_tokens` (what the run's
-    settings allow one node in one outer step): a member cannot buy itself the average."""
+    settings allow one node in one outer step): a member cannot buy itself the average.
+    `excluded`: what `left_out` says of this view's ready records, where the caller has it."""
     ready, expected = ready_for(heartbeats, step), expected_for(heartbeats, step, in_transit)
-    excluded = left_out(ready, step)
+    if excluded is None:
+        excluded = left_out(ready, step)
     ready = [beat for beat in ready if beat.node_key not in excluded]
     if not ready or (expected and (not deadline_passed or 2 * len(ready) <= len(ready) + len(expected))):
         return None
@@ -240,7 +243,7 @@ def decide(
         host, port = address
         tokens = by_key[key].tokens if max_tokens is None else min(by_key[key].tokens, max_tokens)
         members.append(RingMember(key, host, port, float(tokens)))
-    return Election(step, members, excluded)
+    return Election(step, members, dict(excluded))
 
 
 class SwarmAhead(Exception):
@@ -298,14 +301,16 @@ async def elect(
         heartbeats = await read()
         if me is not None and swarm_ahead(heartbeats, step, me, finished):
             raise SwarmAhead(f"the swarm is past outer step {step}")
-        reason = left_out(ready_for(heartbeats, step), step).get(me or b"")
-        if reason is not None:
-            raise LeftOut(f"left out of outer step {step}: {reason}")
+        excluded = left_out(ready_for(heartbeats, step), step)
+        if me in excluded:
+            raise LeftOut(f"left out of outer step {step}: {excluded[me]}")
         now = clock()
         if first_ready is None and ready_for(heartbeats, step):
             first_ready = now
         passed = first_ready is not None and now - first_ready >= straggler_deadline
-        election = decide(heartbeats, step, passed, in_transit=in_transit, max_tokens=max_tokens)
+        election = decide(
+            heartbeats, step, passed, in_transit=in_transit, max_tokens=max_tokens, excluded=excluded
+        )
         if election is not None:
             return election
         if now - started >= timeout:
