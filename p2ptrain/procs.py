@@ -117,6 +117,8 @@ class ChildProcesses:
     def __init__(self) -> None:
         self.children: dict[str, subprocess.Popen[bytes]] = {}
         self._trees: dict[int, set[int]] = {}
+        self.orphan_commands: dict[int, str] = {}
+        """What the orphans of the last `stop_all` were running (for the message that names them)."""
 
     def spawn(
         self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None
@@ -163,8 +165,11 @@ class ChildProcesses:
             if is_alive(pid)
         )
 
-    def stop_all(self, timeout: float = 10.0) -> list[int]:
-        """SIGTERM every child, wait, then kill anything left; returns the orphans that had to be killed."""
+    def stop_all(self, timeout: float = 10.0, tree_grace: float = 5.0) -> list[int]:
+        """SIGTERM every child, wait, then kill anything left; returns the orphans that had to be killed.
+
+        A child's own shutdown reaps its tree (DHT child, p2pd) after the child itself is gone, so
+        the trees get `tree_grace` seconds of their own once the last child exited."""
         self.remember_trees()
         running = [child for child in self.children.values() if child.poll() is None]
         for child in running:
@@ -180,9 +185,11 @@ class ChildProcesses:
                     os.killpg(child.pid, signal.SIGKILL)
                 child.wait()
         # the children's own shutdown reaps their trees; give it a moment, then count what is left
+        deadline = time.monotonic() + tree_grace
         while time.monotonic() < deadline and self.leftovers():
             time.sleep(0.05)
         orphans = self.leftovers()
+        self.orphan_commands = {pid: " ".join(command_line(pid))[:200] for pid in orphans}
         terminate(orphans, timeout=2.0)
         return orphans
 

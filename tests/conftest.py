@@ -17,5 +17,5 @@ def swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
         yield local
     finally:
         orphans = local.stop()
-    assert orphans == [], f"processes outlived their parents: {orphans}"
+    assert orphans == [], f"processes outlived their parents: {local.children.orphan_commands}"
     assert stale_sockets(sockets_before) == set(), "stale p2pd sockets left in /tmp"

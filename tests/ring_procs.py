@@ -57,6 +57,8 @@ def _member(
         host, port = await server.start()
         outbox.put(("address", index, identity.public_key, host, port))
         members = await asyncio.get_running_loop().run_in_executor(None, inbox.get)
+        if fault == "vanish":  # elected, then gone before dialing anyone: its port refuses
+            os.kill(os.getpid(), signal.SIGKILL)
         buffer = member_data(index, length, outlier)
         frames = 0
 
@@ -163,7 +165,7 @@ def run_ring(
         for inbox in inboxes:
             inbox.put(members)
         outcomes: dict[int, Outcome] = {}
-        expected = n - sum(1 for kind, _ in faults.values() if kind in ("kill", "stall"))
+        expected = n - sum(1 for kind, _ in faults.values() if kind in ("kill", "stall", "vanish"))
         deadline = time.monotonic() + timeout
         while len(outcomes) < expected and time.monotonic() < deadline:
             try:

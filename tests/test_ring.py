@@ -123,6 +123,18 @@ def test_member_killed_mid_reduce_fails_every_survivor_quickly(
     assert last - first < 5.0, "survivors must fail within the bound of each other"
 
 
+@pytest.mark.parametrize("n", [3, 5])
+def test_a_member_gone_before_it_connects_is_not_waited_for(tmp_path: Path, n: int):
+    """Elected, then killed before its lanes reach us: its port refuses, so the survivors fail the
+    attempt within seconds, not at the setup deadline (which waits for slow members)."""
+    settings = RingSettings(chunk_bytes=1 << 16, failure_timeout=5.0, setup_timeout=60.0)
+    outcomes, results, _ = run_ring(tmp_path, n, 10_000, settings=settings, faults={1: ("vanish", 0)})
+    assert sorted(outcomes) == [i for i in range(n) if i != 1], outcomes
+    assert not any(outcome.ok for outcome in outcomes.values()) and results == {}
+    assert max(outcome.seconds for outcome in outcomes.values()) < 20, outcomes
+    assert any("refuses" in o.error or "cannot connect" in o.error for o in outcomes.values()), outcomes
+
+
 def test_stalled_member_times_out(tmp_path: Path):
     settings = RingSettings(chunk_bytes=1 << 14, failure_timeout=1.5)
     started = time.time()

@@ -6,6 +6,7 @@ The listening side is dataplane.py's server; ring.py runs the transfer over what
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Sequence
 
@@ -25,6 +26,25 @@ REFUSED_GRACE = 1.0
 """Seconds a refused or failed connect is retried before the member counts as gone."""
 BUSY_RETRY_MAX = 0.5
 """Longest pause between dials to a member still in an earlier attempt (within setup_timeout)."""
+GONE_PROBE_INTERVAL = 0.5
+"""While a member's lane is awaited: seconds between probes of its port (one that refuses is gone)."""
+
+
+async def refuses_connections(host: str, port: int, timeout: float = 1.0) -> bool:
+    """True only when a TCP connection to host:port is actively refused (nobody listens there).
+
+    A member listens on its published port until it leaves, so a refusal says its process is gone;
+    a port that accepts, times out or cannot be routed proves nothing."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    except ConnectionRefusedError:
+        return True
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return False
 
 
 async def dial_member(
@@ -106,19 +126,32 @@ async def connect_lanes(
         connections.append(connection)
         return (peer, lane), connection
 
+    by_key = {member.key: member for member in members}
+
+    async def incoming(key: bytes, future: asyncio.Future[Connection], deadline: float) -> Connection:
+        """The lane `key` dials to us; a member that crashed meanwhile is not waited for."""
+        while (remaining := deadline - time.monotonic()) > 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                return await asyncio.wait_for(asyncio.shield(future), min(remaining, GONE_PROBE_INTERVAL))
+            member = by_key[key]
+            if not future.done() and await refuses_connections(member.host, member.port):
+                raise AllReduceError(
+                    f"{short_id(key)} is gone: its data port {member.host}:{member.port} refuses connections",
+                    key,
+                )
+        # one that dialed and was refused elected other members: alive, not to be blamed
+        heard = key in registration.heard
+        raise AllReduceError(
+            f"{short_id(key)} did not connect within {settings.setup_timeout:.0f} s",
+            None if heard else key,
+            views_differ=heard,
+        )
+
     async def connect_all() -> dict[tuple[int, int], Connection]:
         outgoing = dict(await asyncio.gather(*dials))
+        deadline = time.monotonic() + settings.setup_timeout
         for (key, _), future in registration.incoming.items():
-            try:
-                connections.append(await asyncio.wait_for(asyncio.shield(future), settings.setup_timeout))
-            except asyncio.TimeoutError:
-                # one that dialed and was refused elected other members: alive, not to be blamed
-                heard = key in registration.heard
-                raise AllReduceError(
-                    f"{short_id(key)} did not connect within {settings.setup_timeout:.0f} s",
-                    None if heard else key,
-                    views_differ=heard,
-                ) from None
+            connections.append(await incoming(key, future, deadline))
         return outgoing
 
     dials = [

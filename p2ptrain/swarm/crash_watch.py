@@ -15,12 +15,12 @@ on it, or moved to another address, is judged afresh.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 import time
 from collections.abc import Iterable
 
+from p2ptrain.comm.connect import refuses_connections
 from p2ptrain.comm.handshake import NONCE_BYTES, hello_header
 from p2ptrain.comm.wire import WireError, read_frame, write_frame
 from p2ptrain.identity import NodeIdentity, short_id
@@ -59,18 +59,7 @@ async def answers_hello(address: str, identity: NodeIdentity, timeout: float = P
 async def port_refuses(address: str, timeout: float = PROBE_TIMEOUT) -> bool:
     """True only when a TCP connection to `address` is actively refused (nobody listens there)."""
     parsed = parse_address(address)
-    if parsed is None:
-        return False
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(*parsed), timeout)
-    except ConnectionRefusedError:
-        return True
-    except (OSError, asyncio.TimeoutError):
-        return False
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
-    return False
+    return parsed is not None and await refuses_connections(*parsed, timeout)
 
 
 class CrashWatch:
