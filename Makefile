@@ -17,12 +17,12 @@ PYTEST_ARGS ?=
 # on one core (checked with taskset -c 0).
 PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
 
-.PHONY: demo test lint format install clean browser
+.PHONY: demo test lint format install clean browser netlab
 
 demo: $(STAMP)
 	$(PY) -m p2ptrain demo
 
-test: $(STAMP) browser
+test: $(STAMP) browser netlab
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
@@ -38,6 +38,16 @@ browser:
 		{ apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium chromium-driver >/dev/null 2>&1; } || \
 		echo "could not install chromium: the browser test will be skipped"; \
 	else echo "no chromium and no root apt-get: the browser test will be skipped"; fi
+
+# nftables for the NAT tests (network namespaces with a masquerading router; they need root).
+netlab:
+	@if command -v nft >/dev/null 2>&1 || [ "$$(id -u)" != 0 ]; then :; \
+	elif command -v apt-get >/dev/null 2>&1; then \
+		echo "installing nftables (apt-get) for the NAT tests"; \
+		apt-get install -y -q nftables >/dev/null 2>&1 || \
+		{ apt-get update -q >/dev/null 2>&1 && apt-get install -y -q nftables >/dev/null 2>&1; } || \
+		echo "could not install nftables: the NAT tests will be skipped"; \
+	fi
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

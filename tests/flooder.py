@@ -1,11 +1,13 @@
 """A flooding client against one node's data port, run as its own process by the tests.
 
-    python -m tests.flooder --target HOST:PORT --mode idle|hellos [--count N] [--source 127.0.0.2]
+    python -m tests.flooder --target HOST:PORT --mode idle|hellos|reaches [--count N] [--source 127.0.0.2]
 
 - `idle`: keeps `count` TCP connections open that never send a byte, opening a new one whenever
   the node closes one (a stranger's cheapest way to hold a node's handshake slots);
 - `hellos`: keeps sending well-formed hellos, each from a fresh key, for outer step 10⁹, `count`
-  connections at a time.
+  connections at a time;
+- `reaches`: keeps asking for reachability probes (dial-backs to random ports of its address),
+  `count` connections at a time.
 
 Connections come from `--source` (another loopback address than the honest nodes' 127.0.0.1, as a
 stranger's would come from another host). It runs until SIGTERM and prints one line per second:
@@ -40,6 +42,11 @@ def hello() -> bytes:
     return b"".join(bytes(part) for part in encode_frame(header))
 
 
+def reach_request() -> bytes:
+    header = {"kind": "reach", "port": secrets.randbelow(60000) + 1024, "nonce": secrets.token_bytes(16)}
+    return b"".join(bytes(part) for part in encode_frame(header))
+
+
 class Flood:
     def __init__(self, args: argparse.Namespace):
         self.host, _, port = args.target.rpartition(":")
@@ -61,6 +68,8 @@ class Flood:
             self.held += 1
             if self.args.mode == "hellos":
                 writer.write(hello())
+            elif self.args.mode == "reaches":
+                writer.write(reach_request())
             with contextlib.suppress(OSError):
                 await reader.read()  # until the node closes it
             self.held -= 1
@@ -83,7 +92,7 @@ class Flood:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", required=True)
-    parser.add_argument("--mode", choices=["idle", "hellos"], default="idle")
+    parser.add_argument("--mode", choices=["idle", "hellos", "reaches"], default="idle")
     parser.add_argument("--count", type=int, default=500)
     parser.add_argument("--source", default="127.0.0.2")
     args = parser.parse_args()

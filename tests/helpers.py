@@ -19,13 +19,17 @@ SOCKET_DIR = Path("/tmp")
 
 
 def cli(
-    *args: str, timeout: float = 60, env: dict[str, str] | None = None, cwd: Path | None = None
+    *args: str,
+    timeout: float = 60,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    prefix: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess[str]:
-    """Run `python -m p2ptrain ARGS` to completion and capture its output."""
+    """Run `python -m p2ptrain ARGS` (under a wrapper `prefix`) to completion and capture its output."""
     full_env = {key: value for key, value in os.environ.items() if key != "PEER"}
     full_env.update(env or {})
     return subprocess.run(
-        [sys.executable, "-m", "p2ptrain", *args],
+        [*prefix, sys.executable, "-m", "p2ptrain", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -97,13 +101,18 @@ class LocalSwarm:
         self.bootstrap_addr = ""
 
     def start_bootstrap(
-        self, name: str = "bootstrap", identity: str = "bootstrap", listen: str = LOOPBACK
+        self,
+        name: str = "bootstrap",
+        identity: str = "bootstrap",
+        listen: str = LOOPBACK,
+        prefix: tuple[str, ...] = (),
     ) -> str:
         address_file = self.root / f"{name}.addr"
         address_file.unlink(missing_ok=True)
         self.children.spawn(
             name,
             [
+                *prefix,
                 sys.executable,
                 "-m",
                 "p2ptrain",
@@ -128,9 +137,11 @@ class LocalSwarm:
         train: bool = False,
         env: dict[str, str] | None = None,
         prefix: tuple[str, ...] = (),
+        listen: str = LOOPBACK,
     ) -> Path:
         """A node agent; heartbeat-only (`--observe`) unless `train` (or a `--drill` in `extra`);
-        `prefix` runs it under a wrapper command (`prlimit --nofile=…`, which execs it)."""
+        `prefix` runs it under a wrapper command (`prlimit --nofile=…`, `ip netns exec`, which
+        exec it)."""
         address_file = self.root / f"{name}.addr"
         if not train:
             extra = ("--observe", *extra)
@@ -149,7 +160,7 @@ class LocalSwarm:
                 "--work-dir",
                 str(self.root / name),
                 "--listen",
-                LOOPBACK,
+                listen,
                 "--address-file",
                 str(address_file),
                 "--table-every",
@@ -163,11 +174,19 @@ class LocalSwarm:
         )
         return address_file
 
-    def status(self, peer: str | None = None, once: bool = True) -> dict:
+    def status(self, peer: str | None = None, once: bool = True, prefix: tuple[str, ...] = ()) -> dict:
         """`p2ptrain status --json`: one read of the records (`--once`), or the full watch."""
         flags = ["--once"] if once else []
         result = cli(
-            "status", "--peer", peer or self.bootstrap_addr, "--config", "debug", "--json", *flags, timeout=60
+            "status",
+            "--peer",
+            peer or self.bootstrap_addr,
+            "--config",
+            "debug",
+            "--json",
+            *flags,
+            timeout=60,
+            prefix=prefix,
         )
         assert result.returncode == 0, result.stderr
         return json.loads(result.stdout.strip().splitlines()[-1])

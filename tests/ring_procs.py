@@ -16,6 +16,7 @@ import numpy as np
 
 from p2ptrain.comm.ring import AllReduceError, DataPlaneServer, RingMember, RingSettings, ring_all_reduce
 from p2ptrain.identity import load_or_create_identity
+from p2ptrain.procs import free_port
 
 
 @dataclass
@@ -117,12 +118,14 @@ def run_ring(
     retries: int = 1,
     proxy: Callable[[str, int], tuple[str, int]] | None = None,
     proxied: int = -1,
+    behind_nat: frozenset[int] = frozenset(),
 ) -> tuple[dict[int, Outcome], dict[int, np.ndarray], list[np.ndarray]]:
     """Run one all-reduce over `n` member processes; returns outcomes, results and the inputs.
 
     With `retries` > 1 each member tries again at once after an AllReduceError, as OuterSync does.
     `proxy(host, port)` puts something on the path to member `proxied`: the others reach it at the
-    address it returns.
+    address it returns. Members in `behind_nat` are listed as unreachable, at an address where
+    nobody listens: the all-reduce completes only if nobody dials them.
     """
     context = mp.get_context("spawn")
     outbox = context.Queue()
@@ -159,8 +162,12 @@ def run_ring(
         if proxy is not None:
             key, host, port = addresses[proxied]
             addresses[proxied] = (key, *proxy(host, port))
+        for index in behind_nat:
+            key, host, _ = addresses[index]
+            addresses[index] = (key, host, free_port())
         members = [
-            RingMember(addresses[i][0], addresses[i][1], addresses[i][2], weights[i]) for i in range(n)
+            RingMember(addresses[i][0], addresses[i][1], addresses[i][2], weights[i], i not in behind_nat)
+            for i in range(n)
         ]
         for inbox in inboxes:
             inbox.put(members)

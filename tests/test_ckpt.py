@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -140,6 +141,18 @@ def test_majority_of_live_members_decides() -> None:
     others = [heartbeat(5, "u5", "D3", config="other"), heartbeat(6, "u6", "D3", state=NodeState.DEAD)]
     assert majority_checkpoint(others, bytes([9]) * 32, "c") is None
     assert majority_checkpoint([heartbeat(9, "u9", "D9")], bytes([9]) * 32, "c") is None  # not from myself
+
+
+def test_a_holder_behind_nat_votes_but_is_no_source(tmp_path: Path) -> None:
+    """Its record says nobody can dial it: it counts for the majority, is never asked, and where
+    only such nodes hold the checkpoint the joiner says so in one line instead of timing out."""
+    behind = dataclasses.replace(heartbeat(2, "u2", "D1"), data_reach="closed")
+    digest, holders = majority_checkpoint([heartbeat(1, "u1", "D1"), behind], bytes([9]) * 32, "c")
+    assert digest == "D1" and [h.ckpt_addr for h in holders] == ["u1"]
+    found = majority_checkpoint([behind], bytes([9]) * 32, "c")
+    assert found is not None and found[1] == []
+    with pytest.raises(RecoveryError, match="nobody can reach"):
+        asyncio.run(fetch_checkpoint("D1", [], tmp_path / "joiner", timeout=5))
 
 
 def test_tampered_copy_is_refused_and_fetched_elsewhere(

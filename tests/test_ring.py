@@ -135,6 +135,30 @@ def test_a_member_gone_before_it_connects_is_not_waited_for(tmp_path: Path, n: i
     assert any("refuses" in o.error or "cannot connect" in o.error for o in outcomes.values()), outcomes
 
 
+@pytest.mark.parametrize(
+    ("n", "topology", "connections", "behind_nat"),
+    [
+        (2, "ring", 1, {1}),
+        (3, "ring", 1, {1}),
+        (3, "ring", 2, {0}),
+        (5, "butterfly", 1, {3}),
+        (4, "ring", 1, {0, 2}),
+    ],
+)
+def test_members_behind_nat_dial_out_and_the_result_is_the_same(
+    tmp_path: Path, n: int, topology: str, connections: int, behind_nat: set[int]
+):
+    """Connection reversal: nobody can dial a member behind NAT (its listed port has no listener),
+    so it dials the reachable ends of its edges itself and receives its frames on them too."""
+    settings = RingSettings(chunk_bytes=1 << 14, topology=topology, connections=connections)
+    outcomes, results, inputs = run_ring(
+        tmp_path, n, 20_000, settings=settings, behind_nat=frozenset(behind_nat)
+    )
+    assert all(outcome.ok for outcome in outcomes.values()) and len(results) == n, outcomes
+    assert all(np.array_equal(results[0], other) for other in results.values())
+    assert relative_error(results[0], weighted_mean(inputs, [1.0] * n)) <= RING_AT_5
+
+
 def test_stalled_member_times_out(tmp_path: Path):
     settings = RingSettings(chunk_bytes=1 << 14, failure_timeout=1.5)
     started = time.time()

@@ -63,10 +63,11 @@ def data_port(swarm: LocalSwarm, name: str) -> int:
     return int(match.group(1))
 
 
-@pytest.mark.parametrize("mode", ["idle", "hellos"])
+@pytest.mark.parametrize("mode", ["idle", "hellos", "reaches"])
 def test_a_flood_on_one_nodes_data_port_does_not_keep_it_out_of_the_steps(swarm: LocalSwarm, mode: str):
-    """500 connections from another address (idle ones, or hellos for step 10⁹ from fresh keys),
-    reopened as fast as the node closes them: the node still takes part in every step."""
+    """500 connections from another address (idle ones, hellos for step 10⁹ from fresh keys, or
+    requests for reachability probes), reopened as fast as the node closes them: the node still
+    takes part in every step."""
     names = start_drill(swarm, STEPS, "--set", "comm.failure_timeout=3")
     target = f"127.0.0.1:{data_port(swarm, 'node0')}"
     swarm.children.spawn(

@@ -29,6 +29,7 @@ from p2ptrain.ckpt.manifest import (
     file_sha256,
     parse_manifest,
 )
+from p2ptrain.comm.reach import can_be_dialed
 from p2ptrain.errors import NetworkError
 from p2ptrain.swarm.records import Heartbeat, NodeState
 
@@ -47,7 +48,9 @@ class RecoveryError(NetworkError):
 def majority_checkpoint(
     heartbeats: Sequence[Heartbeat], me: bytes, config_digest: str
 ) -> tuple[str, list[Heartbeat]] | None:
-    """(digest, the peers announcing it) when more than half of the live members announce one digest."""
+    """(digest, the peers announcing it that can be reached) when more than half of the live
+    members announce one digest. A node that says it cannot be dialed (behind NAT) counts in the
+    vote but is no source: its sidecar is as unreachable as its data port, as far as we know."""
     members = [
         b for b in heartbeats if b.node_key != me and b.state in ACTIVE and b.config_digest == config_digest
     ]
@@ -57,7 +60,7 @@ def majority_checkpoint(
     digest, count = Counter(b.ckpt_digest for b in announced).most_common(1)[0]
     if 2 * count <= len(members):
         return None
-    return digest, [b for b in announced if b.ckpt_digest == digest]
+    return digest, [b for b in announced if b.ckpt_digest == digest and can_be_dialed(b.data_reach)]
 
 
 def stall_timeout(seconds: float) -> aiohttp.ClientTimeout:
@@ -187,6 +190,11 @@ async def fetch_checkpoint(digest: str, holders: Sequence[Heartbeat], dest_dir: 
     answered (a frozen or far-away holder does not, and would stall every file it is asked for) serve
     the files. Then one holder's manifest (and its node-specific files) at a time; if that holder
     fails, the next one's, keeping the shared files already verified."""
+    if not holders:
+        raise RecoveryError(
+            f"checkpoint {digest[:12]} is held only by nodes nobody can reach (behind NAT); one of them "
+            "must open its ckpt_port (and set node.ckpt_announce) or a reachable node must hold it"
+        )
     client_timeout = stall_timeout(timeout)
     urls = [holder.ckpt_addr.rstrip("/") for holder in holders]
     last_problem = "no peer served the majority's checkpoint manifest"

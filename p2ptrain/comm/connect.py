@@ -9,17 +9,20 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from p2ptrain.comm.dataplane import (
     AllReduceError,
     Connection,
     DataPlaneServer,
+    LaneKey,
     Registration,
     RingMember,
     RingSettings,
 )
 from p2ptrain.comm.handshake import AttemptBehind, PeerBusy, dial
-from p2ptrain.comm.wire import PeerTimeout
+from p2ptrain.comm.schedule import Schedule
+from p2ptrain.comm.wire import PeerTimeout, WireError, expect, read_frame, write_frame
 from p2ptrain.identity import NodeIdentity, short_id
 
 REFUSED_GRACE = 1.0
@@ -102,20 +105,60 @@ async def dial_member(
         return reader, writer, session
 
 
+def sender_dials(sender: RingMember, receiver: RingMember) -> bool:
+    """Who dials the connection that carries `sender`'s frames to `receiver`: the sender, unless
+    only the sender can be dialed (the receiver is behind NAT: connection reversal). Both ends
+    derive this from the same member list, so they agree without talking."""
+    return receiver.reachable or not sender.reachable
+
+
+Slot = tuple[int, int]
+"""(peer index, lane) of one connection we send or receive frames on."""
+
+
+@dataclass(frozen=True)
+class LanePlan:
+    """Which of one member's connections it dials and which it waits for, in handshake lanes: lane
+    l < M (comm.connections) carries the dialer's frames, lane M + l the listener's (reversed)."""
+
+    dial_to_send: list[Slot]
+    dial_to_receive: list[Slot]
+    await_to_send: list[Slot]
+    await_to_receive: list[Slot]
+
+    @classmethod
+    def of(cls, members: Sequence[RingMember], schedule: Schedule) -> LanePlan:
+        plan, me = cls([], [], [], []), members[schedule.index]
+        for peer in schedule.out_peers():
+            target = plan.dial_to_send if sender_dials(me, members[peer]) else plan.await_to_send
+            target.extend((peer, lane) for lane in range(schedule.lanes))
+        for peer in schedule.in_peers():
+            target = plan.await_to_receive if sender_dials(members[peer], me) else plan.dial_to_receive
+            target.extend((peer, lane) for lane in range(schedule.lanes))
+        return plan
+
+    def incoming_lanes(self, members: Sequence[RingMember], lanes: int) -> list[LaneKey]:
+        """(peer key, handshake lane) of every connection that peers dial to us."""
+        return [(members[peer].key, lane) for peer, lane in self.await_to_receive] + [
+            (members[peer].key, lanes + lane) for peer, lane in self.await_to_send
+        ]
+
+
 async def connect_lanes(
     server: DataPlaneServer,
     members: Sequence[RingMember],
-    out_peers: Sequence[int],
+    plan: LanePlan,
     registration: Registration,
     step: int,
     digest: bytes,
     connections: list[Connection],
-) -> dict[tuple[int, int], Connection]:
-    """Dial every lane to every out-peer and wait for every lane of every in-peer; all connections
-    land in `connections`. Returns the outgoing ones by (peer, lane)."""
+) -> tuple[dict[Slot, Connection], dict[Slot, Connection]]:
+    """Dial the lanes `plan` says we dial and wait for the others; every connection lands in
+    `connections`. Returns the ones we send on and the ones we receive on, by (peer, lane)."""
     settings = server.settings
+    lanes = settings.connections
 
-    async def dial_one(peer: int, lane: int) -> tuple[tuple[int, int], Connection]:
+    async def dial_one(peer: int, lane: int) -> tuple[Slot, Connection]:
         try:
             connection = await dial_member(
                 server.identity, members[peer], step, digest, settings, lane, registration.attempt
@@ -124,43 +167,81 @@ async def connect_lanes(
             server.learn_attempt(step, exc.attempt)
             raise AllReduceError(f"step {step}: {exc}") from None
         connections.append(connection)
-        return (peer, lane), connection
+        if lane >= lanes:
+            await _send_go(connection, settings.failure_timeout)
+        return (peer, lane % lanes), connection
 
-    by_key = {member.key: member for member in members}
-
-    async def incoming(key: bytes, future: asyncio.Future[Connection], deadline: float) -> Connection:
-        """The lane `key` dials to us; a member that crashed meanwhile is not waited for."""
+    async def incoming(peer: int, lane: int, deadline: float) -> tuple[Slot, Connection]:
+        """The lane `peer` dials to us; a member that crashed meanwhile is not waited for."""
+        member = members[peer]
+        future = registration.incoming[(member.key, lane)]
         while (remaining := deadline - time.monotonic()) > 0:
             with contextlib.suppress(asyncio.TimeoutError):
-                return await asyncio.wait_for(asyncio.shield(future), min(remaining, GONE_PROBE_INTERVAL))
-            member = by_key[key]
-            if not future.done() and await refuses_connections(member.host, member.port):
+                connection = await asyncio.wait_for(
+                    asyncio.shield(future), min(remaining, GONE_PROBE_INTERVAL)
+                )
+                connections.append(connection)
+                return (peer, lane % lanes), connection
+            # behind NAT its port proves nothing (a router may answer for it)
+            if member.reachable and not future.done() and await refuses_connections(member.host, member.port):
                 raise AllReduceError(
-                    f"{short_id(key)} is gone: its data port {member.host}:{member.port} refuses connections",
-                    key,
+                    f"{short_id(member.key)} is gone: its data port {member.host}:{member.port} refuses "
+                    "connections",
+                    member.key,
                 )
         # one that dialed and was refused elected other members: alive, not to be blamed
-        heard = key in registration.heard
+        heard = member.key in registration.heard
         raise AllReduceError(
-            f"{short_id(key)} did not connect within {settings.setup_timeout:.0f} s",
-            None if heard else key,
+            f"{short_id(member.key)} did not connect within {settings.setup_timeout:.0f} s",
+            None if heard else member.key,
             views_differ=heard,
         )
 
-    async def connect_all() -> dict[tuple[int, int], Connection]:
-        outgoing = dict(await asyncio.gather(*dials))
+    async def connect_all() -> tuple[dict[Slot, Connection], dict[Slot, Connection]]:
+        dialed = await asyncio.gather(*sending_dials, *receiving_dials)
+        sending = dict(dialed[: len(sending_dials)])
+        receiving = dict(dialed[len(sending_dials) :])
         deadline = time.monotonic() + settings.setup_timeout
-        for (key, _), future in registration.incoming.items():
-            connections.append(await incoming(key, future, deadline))
-        return outgoing
+        for peer, lane in plan.await_to_receive:
+            slot, connection = await incoming(peer, lane, deadline)
+            receiving[slot] = connection
+        for peer, lane in plan.await_to_send:
+            slot, connection = await incoming(peer, lanes + lane, deadline)
+            await _await_go(connection, settings.failure_timeout)
+            sending[slot] = connection
+        return sending, receiving
 
-    dials = [
-        asyncio.create_task(dial_one(peer, lane))
-        for peer in out_peers
-        for lane in range(settings.connections)
+    sending_dials = [asyncio.create_task(dial_one(peer, lane)) for peer, lane in plan.dial_to_send]
+    receiving_dials = [
+        asyncio.create_task(dial_one(peer, lanes + lane)) for peer, lane in plan.dial_to_receive
     ]
     try:
         return await registration.unless_abandoned(connect_all())
     finally:
-        for task in dials:
+        for task in sending_dials + receiving_dials:
             task.cancel()
+
+
+async def _send_go(connection: Connection, timeout: float) -> None:
+    """A reversed lane, dialer side (it receives): stop asyncio reading first, then let the
+    listener send. Its frames then wait in the kernel for the raw socket (lanes.detach); frames
+    sent before would have been swallowed by asyncio's read-ahead."""
+    _, writer, _ = connection
+    transport = writer.transport
+    assert isinstance(transport, asyncio.Transport), "a stream's transport reads and writes"
+    transport.pause_reading()
+    await write_frame(writer, {"kind": "go"}, timeout=timeout)
+
+
+async def _await_go(connection: Connection, timeout: float) -> None:
+    """A reversed lane, listener side (it sends): wait for the dialer's go (see `_send_go`)."""
+    reader, writer, _ = connection
+    transport = writer.transport
+    assert isinstance(transport, asyncio.Transport), "a stream's transport reads and writes"
+    transport.resume_reading()  # the dialer sends nothing after its go, so nothing is read ahead
+    try:
+        expect(await read_frame(reader, timeout, 0), "go")
+    except WireError as exc:
+        raise AllReduceError(f"reversed lane from {short_id(connection[2].peer_key)}: {exc}") from None
+    finally:
+        transport.pause_reading()

@@ -27,6 +27,7 @@ import numpy as np
 
 from p2ptrain.comm.budget import PendingBudget, WaitingBudget
 from p2ptrain.comm.handshake import (
+    MAX_HANDSHAKE_FRAME,
     MAX_LANES,
     Admission,
     HandshakeError,
@@ -35,7 +36,8 @@ from p2ptrain.comm.handshake import (
     accept_any,
 )
 from p2ptrain.comm.quant import Buffer
-from p2ptrain.comm.wire import WireError
+from p2ptrain.comm.reach import REACH_KINDS, ReachService
+from p2ptrain.comm.wire import WireError, read_frame
 from p2ptrain.identity import NodeIdentity, short_id
 from p2ptrain.untrusted import ThrottledLog
 
@@ -72,6 +74,8 @@ class RingMember:
     host: str
     port: int
     weight: float = 1.0
+    reachable: bool = True
+    """False for a member behind NAT: its connections are dialed by it (connect.sender_dials)."""
 
 
 @dataclass(frozen=True)
@@ -113,10 +117,12 @@ class RingStats:
 
 
 def membership_digest(step: int, members: Sequence[RingMember]) -> bytes:
-    """sha256 over the step and the ordered members (keys, addresses, weights)."""
-    digest = hashlib.sha256(b"p2ptrain/ring/v1\0" + step.to_bytes(8, "big"))
+    """sha256 over the step and the ordered members (keys, addresses, weights, reachability)."""
+    digest = hashlib.sha256(b"p2ptrain/ring/v2\0" + step.to_bytes(8, "big"))
     for member in members:
-        digest.update(member.key + f"{member.host}:{member.port}:{member.weight!r}\0".encode())
+        digest.update(
+            member.key + f"{member.host}:{member.port}:{member.weight!r}:{member.reachable:d}\0".encode()
+        )
     return digest.digest()
 
 
@@ -204,6 +210,8 @@ class DataPlaneServer:
         self._refusals = ThrottledLog(log)
         self._drops = ThrottledLog(log)
         self.address: tuple[str, int] = ("", 0)
+        self.reach = ReachService()
+        """Dial-back probes (reach.py): answered here, and our own proofs collected here."""
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         self._server = await asyncio.start_server(self._on_connection, host, port)
@@ -230,14 +238,20 @@ class DataPlaneServer:
                 if not future.done():
                     future.cancel()
 
-    def expect(self, step: int, peers: Collection[bytes], digest: bytes) -> Registration:
-        """Register an attempt of step `step`: one future per peer and lane, resolved with its
-        authenticated connection."""
+    def expect(
+        self, step: int, peers: Collection[bytes], digest: bytes, lanes: Collection[LaneKey] | None = None
+    ) -> Registration:
+        """Register an attempt of step `step`: one future per expected (peer, lane) — by default
+        every lane of every peer in `peers` — resolved with its authenticated connection. Lanes
+        count up to twice comm.connections: the upper half are reversed (connect.LanePlan)."""
         loop = asyncio.get_running_loop()
-        lanes = self.settings.connections
-        futures = {(key, lane): loop.create_future() for key in peers for lane in range(lanes)}
+        count = self.settings.connections
+        if lanes is None:
+            lanes = [(key, lane) for key in peers for lane in range(count)]
+        futures = {lane: loop.create_future() for lane in lanes}
         attempt = self._next_attempt.get(step, 0)
-        registration = Registration(attempt, Admission(set(peers), digest, lanes), futures)
+        allowed = {key for key, _ in futures}
+        registration = Registration(attempt, Admission(allowed, digest, 2 * count), futures)
         self._expected[step] = registration
         self.learn_attempt(step, attempt)
         self._latest_step = max(self._latest_step, step)
@@ -309,6 +323,14 @@ class DataPlaneServer:
         return None
 
     async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """asyncio's task for one incoming connection. Cancelled when the node's event loop shuts
+        down, it ends quietly: Python 3.11's stream callback would log a traceback for it."""
+        try:
+            await self._serve(reader, writer)
+        except asyncio.CancelledError:
+            writer.transport.abort()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         source = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
         ticket = self.pending.enter(source, writer)
@@ -326,6 +348,11 @@ class DataPlaneServer:
             return await self._admission(step, key)
 
         try:
+            first = await read_frame(reader, self.settings.failure_timeout, MAX_HANDSHAKE_FRAME)
+            if first.kind in REACH_KINDS:
+                self.pending.leave(ticket)
+                await self.reach.handle(first, reader, writer, source)
+                return
             session = await accept_any(
                 reader,
                 writer,
@@ -334,6 +361,7 @@ class DataPlaneServer:
                 self.settings.failure_timeout,
                 self._claim,
                 lambda reason: self._refusals.warning("refused data-plane connection: %s", reason),
+                first,
             )
         except HandshakeError:
             writer.close()  # refused, and logged, by the handshake

@@ -10,7 +10,9 @@ the attempt, the membership digest and both ephemeral X25519 keys: a recorded ha
 replayed, a member of another step or another membership cannot get in, the dialer knows it
 reached the member it meant to reach, and the X25519 secret of the two ephemeral keys is shared
 with that member only. Every frame after the handshake is sealed with keys derived from it
-(seal.py). `lane` numbers the parallel connections between one pair of members (comm.connections).
+(seal.py). `lane` numbers the parallel connections between one pair of members (comm.connections):
+below comm.connections they carry the dialer's frames, above it the listener's (a reversed
+connection, dialed by a member behind NAT to one that can be reached: connect.py).
 
 `attempt` numbers the tries of one step. A failed all-reduce is retried with the same members, hence
 the same digest, and members give an attempt up at slightly different times: without the number a
@@ -33,7 +35,7 @@ from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, replace
 
 from p2ptrain.comm.seal import EPHEMERAL_BYTES, Ephemeral, SessionKeys, derive_keys
-from p2ptrain.comm.wire import FrameError, WireError, expect, read_frame, write_frame
+from p2ptrain.comm.wire import Frame, FrameError, WireError, expect, read_frame, write_frame
 from p2ptrain.identity import PUBLIC_KEY_BYTES, NodeIdentity, short_id, verify
 
 log = logging.getLogger(__name__)
@@ -229,20 +231,21 @@ async def accept_any(
     timeout: float,
     claim: Claim | None = None,
     log_refusal: Callable[[str], None] | None = None,
+    first: Frame | None = None,
 ) -> Session:
     """Authenticate an incoming connection; `resolve(step, key)` says who may connect for that
     step, and `claim` whether the authenticated connection is wanted now.
 
     A refusal is sent to the peer, logged (by `log_refusal`, which a server throttles), and raised
-    as HandshakeError.
+    as HandshakeError. `first`: the hello, where the caller has read it already.
     """
-    hello = expect(await read_frame(reader, timeout, MAX_HANDSHAKE_FRAME), "hello")
+    hello = expect(first or await read_frame(reader, timeout, MAX_HANDSHAKE_FRAME), "hello")
     try:
         peer_key = _bytes_field(hello.header, "node_key", PUBLIC_KEY_BYTES)
         peer_nonce = _bytes_field(hello.header, "nonce", NONCE_BYTES)
         peer_ephemeral = _bytes_field(hello.header, "ephemeral", EPHEMERAL_BYTES)
         step = _int_field(hello.header, "step", 1 << 63)
-        lane = _int_field(hello.header, "lane", MAX_LANES)
+        lane = _int_field(hello.header, "lane", 2 * MAX_LANES)  # reversed lanes above
         attempt = _int_field(hello.header, "attempt", MAX_ATTEMPT + 1)
         admission = await resolve(step, peer_key)
         reason = None

@@ -50,7 +50,7 @@ import numpy as np
 import zstandard
 
 from p2ptrain.comm import lanes, quant, robust
-from p2ptrain.comm.connect import connect_lanes
+from p2ptrain.comm.connect import LanePlan, connect_lanes
 from p2ptrain.comm.dataplane import (
     AllReduceError,
     Connection,
@@ -113,7 +113,8 @@ class _AllReduce:
         self.block = settings.block
         self.step = step
         self.progress = progress
-        self.schedule = Schedule.of(index, self.n, own.shape[0], settings)
+        behind_nat = sum(not member.reachable for member in members)
+        self.schedule = Schedule.of(index, self.n, own.shape[0], settings, behind_nat)
         largest = max(stop - start for chunks in self.schedule.chunks for start, stop in chunks)
         self.largest_payload = quant.payload_size(largest, self.block)
         self.max_payload = self.largest_payload + 64  # zstd may grow a payload a little
@@ -369,21 +370,19 @@ async def ring_all_reduce(
     loop = asyncio.get_running_loop()
     plan = _AllReduce(keys.index(identity.public_key), members, buffer, settings, step, progress)
     digest = membership_digest(step, members)
-    registration = server.expect(step, [keys[peer] for peer in plan.schedule.in_peers()], digest)
+    lanes = LanePlan.of(members, plan.schedule)
+    registration = server.expect(step, (), digest, lanes.incoming_lanes(members, settings.connections))
     incoming = registration.incoming
     connections: list[Connection] = []
     transfer = Transfer(plan, loop)
     cancelled = False
     try:
-        outgoing = await connect_lanes(
-            server, members, plan.schedule.out_peers(), registration, step, digest, connections
+        sending, receiving = await connect_lanes(
+            server, members, lanes, registration, step, digest, connections
         )
         transfer.start(
-            {slot: transfer.adopt(connection, sending=True) for slot, connection in outgoing.items()},
-            {
-                (keys.index(key), lane): transfer.adopt(future.result(), sending=False)
-                for (key, lane), future in incoming.items()
-            },
+            {slot: transfer.adopt(connection, sending=True) for slot, connection in sending.items()},
+            {slot: transfer.adopt(connection, sending=False) for slot, connection in receiving.items()},
         )
         await transfer.finished
         if plan.failure is not None:

@@ -20,9 +20,13 @@ FrameSpec = tuple[str, int, int, int, int]
 AUTO_RING_MAX_MEMBERS = 3
 
 
-def choose_topology(settings: RingSettings, members: int) -> str:
+def choose_topology(settings: RingSettings, members: int, behind_nat: int = 0) -> str:
+    """`behind_nat`: members nobody can dial. Two of them cannot connect to each other (no relays
+    yet), and the butterfly connects every pair: then the ring, whose order keeps them apart."""
     if settings.clip > 0:
         return "butterfly"  # the ring re-encodes partial sums: no member's share is seen alone
+    if behind_nat >= 2:
+        return "ring"
     if settings.topology != "auto":
         return settings.topology
     return "ring" if members <= AUTO_RING_MAX_MEMBERS else "butterfly"
@@ -41,11 +45,11 @@ class Schedule:
     lanes: int
 
     @classmethod
-    def of(cls, index: int, n: int, length: int, settings: RingSettings) -> Schedule:
+    def of(cls, index: int, n: int, length: int, settings: RingSettings, behind_nat: int = 0) -> Schedule:
         bounds = segment_bounds(length, n, settings.block)
         chunk = max(settings.block, (settings.chunk_bytes // 4 // settings.block) * settings.block)
         chunks = [chunk_bounds(bounds[s], bounds[s + 1], chunk) for s in range(n)]
-        return cls(index, n, choose_topology(settings, n), chunks, settings.connections)
+        return cls(index, n, choose_topology(settings, n, behind_nat), chunks, settings.connections)
 
     @property
     def successor(self) -> int:

@@ -23,7 +23,8 @@ from p2ptrain.comm.dataplane import DataPlaneServer
 from p2ptrain.config import Config
 from p2ptrain.identity import NodeIdentity, short_id
 from p2ptrain.node.interrupt import Interrupted, unless
-from p2ptrain.node.outer_sync import OuterSync, StepGivenUp, data_address, ring_settings
+from p2ptrain.node.outer_sync import OuterSync, StepGivenUp, ring_settings
+from p2ptrain.node.reachability import Reachability, data_address
 from p2ptrain.swarm.dht import SwarmDHT
 from p2ptrain.swarm.membership import HeartbeatPublisher, keep_alive, wait_for_nodes
 from p2ptrain.swarm.records import NodeState
@@ -57,8 +58,13 @@ async def run_drill(
     rng = random.Random(identity.public_key)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     print(f"drill: {steps} outer steps of {size} values, data plane on port {port}", file=out, flush=True)
+    reachability = Reachability(config, server, publisher, sync.view)
+    rechecks: asyncio.Task[None] | None = None
     try:
         await wait_for_nodes(config, sync.view, stop, out, min_nodes)
+        with contextlib.suppress(Interrupted):
+            await unless(reachability.probe_once(), stop.wait())
+        rechecks = asyncio.create_task(reachability.run(stop))
         with log_path.open("a") as log_file:
             for step in range(steps):
                 if stop.is_set():
@@ -108,6 +114,8 @@ async def run_drill(
                 )
     finally:
         keeper.cancel()
+        if rechecks is not None:
+            rechecks.cancel()
         sync.close()
         await server.close()
         sent = await publisher.deathrattle()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from p2ptrain.comm.dataplane import AllReduceError, DataPlaneServer, RingSettings, RingStats
+from p2ptrain.comm.reach import can_be_dialed
 from p2ptrain.comm.ring import ring_all_reduce
 from p2ptrain.config import Config
 from p2ptrain.faults import Faults
@@ -66,13 +67,6 @@ def ring_settings(config: Config) -> RingSettings:
         clip=comm.clip,
         setup_timeout=max(comm.failure_timeout, config.swarm.heartbeat_timeout),
     )
-
-
-def data_address(config: Config, port: int) -> str:
-    if config.node.data_announce:
-        return config.node.data_announce
-    host = "127.0.0.1" if config.node.data_host in ("0.0.0.0", "") else config.node.data_host
-    return f"{host}:{port}"
 
 
 class OuterSync:
@@ -167,6 +161,7 @@ class OuterSync:
         """Offenders due to be tried again this step answer a hello first, or stay named (a step
         that included one that still cannot take part would pay a failed attempt for it)."""
         due = [self._seen[key] for key in self.offences.due_at(step) if key in self._seen]
+        due = [beat for beat in due if can_be_dialed(beat.data_reach)]  # one behind NAT dials us
         if not due:
             return
         identity = self.server.identity
@@ -218,9 +213,12 @@ class OuterSync:
                     finished=self.view.finished,
                     in_transit=self._in_transit(step),
                     max_tokens=self.config.max_tokens(),
+                    pairwise=self.config.comm.clip > 0,
                 )
             except (TimeoutError, SwarmAhead, LeftOut) as exc:
                 raise StepGivenUp(str(exc)) from None
+            if me in election.left_out:
+                raise StepGivenUp(f"left out of outer step {step}: {election.left_out[me]}")
             if me not in election.keys:
                 # our ready record has not reached the others' view yet: read again shortly
                 await asyncio.sleep(swarm.heartbeat_interval / 2)

@@ -35,11 +35,14 @@ from p2ptrain.ckpt.replay import (
 )
 from p2ptrain.ckpt.sidecar import CheckpointSidecar
 from p2ptrain.comm.dataplane import DataPlaneServer
+from p2ptrain.comm.reach import can_be_dialed
 from p2ptrain.config import Config, config_differences
 from p2ptrain.errors import UserError
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.identity import short_id as short_key
-from p2ptrain.node.outer_sync import OuterSync, StepGivenUp, data_address, ring_settings
+from p2ptrain.node.interrupt import Interrupted, unless
+from p2ptrain.node.outer_sync import OuterSync, StepGivenUp, ring_settings
+from p2ptrain.node.reachability import Reachability, data_address
 from p2ptrain.swarm.dht import SwarmDHT
 from p2ptrain.swarm.election import swarm_ahead
 from p2ptrain.swarm.membership import HeartbeatPublisher, SwarmView, keep_alive, live, wait_for_nodes
@@ -126,6 +129,7 @@ class SwarmLink(SoloSwarm):
         self.publisher: HeartbeatPublisher | None = None
         self.sync: OuterSync | None = None
         self._keeper: asyncio.Task[None] | None = None
+        self._rechecks: asyncio.Task[None] | None = None
         self.dashboard: Dashboard | None = None
 
     async def start(self, stop: asyncio.Event, out: TextIO) -> None:
@@ -152,6 +156,10 @@ class SwarmLink(SoloSwarm):
                 node.dashboard, self.sync.view.read, self.config.run.id, out
             )
         await wait_for_nodes(self.config, self.sync.view, stop, out, self.config.swarm.wait_nodes)
+        reachability = Reachability(self.config, self.server, self.publisher, self.sync.view)
+        with contextlib.suppress(Interrupted):
+            await unless(reachability.probe_once(), stop.wait())
+        self._rechecks = asyncio.create_task(reachability.run(stop))
         await self._check_config()
 
     def _view(self) -> SwarmView:
@@ -232,7 +240,11 @@ class SwarmLink(SoloSwarm):
             return False
         # announce the step we aim for at once, so the others, soon ready for it, wait for us
         await self.training(step + 1)
-        urls = [b.ckpt_addr.rstrip("/") for b in peers if b.outer_step > step and b.ckpt_addr]
+        urls = [
+            b.ckpt_addr.rstrip("/")
+            for b in peers
+            if b.outer_step > step and b.ckpt_addr and can_be_dialed(b.data_reach)  # not behind NAT
+        ]
         comm = self.config.comm
         limit = max_result_bytes(vector.shape[0], comm.quant_block, comm.chunk_bytes // 4)
         packed = await fetch_result(urls, step, limit, self.config.checkpoint.fetch_timeout)
@@ -305,8 +317,9 @@ class SwarmLink(SoloSwarm):
         return len(self.sync.crashes.alive(pending))
 
     async def close(self, out: TextIO, short_id: str) -> None:
-        if self._keeper is not None:
-            self._keeper.cancel()
+        for task in (self._keeper, self._rechecks):
+            if task is not None:
+                task.cancel()
         if self.sync is not None:
             self.sync.close()
         await self.server.close()

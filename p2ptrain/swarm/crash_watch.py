@@ -9,7 +9,8 @@ partitioned node still goes by the heartbeat timeout, as before.
 The verdict belongs to the address that refused, not to one record: a record refreshed with the
 same dead address (a stranger's, republished every half second; a node announcing an address
 nobody can reach) stays out. The port is probed again every `interval`, so a node that restarted
-on it, or moved to another address, is judged afresh.
+on it, or moved to another address, is judged afresh. A node that says it cannot be dialed (behind
+NAT) is not probed: a router may answer for its port.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Iterable
 
 from p2ptrain.comm.connect import refuses_connections
 from p2ptrain.comm.handshake import NONCE_BYTES, hello_header
+from p2ptrain.comm.reach import can_be_dialed
 from p2ptrain.comm.wire import WireError, read_frame, write_frame
 from p2ptrain.identity import NodeIdentity, short_id
 from p2ptrain.swarm.election import parse_address
@@ -82,7 +84,8 @@ class CrashWatch:
         now = time.monotonic()
         for beat in beats:
             if (
-                beat.node_key in self._running
+                not can_be_dialed(beat.data_reach)  # behind NAT: its port proves nothing either way
+                or beat.node_key in self._running
                 or now - self._last_probe.get(beat.node_key, -1e9) < self.interval
             ):
                 continue

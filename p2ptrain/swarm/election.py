@@ -34,6 +34,7 @@ from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, 
 from dataclasses import dataclass, field
 
 from p2ptrain.comm.dataplane import RingMember, membership_digest
+from p2ptrain.comm.reach import can_be_dialed
 from p2ptrain.swarm.evidence import left_out
 from p2ptrain.swarm.records import Heartbeat, NodeState, record_number
 from p2ptrain.untrusted import decimal
@@ -216,12 +217,15 @@ def decide(
     in_transit: Collection[bytes] = (),
     max_tokens: int | None = None,
     excluded: Mapping[bytes, str] | None = None,
+    pairwise: bool = False,
 ) -> Election | None:
     """The members of `step` if this view allows a decision now, else None (keep waiting).
 
     Each member's weight is the tokens its record claims, at most `max_tokens` (what the run's
     settings allow one node in one outer step): a member cannot buy itself the average.
-    `excluded`: what `left_out` says of this view's ready records, where the caller has it."""
+    `excluded`: what `left_out` says of this view's ready records, where the caller has it.
+    Members behind NAT are kept apart in the ring (`keep_apart`; `pairwise`: the all-reduce
+    connects every pair, as robust aggregation's butterfly does)."""
     ready, expected = ready_for(heartbeats, step), expected_for(heartbeats, step, in_transit)
     if excluded is None:
         excluded = left_out(ready, step)
@@ -236,14 +240,48 @@ def decide(
     by_key = {beat.node_key: beat for beat in ready}
     if throughput is None:
         throughput = measured_links(ready)
+    behind_nat = {key for key, beat in by_key.items() if not can_be_dialed(beat.data_reach)}
+    order, no_room = keep_apart(ring_order(list(by_key), step, throughput), behind_nat, pairwise)
     members = []
-    for key in ring_order(list(by_key), step, throughput):
+    for key in order:
         address = parse_address(by_key[key].data_addr)
         assert address is not None, "ready_for keeps only records with a usable address"
         host, port = address
         tokens = by_key[key].tokens if max_tokens is None else min(by_key[key].tokens, max_tokens)
-        members.append(RingMember(key, host, port, float(tokens)))
-    return Election(step, members, dict(excluded))
+        members.append(RingMember(key, host, port, float(tokens), key not in behind_nat))
+    left = dict(excluded) | {key: NO_ROOM_BEHIND_NAT for key in no_room}
+    return Election(step, members, left)
+
+
+NO_ROOM_BEHIND_NAT = "behind NAT, and every reachable member already sits between two such nodes"
+
+
+def keep_apart(
+    order: list[bytes], behind_nat: Collection[bytes], pairwise: bool = False
+) -> tuple[list[bytes], list[bytes]]:
+    """The ring order with no two members behind NAT next to each other (neither can dial the
+    other; relays do not exist yet), and those left out for want of room.
+
+    Where the order already keeps them apart it stands; otherwise they are spread between the
+    reachable members, each after one, in order. Beyond one per reachable member (beyond one in
+    all when `pairwise`: the butterfly connects every pair) they wait for a later step. With no
+    reachable member at all nothing can be done here: the order stands (and its attempt fails)."""
+    hidden = [key for key in order if key in behind_nat]
+    reachable = [key for key in order if key not in behind_nat]
+    if not hidden or not reachable:
+        return order, []
+    room = 1 if pairwise else len(reachable)
+    kept, no_room = hidden[:room], hidden[room:]
+    n = len(order)
+    adjacent = any(order[i] in behind_nat and order[(i + 1) % n] in behind_nat for i in range(n))
+    if not no_room and not adjacent:
+        return order, []
+    spread = []
+    for index, key in enumerate(reachable):
+        spread.append(key)
+        if index < len(kept):
+            spread.append(kept[index])
+    return spread, no_room
 
 
 class SwarmAhead(Exception):
@@ -286,6 +324,7 @@ async def elect(
     finished: Mapping[bytes, int] | None = None,
     in_transit: Collection[bytes] = (),
     max_tokens: int | None = None,
+    pairwise: bool = False,
 ) -> Election:
     """Poll the heartbeats (via `read`) until `decide` gives the members of `step`.
 
@@ -309,7 +348,13 @@ async def elect(
             first_ready = now
         passed = first_ready is not None and now - first_ready >= straggler_deadline
         election = decide(
-            heartbeats, step, passed, in_transit=in_transit, max_tokens=max_tokens, excluded=excluded
+            heartbeats,
+            step,
+            passed,
+            in_transit=in_transit,
+            max_tokens=max_tokens,
+            excluded=excluded,
+            pairwise=pairwise,
         )
         if election is not None:
             return election

@@ -22,6 +22,7 @@ from typing import Any, TextIO
 from hivemind.utils import get_dht_time
 
 import p2ptrain.swarm.quiet  # noqa: F401  (hivemind keeps quiet)
+from p2ptrain.comm.reach import can_be_dialed
 from p2ptrain.config import Config
 from p2ptrain.errors import UserError
 from p2ptrain.identity import NodeIdentity
@@ -211,7 +212,9 @@ async def observe(dht: SwarmDHT, run_id: str, watch: float) -> tuple[list[Heartb
     until it expires), so: probe every data port (a refusal means the process is gone), and with
     `watch` > 0 read again after that many seconds (records are refreshed every heartbeat interval)."""
     first = await read_heartbeats(dht, run_id)
-    candidates = [beat for beat in first if beat.state is not NodeState.DEAD]
+    candidates = [
+        beat for beat in first if beat.state is not NodeState.DEAD and can_be_dialed(beat.data_reach)
+    ]
     probes = asyncio.gather(*(port_refuses(beat.data_addr) for beat in candidates))
     if watch > 0:
         await asyncio.sleep(watch)

@@ -89,6 +89,8 @@ class Heartbeat:
     params_hash: str = ""
     tokens: int = 0
     config_digest: str = ""
+    data_reach: str = ""
+    """Whether others can dial data_addr (comm.reach.Reach: "", "open", "closed")."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Small fields of later protocol revisions; readers ignore what they do not know."""
 
@@ -126,6 +128,7 @@ _FIELDS = {
     "params_hash": str,
     "tokens": int,
     "config_digest": str,
+    "data_reach": str,
     "extra": dict,
 }
 

@@ -6,6 +6,7 @@ import time
 from collections import Counter
 from typing import Any
 
+from p2ptrain.comm.reach import Reach
 from p2ptrain.identity import short_id
 from p2ptrain.swarm.election import ring_order
 from p2ptrain.swarm.records import Heartbeat, NodeState, record_number
@@ -60,6 +61,9 @@ def status_json(
                 "loss": record_number(beat.extra.get("loss")),
                 "allreduce_mbps": record_number(beat.extra.get("allreduce_mbps")),
                 "ckpt_digest": beat.ckpt_digest,
+                "data_addr": beat.data_addr,
+                # "open": peers dialed it back; "closed": behind NAT (it dials out); "": not probed
+                "reach": Reach.parse(beat.data_reach).value,
             }
             for beat in heartbeats
         ],
@@ -74,7 +78,7 @@ def format_table(
     rows = status["nodes"]
     header = (
         f"{'node':<14}{'state':<10}{'step':>6}{'tokens':>12}{'loss':>8}{'Mbit/s':>9}{'seen':>8}"
-        f"  {'params':<13}{'ckpt':<13}peer"
+        f"  {'reach':<8}{'params':<13}{'ckpt':<13}peer"
     )
     lines = [header, "-" * len(header)]
     for row in rows:
@@ -82,7 +86,7 @@ def format_table(
         rate = f"{row['allreduce_mbps']:.0f}" if row["allreduce_mbps"] is not None else "-"
         lines.append(
             f"{short_id(bytes.fromhex(row['id'])):<14}{row['state']:<10}{row['outer_step']:>6}"
-            f"{row['tokens']:>12}{loss:>8}{rate:>9}{row['last_seen_s']:>7.1f}s  "
+            f"{row['tokens']:>12}{loss:>8}{rate:>9}{row['last_seen_s']:>7.1f}s  {row['reach'] or '?':<8}"
             f"{row['params_hash'][:12] or '-':<13}{row['ckpt_digest'][:12] or '-':<13}{row['peer_id']}"
         )
     lines.append(f"{len(rows)} node(s)")

@@ -1,0 +1,70 @@
+"""Volunteers behind NAT (network namespaces with masquerading routers, see netlab.py): they dial
+out, nobody dials in, and they are members of every step all the same."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.helpers import LocalSwarm
+from tests.netlab import NetLab, leftover_namespaces, missing
+from tests.test_drill import assert_agreement, finish
+
+ANYWHERE = "/ip4/0.0.0.0/tcp/0"
+
+
+@pytest.fixture
+def lab() -> Iterator[NetLab]:
+    """One public network and two home networks, each behind its own NAT router (requested before
+    `swarm`, so the processes are stopped before their namespaces go)."""
+    reason = missing()
+    if reason is not None:
+        pytest.skip(reason)
+    network = NetLab().start(homes=2)
+    try:
+        yield network
+    finally:
+        network.stop()
+    assert leftover_namespaces(network.tag) == []
+
+
+def start_drill_swarm(lab: NetLab, swarm: LocalSwarm, steps: int, homes: int) -> list[str]:
+    """A bootstrap peer and two public drill nodes in the public network, `homes` behind NAT."""
+    swarm.start_bootstrap(listen=f"/ip4/{lab.public_ip}/tcp/0", prefix=lab.run_in(lab.public))
+    nodes = 2 + homes
+    drill = [
+        "--drill",
+        str(steps),
+        "--drill-nodes",
+        str(nodes),
+        "--drill-inner",
+        "0.3",
+        "--drill-size",
+        "50000",
+    ]
+    placed = [("node0", lab.public), ("node1", lab.public)]
+    placed += [(f"home{index}", lab.homes[index]) for index in range(homes)]
+    for name, namespace in placed:
+        swarm.start_node(name, None, *drill, prefix=lab.run_in(namespace), listen=ANYWHERE)
+    return [name for name, _ in placed]
+
+
+def test_volunteers_behind_nat_are_members_of_every_drill_step(lab: NetLab, swarm: LocalSwarm):
+    """Two public nodes, two behind different NAT routers. Each of those learns from a dial-back
+    probe that it cannot be reached, says so in its record, and dials its own connections
+    (connection reversal); as they cannot reach each other, the ring keeps them apart. Every step
+    has every member. The public nodes announce the address the others see (not 127.0.0.1), and
+    status shows who is where."""
+    homes = 2
+    names = start_drill_swarm(lab, swarm, 10, homes=homes)
+    logs = finish(swarm, names)
+    assert all(len(log) == 10 for log in logs.values()), {name: len(log) for name, log in logs.items()}
+    assert_agreement(logs, range(10))
+    members = [entry["members"] for entry in logs["node0"]]
+    assert all(len(entry) == 2 + homes for entry in members), members
+    assert all("not reachable from outside" in swarm.log(f"home{index}") for index in range(homes))
+    nodes = swarm.status(prefix=lab.run_in(lab.public))["nodes"]  # their last records
+    assert sorted(node["reach"] for node in nodes) == ["closed"] * homes + ["open", "open"], nodes
+    public = [node for node in nodes if node["reach"] == "open"]
+    assert all(node["data_addr"].startswith(f"{lab.public_ip}:") for node in public), nodes
