@@ -10,6 +10,7 @@ import pytest
 from tests.helpers import LocalSwarm
 from tests.netlab import NetLab, leftover_namespaces, missing
 from tests.test_drill import assert_agreement, finish
+from tests.test_train_node import outer_records
 
 ANYWHERE = "/ip4/0.0.0.0/tcp/0"
 
@@ -68,3 +69,23 @@ def test_volunteers_behind_nat_are_members_of_every_drill_step(lab: NetLab, swar
     assert sorted(node["reach"] for node in nodes) == ["closed"] * homes + ["open", "open"], nodes
     public = [node for node in nodes if node["reach"] == "open"]
     assert all(node["data_addr"].startswith(f"{lab.public_ip}:") for node in public), nodes
+
+
+def test_a_training_node_behind_nat_contributes_to_every_outer_step(lab: NetLab, swarm: LocalSwarm):
+    """Real trainers (debug config): two public nodes and one behind NAT train 3 outer steps
+    together; every step has all three members and one params hash."""
+    swarm.start_bootstrap(listen=f"/ip4/{lab.public_ip}/tcp/0", prefix=lab.run_in(lab.public))
+    run = ["--set", "train.max_steps=30", "--set", "swarm.wait_nodes=3"]
+    placed = {"a": lab.public, "b": lab.public, "home": lab.homes[0]}
+    for shard, (name, namespace) in enumerate(placed.items()):
+        pinned = ["--set", f"data.shard={shard}"]
+        swarm.start_node(name, None, *run, *pinned, train=True, prefix=lab.run_in(namespace), listen=ANYWHERE)
+    for name in placed:
+        assert swarm.children.wait(name, 240) == 0, swarm.log(name)
+    records = {name: outer_records(swarm.root / name) for name in placed}
+    assert all([r["step"] for r in steps] == [0, 1, 2] for steps in records.values()), records
+    for step in range(3):
+        at_step = [steps[step] for steps in records.values()]
+        assert {r["members"] for r in at_step} == {3}, at_step
+        assert len({r["params_hash"] for r in at_step}) == 1, at_step
+    assert "not reachable from outside" in swarm.log("home")
