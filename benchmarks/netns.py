@@ -2,7 +2,9 @@
 
 Needs root (or CAP_NET_ADMIN) and iproute2. Every member gets its own namespace with one veth into
 a hub namespace's bridge; each member's egress is shaped with a token bucket (tbf) to MBIT, so a
-member can send at most MBIT whatever the destination — like a home or cloud uplink.
+member can send at most MBIT whatever the destination — like a home or cloud uplink. Members in
+`behind_nat` sit behind a router namespace of their own on that bridge (nftables masquerade, and a
+forward policy that drops what enters unasked, as a home router without port forwarding).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 SUBNET = "10.213.7"
@@ -40,8 +42,51 @@ def _ip(*args: str) -> None:
         raise NamespacesUnavailable(f"ip {' '.join(args)}: {result.stderr.strip() or 'failed'}")
 
 
+ROUTER_RULES = """
+table ip nat {
+    chain postrouting { type nat hook postrouting priority 100; oifname "wan" masquerade; }
+}
+table inet filter {
+    chain forward {
+        type filter hook forward priority 0; policy drop;
+        ct state established,related accept
+        iifname "lan" oifname "wan" accept
+    }
+}
+"""
+
+def _router(prefix: str, hub: str, index: int, member: str, created: list[str]) -> str:
+    """A NAT router between the hub's bridge and `member`'s namespace; the member's address."""
+    router = f"{prefix}r{index}"
+    _ip("netns", "add", router)
+    created.append(router)
+    _ip("link", "add", "wan", "netns", router, "type", "veth", "peer", "name", f"r{index}", "netns", hub)
+    _ip("-n", router, "addr", "add", f"{SUBNET}.{index + 1}/24", "dev", "wan")
+    _ip("link", "add", "lan", "netns", router, "type", "veth", "peer", "name", "eth0", "netns", member)
+    _ip("-n", router, "addr", "add", f"192.168.{index + 1}.1/24", "dev", "lan")
+    for link in ("wan", "lan", "lo"):
+        _ip("-n", router, "link", "set", link, "up")
+    _ip("-n", hub, "link", "set", f"r{index}", "master", "br0")
+    _ip("-n", hub, "link", "set", f"r{index}", "up")
+    address = f"192.168.{index + 1}.2"
+    _ip("-n", member, "addr", "add", f"{address}/24", "dev", "eth0")
+    _ip("-n", member, "link", "set", "eth0", "up")
+    _ip("-n", member, "route", "add", "default", "via", f"192.168.{index + 1}.1")
+    for argv in (["sysctl", "-q", "-w", "net.ipv4.ip_forward=1"], ["nft", "-f", "-"]):
+        done = subprocess.run(
+            ["ip", "netns", "exec", router, *argv],
+            input=ROUTER_RULES if argv[0] == "nft" else None,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise NamespacesUnavailable(f"{argv[0]} in the NAT router: {done.stderr.strip()}")
+    return address
+
+
 @contextlib.contextmanager
-def limited_network(members: int, mbit: float) -> Iterator[Network]:
+def limited_network(members: int, mbit: float, behind_nat: Collection[int] = ()) -> Iterator[Network]:
     """Create the namespaces, yield them, and always delete them again."""
     prefix = f"p2pb{os.getpid() % 100000}"
     hub = f"{prefix}h"
@@ -57,26 +102,29 @@ def limited_network(members: int, mbit: float) -> Iterator[Network]:
             name = f"{prefix}m{index}"
             _ip("netns", "add", name)
             created.append(name)
-            _ip(
-                "link",
-                "add",
-                "eth0",
-                "netns",
-                name,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                f"m{index}",
-                "netns",
-                hub,
-            )
-            address = f"{SUBNET}.{index + 1}"
-            _ip("-n", name, "addr", "add", f"{address}/24", "dev", "eth0")
-            _ip("-n", name, "link", "set", "eth0", "up")
             _ip("-n", name, "link", "set", "lo", "up")
-            _ip("-n", hub, "link", "set", f"m{index}", "master", "br0")
-            _ip("-n", hub, "link", "set", f"m{index}", "up")
+            if index in behind_nat:
+                address = _router(prefix, hub, index, name, created)
+            else:
+                _ip(
+                    "link",
+                    "add",
+                    "eth0",
+                    "netns",
+                    name,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    f"m{index}",
+                    "netns",
+                    hub,
+                )
+                address = f"{SUBNET}.{index + 1}"
+                _ip("-n", name, "addr", "add", f"{address}/24", "dev", "eth0")
+                _ip("-n", name, "link", "set", "eth0", "up")
+                _ip("-n", hub, "link", "set", f"m{index}", "master", "br0")
+                _ip("-n", hub, "link", "set", f"m{index}", "up")
             shaped = subprocess.run(
                 [
                     "ip",

@@ -1,6 +1,7 @@
 """Does coordination eat the compute? A whole swarm on 127.0.0.1, measured from its own metrics.
 
     python -m benchmarks.swarm --json [--nodes 3] [--steps 10] [--kill-at 4] [--freeze] [--bandwidth MBIT]
+                                      [--nat K]
 
 Runs `p2ptrain demo` (bootstrap peer + nodes training the debug config with int8 DiLoCo; one node
 SIGKILLed after --kill-at outer steps — SIGSTOPped with --freeze — and a new one joining) and
@@ -23,6 +24,12 @@ network namespace whose uplink tc limits to MBIT (benchmarks/netns.py; needs roo
 adds ideal_wire_s — the int8 all-reduce's bytes per member at MBIT — and the target
 outer_overhead_s ≤ 1.2 × ideal_wire_s + 1 s. Where namespaces are not permitted it says so and
 exits 0 with "skipped": true.
+
+With --nat K (and --bandwidth) the first K nodes sit behind NAT routers of their own (nftables
+masquerade, inbound dropped; --nodes defaults to 2K so the ring has room to keep them apart): the
+swarm runs twice, all public, then with the K behind NAT, and the result gives both runs' figures
+side by side ("public" and "nat"), with the fraction of outer steps in which the nodes behind NAT
+were members, and the ratio of the two outer overheads. Relays do not exist yet (relay_bytes 0).
 """
 
 from __future__ import annotations
@@ -80,28 +87,32 @@ def ideal_wire_s(parameters: int, members: int, block: int, mbit: float) -> floa
 
 
 @contextlib.contextmanager
-def placement(nodes: int, mbit: float) -> Iterator[Placement]:
-    """Loopback for everyone, or (with `mbit`) one tc-limited namespace per process."""
+def placement(nodes: int, mbit: float, nat: int = 0) -> Iterator[Placement]:
+    """Loopback for everyone, or (with `mbit`) one tc-limited namespace per process, node0 … node{nat-1}
+    behind NAT routers."""
     if not mbit:
         yield lambda name: Host()
         return
     from benchmarks.netns import limited_network
 
     names = ["bootstrap", *(f"node{index}" for index in range(nodes + 1))]  # the joiner is the last
-    with limited_network(len(names), mbit) as network:
+    with limited_network(len(names), mbit, behind_nat=range(1, nat + 1)) as network:
         hosts = {name: Host(network.addresses[i], tuple(network.prefix(i))) for i, name in enumerate(names)}
         yield hosts.__getitem__
 
 
-def run(nodes: int, steps: int, kill_at: int, freeze: bool, mbit: float, quiet: bool) -> dict[str, Any]:
+def run(
+    nodes: int, steps: int, kill_at: int, freeze: bool, mbit: float, quiet: bool, nat: int = 0
+) -> dict[str, Any]:
     debug = load_config("debug")
     tokens_per_step = debug.train.batch_size * debug.model.seq_len
-    with tempfile.TemporaryDirectory() as work, placement(nodes, mbit) as place:
+    with tempfile.TemporaryDirectory() as work, placement(nodes, mbit, nat) as place:
         summary = run_demo(
             Path(work), nodes=nodes, steps=steps, kill_at=kill_at, freeze=freeze, quiet=quiet, place=place
         )
         names = [f"node{i}" for i in range(nodes)]
         records = {name: read_metrics(Path(work) / name / "metrics.jsonl") for name in names}
+    hidden = [outer for name in names[:nat] for outer in records[name] if outer["kind"] == "outer"]
     starters = [name for name in names if name != summary["killed"]]
     utils, overheads = [], []
     for name in starters:
@@ -136,6 +147,11 @@ def run(nodes: int, steps: int, kill_at: int, freeze: bool, mbit: float, quiet: 
         "params_hash_agree": summary["params_hash_agree"],
         "seconds": summary["seconds"],
     }
+    if nat:
+        # outer records of the nodes behind NAT: `members` > 1 means they took part with the others
+        with_others = [outer for outer in hidden if outer.get("members", 0) > 1]
+        result["nat_member_fraction"] = round(len(with_others) / max(1, result["outer_steps"] * nat), 3)
+        result["relay_bytes"] = 0
     if mbit:
         parameters = parameter_count(debug.model)
         ideal = ideal_wire_s(parameters, nodes, debug.comm.quant_block, mbit)
@@ -149,16 +165,24 @@ def run(nodes: int, steps: int, kill_at: int, freeze: bool, mbit: float, quiet: 
 
 def main() -> None:
     cli = parser(__doc__)
-    cli.add_argument("--nodes", type=int, default=3)
+    cli.add_argument("--nodes", type=int, default=None, help="default 3, or 2K with --nat K")
     cli.add_argument("--steps", type=int, default=10)
     cli.add_argument("--kill-at", type=int, default=4)
     cli.add_argument("--freeze", action="store_true", help="SIGSTOP the node instead of SIGKILL")
     cli.add_argument(
         "--bandwidth", type=float, default=0.0, metavar="MBIT", help="limit every process's uplink to MBIT"
     )
+    cli.add_argument("--nat", type=int, default=0, metavar="K", help="put the first K nodes behind NAT")
     args = cli.parse_args()
     if args.bandwidth < 0:
         cli.error("--bandwidth must be a positive number of Mbit/s")
+    if args.nat < 0 or (args.nat and not args.bandwidth):
+        cli.error("--nat K needs K ≥ 0 and --bandwidth (the NAT routers are network namespaces)")
+    nodes = args.nodes if args.nodes is not None else max(3, 2 * args.nat)
+    if args.nat and nodes < 2 * args.nat:
+        cli.error(
+            f"--nat {args.nat} needs --nodes ≥ {2 * args.nat} (one reachable node between two behind NAT)"
+        )
     # SIGTERM unwinds like Ctrl+C, so the demo's processes stop and the namespaces are deleted
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.bandwidth and os.geteuid() != 0:
@@ -167,7 +191,21 @@ def main() -> None:
     from benchmarks.netns import NamespacesUnavailable
 
     try:
-        result = run(args.nodes, args.steps, args.kill_at, args.freeze, args.bandwidth, args.json)
+        result = run(nodes, args.steps, args.kill_at, args.freeze, args.bandwidth, args.json)
+        if args.nat:
+            behind = run(nodes, args.steps, args.kill_at, args.freeze, args.bandwidth, args.json, args.nat)
+            ratio = (
+                behind["outer_overhead_s"] / result["outer_overhead_s"]
+                if result["outer_overhead_s"]
+                else None
+            )
+            result = {
+                "ok": result["ok"] and behind["ok"],
+                "nat": args.nat,
+                "public": result,
+                "behind_nat": behind,
+                "outer_overhead_ratio": round(ratio, 3) if ratio is not None else None,
+            }
     except NamespacesUnavailable as exc:
         report({"skipped": True, "reason": f"network namespaces not permitted here: {exc}"}, args.json)
         return

@@ -48,6 +48,11 @@ class StepGivenUp(RuntimeError):
     """No all-reduce of this step completed within the retries; the vector is unchanged."""
 
 
+class LeftOutOfStep(StepGivenUp):
+    """The others take this step without this node (the evidence, or no room behind NAT): its
+    result is theirs to replay once they have it."""
+
+
 @dataclass
 class SyncResult:
     election: Election
@@ -215,10 +220,12 @@ class OuterSync:
                     max_tokens=self.config.max_tokens(),
                     pairwise=self.config.comm.clip > 0,
                 )
-            except (TimeoutError, SwarmAhead, LeftOut) as exc:
+            except LeftOut as exc:
+                raise LeftOutOfStep(str(exc)) from None
+            except (TimeoutError, SwarmAhead) as exc:
                 raise StepGivenUp(str(exc)) from None
             if me in election.left_out:
-                raise StepGivenUp(f"left out of outer step {step}: {election.left_out[me]}")
+                raise LeftOutOfStep(f"left out of outer step {step}: {election.left_out[me]}")
             if me not in election.keys:
                 # our ready record has not reached the others' view yet: read again shortly
                 await asyncio.sleep(swarm.heartbeat_interval / 2)
