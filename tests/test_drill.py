@@ -21,6 +21,11 @@ def drill_log(swarm: LocalSwarm, name: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def drill_args(steps: int, nodes: int, inner: float = 0.3) -> list[str]:
+    """`join` flags of a drill of `steps` outer steps among `nodes` nodes."""
+    return ["--drill", str(steps), "--drill-nodes", str(nodes), "--drill-inner", str(inner)]
+
+
 def start_drill(
     swarm: LocalSwarm,
     steps: int,
@@ -35,19 +40,7 @@ def start_drill(
         swarm.start_bootstrap()
     names = [f"node{i}" for i in range(nodes)]
     for name in names:
-        swarm.start_node(
-            name,
-            None,
-            "--drill",
-            str(steps),
-            "--drill-nodes",
-            str(nodes),
-            "--drill-inner",
-            "0.3",
-            *extra,
-            *DRILL,
-            env=(env or {}).get(name),
-        )
+        swarm.start_node(name, None, *drill_args(steps, nodes), *extra, *DRILL, env=(env or {}).get(name))
     wait_until(lambda: len(drill_log(swarm, "node0")) >= 3, timeout=120, what="three drill steps")
     return names
 

@@ -9,7 +9,7 @@ import pytest
 
 from tests.helpers import LocalSwarm
 from tests.netlab import NetLab, leftover_namespaces, missing
-from tests.test_drill import assert_agreement, finish
+from tests.test_drill import assert_agreement, drill_args, finish
 from tests.test_train_node import outer_records
 
 ANYWHERE = "/ip4/0.0.0.0/tcp/0"
@@ -34,16 +34,7 @@ def start_drill_swarm(lab: NetLab, swarm: LocalSwarm, steps: int, homes: int) ->
     """A bootstrap peer and two public drill nodes in the public network, `homes` behind NAT."""
     swarm.start_bootstrap(listen=f"/ip4/{lab.public_ip}/tcp/0", prefix=lab.run_in(lab.public))
     nodes = 2 + homes
-    drill = [
-        "--drill",
-        str(steps),
-        "--drill-nodes",
-        str(nodes),
-        "--drill-inner",
-        "0.3",
-        "--drill-size",
-        "50000",
-    ]
+    drill = [*drill_args(steps, nodes), "--drill-size", "50000"]
     placed = [("node0", lab.public), ("node1", lab.public)]
     placed += [(f"home{index}", lab.homes[index]) for index in range(homes)]
     for name, namespace in placed:
