@@ -55,6 +55,7 @@ table inet filter {
 }
 """
 
+
 def _router(prefix: str, hub: str, index: int, member: str, created: list[str]) -> str:
     """A NAT router between the hub's bridge and `member`'s namespace; the member's address."""
     router = f"{prefix}r{index}"

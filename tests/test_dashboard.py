@@ -106,6 +106,7 @@ def test_status_page_in_a_real_browser(swarm: LocalSwarm, tmp_path: Path) -> Non
         assert "p2ptrain-debug" in browser.find_element(By.ID, "run").text
         rows = [row.text for row in browser.find_elements(By.CSS_SELECTOR, "#nodes tbody tr")]
         assert all(("training" in row or "ready" in row or "syncing" in row) for row in rows), rows
+        assert all(" open " in row for row in rows), rows  # each dialed the other back: reachable
         assert len(browser.find_elements(By.CSS_SELECTOR, "#ring line.ring-edge")) == 2
     finally:
         browser.quit()
