@@ -304,3 +304,30 @@ def test_a_member_of_the_previous_step_whose_newer_record_is_late_is_waited_for(
     assert decide(beats, 5, deadline_passed=False, in_transit={key(1), key(2)}) is None
     late = decide(beats, 5, deadline_passed=True, in_transit={key(1), key(2)})
     assert late is not None and len(late.members) == 2  # a majority after the deadline, as for a straggler
+
+
+def _greedy_oracle(base: list[bytes], throughput: dict) -> list[bytes]:
+    """The greedy tour as first written: O(n²), the fastest link out of every unvisited node."""
+    rank = {key: index for index, key in enumerate(base)}
+    tour, left = [base[0]], set(base[1:])
+    while left:
+        here = tour[-1]
+        nxt = min(left, key=lambda key: (-throughput.get((here, key), math.inf), rank[key]))
+        tour.append(nxt)
+        left.remove(nxt)
+    return tour
+
+
+def test_the_linear_greedy_tour_equals_the_quadratic_one():
+    from p2ptrain.swarm.election import _greedy_tour
+
+    rng = random.Random(7)
+    for trial in range(300):
+        n = rng.randint(3, 40)
+        keys = [rng.randbytes(32) for _ in range(n)]
+        links: dict = {}
+        for sender in keys:
+            for receiver in rng.sample(keys, min(n, rng.choice([0, 1, 3, 16, n]))):
+                if sender != receiver:
+                    links[(sender, receiver)] = float(rng.choice([1e6, 2e6, rng.uniform(1e5, 1e8)]))
+        assert _greedy_tour(keys, links) == _greedy_oracle(keys, links), trial

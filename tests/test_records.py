@@ -197,3 +197,22 @@ def test_validator_never_raises_on_garbage(tmp_path: Path):
     key = key_id(heartbeat_key(RUN))
     for value in [b"", b"\x00", b"\xff" * 100, msgpack.packb([1, 2, 3])]:
         assert validator.validate(DHTRecord(key, b"\xc1", value, 0.0)) is False
+
+
+def test_a_reader_verifies_each_record_once_and_a_changed_byte_again(identities):
+    """VerifiedRecords: the bytes of the last read are not verified again; any other bytes are."""
+    from p2ptrain.swarm.membership import VerifiedRecords
+
+    a, _ = identities
+    value = beat(a, seq=5).sign(a)
+    verified = VerifiedRecords()
+    first = verified.decode(value)
+    verified.read_done()
+    assert verified.decode(value) is first  # the same bytes: the same, already verified record
+    tampered = bytearray(value)
+    tampered[-1] ^= 1  # the signature's last byte
+    with pytest.raises(RecordError):
+        verified.decode(bytes(tampered))
+    verified.read_done()
+    verified.read_done()  # a read without it: forgotten, so verified afresh next time
+    assert verified.decode(value) is not first and verified.decode(value) == first

@@ -115,19 +115,15 @@ def ring_order(keys: Sequence[bytes], step: int, throughput: Throughput | None =
     current one, ties going to the base order. (2) The tour's closing link is never chosen by the
     greedy step, so a few 2-opt moves follow: while the slowest link can be replaced by reversing
     a stretch of the tour so that the new slowest link is faster, do the first such move (at most
-    `MAX_REPAIRS`). Cost O(n²) per step: ~10⁴ link look-ups at 100 nodes, ~10⁶ at 1000 (under a
-    second in Python); exact tours (Held-Karp, O(2ⁿ·n²)) are out of reach beyond ~20 nodes.
+    `MAX_REPAIRS`). Each greedy step walks the unvisited nodes in base order and stops at the
+    first whose link from the current node is unmeasured (fast): a record names at most 16 slow
+    links, so a step costs about 17 look-ups and the tour O(16·n), not O(n²) (benchmarks.scale);
+    exact tours (Held-Karp, O(2ⁿ·n²)) are out of reach beyond ~20 nodes.
     """
     base = sorted(keys, key=lambda key: hashlib.sha256(step.to_bytes(8, "big") + key).digest())
     if not throughput or len(base) < 3:
         return base
-    rank = {key: index for index, key in enumerate(base)}
-    tour, left = [base[0]], set(base[1:])
-    while left:
-        here = tour[-1]
-        nxt = min(left, key=lambda key: (-throughput.get((here, key), math.inf), rank[key]))
-        tour.append(nxt)
-        left.remove(nxt)
+    tour = _greedy_tour(base, throughput)
     for _ in range(MAX_REPAIRS):
         better = _repair_slowest_link(tour, throughput)
         if better is None:
@@ -137,6 +133,31 @@ def ring_order(keys: Sequence[bytes], step: int, throughput: Throughput | None =
 
 
 MAX_REPAIRS = 8
+
+
+def _greedy_tour(base: Sequence[bytes], throughput: Throughput) -> list[bytes]:
+    """From base[0], always on to the unvisited node with the fastest link from the current one
+    (unmeasured: fast), ties to the base order. The unvisited nodes are a linked list in base order."""
+    n = len(base)
+    after = list(range(1, n + 1))  # after[i]: the next unvisited index past i (n: none); 0 heads it
+    before = list(range(-1, n - 1))
+    tour = [base[0]]
+    for _ in range(n - 1):
+        here, chosen, best = tour[-1], -1, -math.inf
+        index = after[0]
+        while index < n:
+            rate = throughput.get((here, base[index]), math.inf)
+            if rate == math.inf:
+                chosen = index
+                break
+            if rate > best:
+                chosen, best = index, rate
+            index = after[index]
+        tour.append(base[chosen])
+        after[before[chosen]] = after[chosen]
+        if after[chosen] < n:
+            before[after[chosen]] = before[chosen]
+    return tour
 
 
 def _links(tour: Sequence[bytes], throughput: Throughput) -> list[float]:

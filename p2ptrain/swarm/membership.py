@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any, TextIO
 
@@ -102,23 +102,55 @@ async def keep_alive(publisher: HeartbeatPublisher, interval: float, stop: async
             log.warning("heartbeat not stored by any DHT peer; retrying")
 
 
+class VerifiedRecords:
+    """The records one read verified, by their exact bytes, for the next read: a record unchanged
+    since (a node reads about four times per heartbeat while it waits) is not verified again.
+    Bytes that verified once verify always; only the last read's records are kept."""
+
+    def __init__(self) -> None:
+        self._last: dict[bytes, Heartbeat] = {}
+        self._now: dict[bytes, Heartbeat] = {}
+
+    def decode(self, value: bytes) -> Heartbeat:
+        """decode_heartbeat, or what it gave for these very bytes in the last read."""
+        beat = self._last.get(value) if isinstance(value, bytes) else None
+        if beat is None:
+            beat = decode_heartbeat(value)
+        self._now[value] = beat
+        return beat
+
+    def read_done(self) -> None:
+        self._last, self._now = self._now, {}
+
+
 async def read_heartbeats(
-    dht: SwarmDHT, run_id: str, refusals: ThrottledLog | None = None
+    dht: SwarmDHT,
+    run_id: str,
+    refusals: ThrottledLog | None = None,
+    verified: VerifiedRecords | None = None,
 ) -> list[Heartbeat]:
     """Every valid, unexpired heartbeat of `run_id`, ordered by node key.
 
     The DHT validator already refused bad records where they were stored; the reader verifies
     again because a record may come from a node that runs no validator. What it ignores goes to
-    `refusals` (a node that reads several times a second passes a throttled log).
+    `refusals` (a node that reads several times a second passes a throttled log, and its
+    `verified` records of the last read).
     """
     refusals = refusals or ThrottledLog(log, interval=0.0)
     found = await dht.get(heartbeat_key(run_id))
     if not found:
         return []
+    return decode_all(found.items(), run_id, refusals, verified or VerifiedRecords())
+
+
+def decode_all(
+    items: Iterable[tuple[bytes, Any]], run_id: str, refusals: ThrottledLog, verified: VerifiedRecords
+) -> list[Heartbeat]:
+    """The valid heartbeats of `run_id` among (subkey, DHT value) pairs, ordered by node key."""
     heartbeats = []
-    for subkey, item in found.items():
+    for subkey, item in items:
         try:
-            heartbeat = decode_heartbeat(item.value)
+            heartbeat = verified.decode(item.value)
         except (RecordError, TypeError) as exc:
             refusals.warning("ignoring heartbeat under subkey %r: %s", subkey[:8], exc)
             continue
@@ -126,6 +158,7 @@ async def read_heartbeats(
             refusals.warning("ignoring heartbeat filed under another node's subkey")
             continue
         heartbeats.append(heartbeat)
+    verified.read_done()
     return sorted(heartbeats, key=lambda beat: beat.node_key)
 
 
@@ -154,10 +187,11 @@ class SwarmView:
         self.finished: dict[bytes, int] = {}
         """node key → the outer step at which it finished the run (never forgotten)."""
         self._refusals = ThrottledLog(log)
+        self._verified = VerifiedRecords()
 
     async def read(self) -> list[Heartbeat]:
         """Every heartbeat in the DHT whose sender is not silent, ordered by node key."""
-        return self.judge(await read_heartbeats(self._dht, self.run_id, self._refusals))
+        return self.judge(await read_heartbeats(self._dht, self.run_id, self._refusals, self._verified))
 
     def judge(self, heartbeats: list[Heartbeat]) -> list[Heartbeat]:
         """The non-silent subset of one DHT read (its records replaced by newer ones seen before)."""
