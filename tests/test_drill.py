@@ -130,3 +130,13 @@ def test_a_node_stopped_with_sigterm_is_dropped_without_waiting_for_its_timeout(
     assert len(logs["node0"][-1]["members"]) == 2
     # no step waited for the heartbeat timeout (6 s): the deathrattle removed node2 at once
     assert max(entry["sync_s"] for entry in logs["node0"]) < 5, [e["sync_s"] for e in logs["node0"]]
+
+
+def test_eight_nodes_agree_on_every_step(swarm: LocalSwarm):
+    """The largest swarm in the suite (24 processes with their DHT children and p2pds): every
+    node takes every step with all eight, one digest and one result per step."""
+    names = start_drill(swarm, 8, nodes=8)
+    logs = finish(swarm, names)
+    assert all(len(log) == 8 for log in logs.values()), {name: len(log) for name, log in logs.items()}
+    assert_agreement(logs, range(8))
+    assert all(len(entry["members"]) == 8 for entry in logs["node0"]), [e["members"] for e in logs["node0"]]

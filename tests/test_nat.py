@@ -49,10 +49,10 @@ def test_volunteers_behind_nat_are_members_of_every_drill_step(lab: NetLab, swar
     has every member. The public nodes announce the address the others see (not 127.0.0.1), and
     status shows who is where."""
     homes = 2
-    names = start_drill_swarm(lab, swarm, 10, homes=homes)
+    names = start_drill_swarm(lab, swarm, 6, homes=homes)
     logs = finish(swarm, names)
-    assert all(len(log) == 10 for log in logs.values()), {name: len(log) for name, log in logs.items()}
-    assert_agreement(logs, range(10))
+    assert all(len(log) == 6 for log in logs.values()), {name: len(log) for name, log in logs.items()}
+    assert_agreement(logs, range(6))
     members = [entry["members"] for entry in logs["node0"]]
     assert all(len(entry) == 2 + homes for entry in members), members
     assert all("not reachable from outside" in swarm.log(f"home{index}") for index in range(homes))
