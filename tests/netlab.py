@@ -21,12 +21,21 @@ PUBLIC_NET = "10.77.0"
 
 
 def missing() -> str | None:
-    """Why this machine cannot run the lab (None when it can)."""
+    """Why this machine cannot run the lab (None when it can): not root, no ip or nft, or a
+    kernel or container that refuses network namespaces or nftables in them."""
     if os.geteuid() != 0:
         return "network namespaces need root"
     for tool in ("ip", "nft"):
         if shutil.which(tool) is None:
             return f"{tool} is not installed (make test installs nftables where it can)"
+    probe = f"p2ptprobe{os.getpid()}"
+    try:
+        _run("ip", "netns", "add", probe)
+        _run("ip", "netns", "exec", probe, "nft", "list", "tables")
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        return f"network namespaces with nftables are not permitted here: {exc}"
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
     return None
 
 
