@@ -60,7 +60,13 @@ def majority_checkpoint(
     digest, count = Counter(b.ckpt_digest for b in announced).most_common(1)[0]
     if 2 * count <= len(members):
         return None
-    return digest, [b for b in announced if b.ckpt_digest == digest and can_be_dialed(b.data_reach)]
+    return digest, [b for b in announced if b.ckpt_digest == digest and checkpoint_source(b)]
+
+
+def checkpoint_source(beat: Heartbeat) -> bool:
+    """The node serves its checkpoints and results where others can fetch them: it announces a
+    sidecar and does not say it is behind NAT (its sidecar would be as unreachable as its data port)."""
+    return bool(beat.ckpt_addr) and can_be_dialed(beat.data_reach)
 
 
 def stall_timeout(seconds: float) -> aiohttp.ClientTimeout:

@@ -22,7 +22,7 @@ from p2ptrain.comm.dataplane import (
 )
 from p2ptrain.comm.handshake import AttemptBehind, PeerBusy, dial
 from p2ptrain.comm.schedule import Schedule
-from p2ptrain.comm.wire import PeerTimeout, WireError, expect, read_frame, write_frame
+from p2ptrain.comm.wire import PeerTimeout, WireError, expect, read_frame, stream_transport, write_frame
 from p2ptrain.identity import NodeIdentity, short_id
 
 REFUSED_GRACE = 1.0
@@ -227,17 +227,14 @@ async def _send_go(connection: Connection, timeout: float) -> None:
     listener send. Its frames then wait in the kernel for the raw socket (lanes.detach); frames
     sent before would have been swallowed by asyncio's read-ahead."""
     _, writer, _ = connection
-    transport = writer.transport
-    assert isinstance(transport, asyncio.Transport), "a stream's transport reads and writes"
-    transport.pause_reading()
+    stream_transport(writer).pause_reading()
     await write_frame(writer, {"kind": "go"}, timeout=timeout)
 
 
 async def _await_go(connection: Connection, timeout: float) -> None:
     """A reversed lane, listener side (it sends): wait for the dialer's go (see `_send_go`)."""
     reader, writer, _ = connection
-    transport = writer.transport
-    assert isinstance(transport, asyncio.Transport), "a stream's transport reads and writes"
+    transport = stream_transport(writer)
     transport.resume_reading()  # the dialer sends nothing after its go, so nothing is read ahead
     try:
         expect(await read_frame(reader, timeout, 0), "go")

@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, replace
 
 from p2ptrain.comm.seal import EPHEMERAL_BYTES, Ephemeral, SessionKeys, derive_keys
-from p2ptrain.comm.wire import Frame, FrameError, WireError, expect, read_frame, write_frame
+from p2ptrain.comm.wire import Frame, FrameError, WireError, expect, read_frame, stream_transport, write_frame
 from p2ptrain.identity import PUBLIC_KEY_BYTES, NodeIdentity, short_id, verify
 
 log = logging.getLogger(__name__)
@@ -289,9 +289,7 @@ async def accept_any(
             answer["attempt"] = refusal.attempt
         await _refuse(writer, answer)
         raise HandshakeError(refusal.reason)
-    transport = writer.transport
-    assert isinstance(transport, asyncio.Transport), "a stream's transport reads and writes"
-    transport.pause_reading()  # the rest of this connection is read from its raw socket
+    stream_transport(writer).pause_reading()  # the rest of this connection is read from its raw socket
     await write_frame(writer, {"kind": "ok"}, timeout=timeout)
     return session
 

@@ -34,6 +34,7 @@ from p2ptrain.comm.wire import (
     decode_header,
     encode_head,
     parse_prefix,
+    stream_transport,
 )
 
 
@@ -59,8 +60,7 @@ def detach(writer: asyncio.StreamWriter) -> socket.socket:
     asyncio's buffers. Closing the transport closes only its descriptor (ours is a duplicate), and
     asyncio never shuts a socket down on close, so the connection itself stays open.
     """
-    transport = writer.transport
-    assert isinstance(transport, asyncio.Transport), "a stream's transport reads and writes"
+    transport = stream_transport(writer)
     transport.pause_reading()
     if transport.get_write_buffer_size():
         raise PeerClosed("handshake bytes still unsent when the data phase began")

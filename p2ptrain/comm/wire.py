@@ -138,6 +138,13 @@ async def write_frame(
         raise PeerClosed(f"connection lost: {exc}") from None
 
 
+def stream_transport(writer: asyncio.StreamWriter) -> asyncio.Transport:
+    """The TCP transport under a stream (to pause or resume its reading around the raw-socket phase)."""
+    transport = writer.transport
+    assert isinstance(transport, asyncio.Transport), "a stream's transport reads and writes"
+    return transport
+
+
 def expect(frame: Frame, kind: str) -> Frame:
     """`frame` if it is of `kind`; a refusal from the peer or any other kind is an error."""
     if frame.kind == kind:

@@ -23,7 +23,14 @@ import aiohttp
 import numpy as np
 
 from p2ptrain.channel import Averaged
-from p2ptrain.ckpt.fetch import ACTIVE, RecoveryError, fetch_checkpoint, majority_checkpoint, read_body
+from p2ptrain.ckpt.fetch import (
+    ACTIVE,
+    RecoveryError,
+    checkpoint_source,
+    fetch_checkpoint,
+    majority_checkpoint,
+    read_body,
+)
 from p2ptrain.ckpt.manifest import build_manifest
 from p2ptrain.ckpt.replay import (
     RecentResults,
@@ -35,7 +42,6 @@ from p2ptrain.ckpt.replay import (
 )
 from p2ptrain.ckpt.sidecar import CheckpointSidecar
 from p2ptrain.comm.dataplane import DataPlaneServer
-from p2ptrain.comm.reach import can_be_dialed
 from p2ptrain.config import Config, config_differences
 from p2ptrain.errors import UserError
 from p2ptrain.identity import NodeIdentity
@@ -250,11 +256,7 @@ class SwarmLink(SoloSwarm):
             return False
         # announce the step we aim for at once, so the others, soon ready for it, wait for us
         await self.training(step + 1)
-        urls = [
-            b.ckpt_addr.rstrip("/")
-            for b in peers
-            if b.outer_step > step and b.ckpt_addr and can_be_dialed(b.data_reach)  # not behind NAT
-        ]
+        urls = [b.ckpt_addr.rstrip("/") for b in peers if b.outer_step > step and checkpoint_source(b)]
         comm = self.config.comm
         limit = max_result_bytes(vector.shape[0], comm.quant_block, comm.chunk_bytes // 4)
         packed = await fetch_result(urls, step, limit, self.config.checkpoint.fetch_timeout)

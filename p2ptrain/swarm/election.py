@@ -361,11 +361,12 @@ async def elect(
         heartbeats = await read()
         if me is not None and swarm_ahead(heartbeats, step, me, finished):
             raise SwarmAhead(f"the swarm is past outer step {step}")
-        excluded = left_out(ready_for(heartbeats, step), step)
+        ready = ready_for(heartbeats, step)
+        excluded = left_out(ready, step)
         if me in excluded:
             raise LeftOut(f"left out of outer step {step}: {excluded[me]}")
         now = clock()
-        if first_ready is None and ready_for(heartbeats, step):
+        if first_ready is None and ready:
             first_ready = now
         passed = first_ready is not None and now - first_ready >= straggler_deadline
         election = decide(
