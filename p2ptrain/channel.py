@@ -53,6 +53,11 @@ class Hello:
     world_size: int
     parameters: int
     start_step: int
+    micro_batch: int
+    memory_estimate: int
+    """Bytes the rank's memory estimate says it needs at `micro_batch` (train/memory.py)."""
+    memory_available: int
+    """Bytes free for the rank when it started (GPU memory, or its share of RAM)."""
     kind: ClassVar[str] = "hello"
 
 

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import ErrorDetails
 
 from p2ptrain.errors import ConfigError
@@ -137,11 +137,29 @@ class TrainConfig(Section):
     seed: int = 0
     precision: Literal["fp32", "bf16"] = "fp32"
     """bf16 autocast on GPU; CPU ranks always compute in fp32."""
+    micro_batch: int | str = "auto"
+    """Sequences per forward and backward pass on one rank: the rank's share of batch_size is run
+    in passes of this many with their gradients accumulated (the same update as one pass, up to
+    float summation order). "auto": the largest that the memory estimate says fits the memory the
+    rank has (free GPU memory, or available RAM); `p2ptrain config show --memory` prints it."""
+    loss_chunk: int | str = "auto"
+    """Tokens per chunk of the output layer and loss: the chunks' logits are recomputed in the
+    backward pass, so a large vocabulary's logits never exist all at once. "auto": as many tokens
+    as fit in 64 MiB of fp32 logits (512 of a 32k vocabulary); 0: the whole micro-batch at once."""
     activation_checkpointing: bool = False
     compile: bool = False
     """torch.compile each block (GPU runs; compile time dwarfs a CPU debug run)."""
     time_box: float = Field(0.0, ge=0)
     """Seconds after which an outer step starts even if fewer than inner_steps were done (0: off)."""
+
+    @field_validator("micro_batch", "loss_chunk")
+    @classmethod
+    def _auto_or_a_count(cls, value: int | str) -> int | str:
+        if isinstance(value, str) and value != "auto":
+            raise ValueError("must be 'auto' or a number")
+        if isinstance(value, int) and value < 0:
+            raise ValueError("must be 'auto' or a number ≥ 0")
+        return value
 
     @model_validator(mode="after")
     def _batch_within_the_runs_limit(self) -> TrainConfig:
@@ -149,6 +167,8 @@ class TrainConfig(Section):
             raise ValueError(
                 f"batch_size {self.batch_size} exceeds the run's max_batch_size {self.max_batch_size}"
             )
+        if isinstance(self.micro_batch, int) and not 1 <= self.micro_batch <= self.batch_size:
+            raise ValueError(f"micro_batch must be 'auto' or 1 to batch_size ({self.batch_size})")
         return self
 
 
@@ -232,7 +252,15 @@ class Config(Section):
     metrics: MetricsConfig = MetricsConfig()
 
     LOCAL_TRAIN_FIELDS: ClassVar[frozenset[str]] = frozenset(
-        {"batch_size", "precision", "activation_checkpointing", "compile", "time_box"}
+        {
+            "batch_size",
+            "micro_batch",
+            "loss_chunk",
+            "precision",
+            "activation_checkpointing",
+            "compile",
+            "time_box",
+        }
     )
     """Training settings each node may choose for itself (its hardware's), outside the digest."""
 
@@ -334,6 +362,8 @@ def _describe(error: ErrorDetails) -> str:
     key = ".".join(str(part) for part in error["loc"])
     if error["type"] == "extra_forbidden":
         return f"unknown key '{key}'"
+    if isinstance(error.get("input"), dict):  # a check across a section's keys: the message says
+        return f"'{key}': {error['msg']}"
     return f"'{key}': {error['msg']} (got {error.get('input')!r})"
 
 
@@ -375,29 +405,3 @@ def _validate(tree: dict[str, Any], source: str) -> Config:
         first = exc.errors()[0]
         more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
         raise ConfigError(f"{source}: {_describe(first)}{more}") from None
-
-
-def to_toml(config: Config) -> str:
-    """Render the resolved config as TOML (flat sections of scalars and lists only)."""
-    lines: list[str] = []
-    for section, values in config.model_dump().items():
-        lines.append(f"[{section}]")
-        for key, value in values.items():
-            if value is None:
-                lines.append(f"# {key} is unset")
-                continue
-            lines.append(f"{key} = {_toml_value(value)}")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
-    raise TypeError(f"cannot render {type(value).__name__} as TOML")

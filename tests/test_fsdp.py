@@ -25,10 +25,14 @@ def test_canonical_layout_round_trip_for_world_sizes_1_2_3(tmp_path: Path) -> No
 
 @pytest.mark.slow
 def test_two_rank_fsdp_training_matches_one_rank(tmp_path: Path) -> None:
-    """3 outer steps of H=2 on the same data: the sharded node ends where the unsharded one does."""
+    """3 outer steps of H=2 on the same data: the sharded node ends where the unsharded one does,
+    although its ranks take their share in micro-batches (2 + 1 sequences) and compute the loss in
+    chunks of 12 tokens (the unsharded one in one pass and one piece)."""
     overrides = ["train.inner_steps=2", "train.max_steps=6"]
-    one = run_world(1, "train", tmp_path / "one.pt", overrides)
-    two = run_world(2, "train", tmp_path / "two.pt", overrides)
+    one = run_world(1, "train", tmp_path / "one.pt", [*overrides, "train.loss_chunk=0"])
+    two = run_world(
+        2, "train", tmp_path / "two.pt", [*overrides, "train.micro_batch=2", "train.loss_chunk=12"]
+    )
     assert one["params"].shape == two["params"].shape
     torch.testing.assert_close(two["params"], one["params"], rtol=1e-4, atol=2e-5)
     assert abs(one["loss"] - two["loss"]) < 1e-3

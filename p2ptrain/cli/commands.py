@@ -13,21 +13,40 @@ from p2ptrain.cli.common import (
     peers_of,
     resolve_config,
     run_until_signal,
+    to_toml,
     validate_dashboard,
     validate_listen,
     write_atomic,
 )
-from p2ptrain.config import to_toml
 from p2ptrain.errors import UserError
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
     config = resolve_config(args)
+    if args.memory:
+        from p2ptrain.node.rank_launcher import default_nproc
+        from p2ptrain.train.memory import available_memory, memory_report
+
+        world_size = config.node.nproc or default_nproc()
+        device_type = "cuda" if args.device == "cuda" or (args.device == "auto" and _has_gpu()) else "cpu"
+        available = available_memory(device_type, world_size) if device_type == _local_device() else None
+        print("\n".join(memory_report(config, world_size, device_type, available)))
+        return 0
     print(
         json.dumps(config.model_dump(), indent=2) if args.json else to_toml(config),
         end="\n" if args.json else "",
     )
     return 0
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def _local_device() -> str:
+    return "cuda" if _has_gpu() else "cpu"
 
 
 def cmd_identity(args: argparse.Namespace) -> int:

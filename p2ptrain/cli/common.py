@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -65,10 +66,34 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+SLOW_STOP = 2.0
+"""A shutdown that takes longer than this many seconds says where the time went."""
+
+
+class StopClock:
+    """When the first signal came, so a slow shutdown can say which part took the time."""
+
+    def __init__(self) -> None:
+        self.signalled: float | None = None
+        self.parts: list[str] = []
+
+    def mark(self, part: str) -> None:
+        if self.signalled is not None:
+            self.parts.append(f"{part} at {time.monotonic() - self.signalled:.1f} s")
+
+    def report(self) -> None:
+        if self.signalled is not None and time.monotonic() - self.signalled > SLOW_STOP:
+            self.mark("done")
+            print(f"slow shutdown: {', '.join(self.parts)} after the signal", file=sys.stderr, flush=True)
+
+
 def run_until_signal(
-    main: Callable[[asyncio.Event], Coroutine[Any, Any, None]], on_force: Callable[[], None]
+    main: Callable[[asyncio.Event], Coroutine[Any, Any, None]],
+    on_force: Callable[[], None],
+    clock: StopClock | None = None,
 ) -> None:
     """Run `main(stop)`; the first SIGINT/SIGTERM sets `stop`, a second one forces the shutdown."""
+    clock = clock or StopClock()
 
     async def runner() -> None:
         stop = asyncio.Event()
@@ -80,10 +105,39 @@ def run_until_signal(
                 on_force()
                 os._exit(128 + signum)
             print(f"received {signal.Signals(signum).name}, shutting down…", file=sys.stderr, flush=True)
+            clock.signalled = time.monotonic()
             stop.set()
 
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, request_stop, signum)
         await main(stop)
+        clock.mark("the node's own shutdown")
 
     asyncio.run(runner())
+    clock.mark("the event loop's threads")
+
+
+def to_toml(config: Config) -> str:
+    """Render the resolved config as TOML (flat sections of scalars and lists only)."""
+    lines: list[str] = []
+    for section, values in config.model_dump().items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if value is None:
+                lines.append(f"# {key} is unset")
+                continue
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+    raise TypeError(f"cannot render {type(value).__name__} as TOML")

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from p2ptrain.cli.common import (
+    StopClock,
     peers_of,
     resolve_config,
     run_until_signal,
@@ -59,6 +60,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         )
         return 0
     identity, dht = start_node_dht(config)
+    clock = StopClock()
     with dht:
         if args.address_file:
             write_atomic(Path(args.address_file), "\n".join(dht.visible_maddrs()) + "\n")
@@ -67,7 +69,10 @@ def cmd_join(args: argparse.Namespace) -> int:
                 config, identity, dht, stop, sys.stdout, config.node.nproc, resume
             ).run(),
             on_force=dht.shutdown,
+            clock=clock,
         )
+    clock.mark("the DHT")
+    clock.report()
     return 0
 
 
@@ -113,6 +118,7 @@ def _join_without_training(args: argparse.Namespace, config: Config, peers: list
     if not peers:
         print("no --peer or PEER given: running alone (no bootstrap peer to find others through)", flush=True)
     identity, dht = start_node_dht(config)
+    clock = StopClock()
     with dht:
         if args.address_file:
             write_atomic(Path(args.address_file), "\n".join(dht.visible_maddrs()) + "\n")
@@ -134,10 +140,14 @@ def _join_without_training(args: argparse.Namespace, config: Config, peers: list
                     min_nodes=args.drill_nodes,
                 ),
                 on_force=dht.shutdown,
+                clock=clock,
             )
         else:
             run_until_signal(
                 lambda stop: run_node(config, identity, dht, stop, sys.stdout, table_every=args.table_every),
                 on_force=dht.shutdown,
+                clock=clock,
             )
+    clock.mark("the DHT")
+    clock.report()
     return 0

@@ -153,6 +153,17 @@ def build_parser() -> argparse.ArgumentParser:
     show = config_commands.add_parser("show", help="print the resolved config")
     _add_config_args(show)
     show.add_argument("--json", action="store_true", help="print JSON instead of TOML")
+    show.add_argument(
+        "--memory",
+        action="store_true",
+        help="print the memory one trainer rank needs, by part, and the micro-batch it would use here",
+    )
+    show.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="with --memory: estimate for a CPU or a GPU rank (default: this machine's)",
+    )
     show.set_defaults(handler=cmd_config_show)
 
     ident = commands.add_parser("identity", help="create (if missing) and print a node or bootstrap identity")

@@ -42,6 +42,7 @@ from p2ptrain.ckpt.format import checkpoint_places, checkpoint_step
 from p2ptrain.config import Config
 from p2ptrain.errors import UserError
 from p2ptrain.identity import NodeIdentity
+from p2ptrain.memory_limits import gib
 from p2ptrain.node.checkpoint_copies import (
     copy_to_disk,
     copy_to_remote,
@@ -207,12 +208,21 @@ class TrainingNode:
                 f"{message.parameters / 1e6:.2f}M parameters on {message.world_size} rank(s), "
                 f"run {self.config.run.id!r}{resumed}"
             )
+            self.ranks.micro_batch = message.micro_batch
+            sequences = self.config.train.batch_size // message.world_size
+            short = message.memory_estimate > message.memory_available
+            self.say(
+                f"memory: about {gib(message.memory_estimate)} per rank at micro-batch {message.micro_batch} "
+                f"of {sequences} sequences per rank, {gib(message.memory_available)} available"
+                + (": it may run out of memory" if short else "")
+            )
             if not self.joining:
                 # a joiner's first step has no inner phase and weight 0: it stays `joining` until it
                 # is ready, so nobody waits for it (if the step is done by then, it replays it)
                 await self.swarm.training(message.start_step)
         elif isinstance(message, Progress):
             self.view.inner(message)
+            self.ranks.sample_memory()
         elif isinstance(message, Ready):
             assert self.vector is not None, "Ready before Hello"
             if await self._catch_up_if_off_track(message.outer_step, channel):

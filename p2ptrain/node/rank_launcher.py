@@ -12,6 +12,8 @@ from pathlib import Path
 
 from p2ptrain.config import Config
 from p2ptrain.identity import NodeIdentity
+from p2ptrain.memory_limits import OUT_OF_MEMORY_EXIT
+from p2ptrain.node.rank_memory import RankMemoryWatch
 from p2ptrain.procs import free_port, is_alive
 
 RANK_STOP_TIMEOUT = 10.0
@@ -58,11 +60,15 @@ class RankGroup:
         self.nproc = nproc
         self.shared = shared
         self.procs: list[asyncio.subprocess.Process] = []
+        self.memory: list[RankMemoryWatch] = []
+        self.micro_batch = 0
+        """The micro-batch the ranks chose (their Hello says), for the out-of-memory advice."""
         self.log_dir = work_dir / "logs"
 
     async def start(self, resume: Path | None = None, skip_first_inner: bool = False) -> socket.socket:
         """Start the ranks (resuming from `resume`); returns the agent's end of rank 0's channel."""
         self.procs = []
+        self.memory = []
         self.log_dir.mkdir(parents=True, exist_ok=True)
         threads = int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, (os.cpu_count() or 1) // self.nproc)
         spec = {
@@ -106,18 +112,26 @@ class RankGroup:
                     start_new_session=True,  # Ctrl+C reaches the agent only; it stops the ranks
                 )
             self.procs.append(proc)
+            self.memory.append(RankMemoryWatch.start(proc.pid))
         rank_end.close()
         return agent_end
 
+    def sample_memory(self) -> None:
+        """Note each running rank's peak resident memory (the OOM verdict needs it after death)."""
+        for watch, proc in zip(self.memory, self.procs, strict=True):
+            if proc.returncode is None:
+                watch.sample()
+
     def describe_exit(self, rank: int) -> str:
         code = self.procs[rank].returncode
+        log_path = f"; log: {self.log_dir}/rank-{rank}.log"
         last = _last_line(self.log_dir / f"rank-{rank}.log")
+        if code == OUT_OF_MEMORY_EXIT and last:
+            return f"trainer {_last_line(self.log_dir / f'rank-{rank}.log', 500)}{log_path}"
+        if rank < len(self.memory) and self.memory[rank].killed_for_memory(code):
+            return self.memory[rank].killed_line(rank, self.config, self.micro_batch) + log_path
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-        return (
-            f"trainer rank {rank} {how}"
-            + (f" ({last})" if last else "")
-            + f"; log: {self.log_dir}/rank-{rank}.log"
-        )
+        return f"trainer rank {rank} {how}" + (f" ({last})" if last else "") + log_path
 
     async def stop(self, timeout: float = RANK_STOP_TIMEOUT) -> None:
         running = [proc for proc in self.procs if proc.returncode is None]
@@ -133,9 +147,9 @@ class RankGroup:
                 await proc.wait()
 
 
-def _last_line(path: Path) -> str:
+def _last_line(path: Path, limit: int = 200) -> str:
     with contextlib.suppress(OSError):
         lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
         if lines:
-            return lines[-1][:200]
+            return lines[-1][:limit]
     return ""

@@ -105,11 +105,13 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, config: ModelConfig, activation_checkpointing: bool = False):
+    def __init__(self, config: ModelConfig, activation_checkpointing: bool = False, loss_chunk: int = 0):
         super().__init__()
         validate_shape(config)
         self.config = config
         self.activation_checkpointing = activation_checkpointing
+        self.loss_chunk = loss_chunk
+        """Tokens per chunk of the output layer and loss in training (0: all at once)."""
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
@@ -133,8 +135,8 @@ class Transformer(nn.Module):
             else:
                 nn.init.normal_(param, 0.0, INIT_STD)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (batch, seq, vocab); with `targets`, the mean next-token cross-entropy instead."""
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The last block's output, normalised: (batch, seq, dim)."""
         seq = tokens.shape[1]
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         x = self.tok_embeddings(tokens)
@@ -143,12 +145,47 @@ class Transformer(nn.Module):
                 x = checkpoint(layer, x, cos, sin, use_reentrant=False)
             else:
                 x = layer(x, cos, sin)
-        x = self.norm(x)
-        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        logits = F.linear(x, weight)
+        return self.norm(x)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
+    def forward(
+        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean"
+    ) -> torch.Tensor:
+        """Logits (batch, seq, vocab); with `targets`, the next-token cross-entropy instead: the mean
+        over tokens, or with reduction="sum" the sum (micro-batches add these up). One entry point,
+        so FSDP2's forward hooks gather the parameters whichever is asked for."""
+        x = self.hidden(tokens)
         if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            return F.linear(x, self.output_weight)
+        summed = summed_cross_entropy(x, self.output_weight, targets, self.loss_chunk)
+        return summed if reduction == "sum" else summed / targets.numel()
+
+
+def summed_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int
+) -> torch.Tensor:
+    """Σ over tokens of −log softmax(hidden · weightᵀ)[target], `chunk` tokens at a time.
+
+    Each chunk's logits are recomputed in the backward pass instead of kept, so at most one chunk's
+    logits (and their gradient) exist at once: with a 32k vocabulary, 8 × 1024 tokens' logits are
+    1 GiB in fp32, a 512-token chunk's 64 MiB. The sum is the same up to float summation order."""
+    flat_hidden, flat_targets = hidden.flatten(0, 1), targets.flatten()
+    if chunk <= 0 or chunk >= flat_targets.numel():
+        return _token_losses(flat_hidden, weight, flat_targets)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for part, part_targets in zip(flat_hidden.split(chunk), flat_targets.split(chunk), strict=True):
+        if torch.is_grad_enabled():
+            total = total + checkpoint(_token_losses, part, weight, part_targets, use_reentrant=False)
+        else:
+            total = total + _token_losses(part, weight, part_targets)
+    return total
+
+
+def _token_losses(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(F.linear(hidden, weight).float(), targets, reduction="sum")
 
 
 def validate_shape(config: ModelConfig) -> None:

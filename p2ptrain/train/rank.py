@@ -23,8 +23,10 @@ from p2ptrain.channel import ChannelError, RankChannel
 from p2ptrain.ckpt.format import CheckpointError
 from p2ptrain.config import Config
 from p2ptrain.faults import shift_wall_clock
+from p2ptrain.memory_limits import OUT_OF_MEMORY_EXIT
 from p2ptrain.procs import set_parent_death_signal
 from p2ptrain.train.agent_link import ChannelLink
+from p2ptrain.train.out_of_memory import is_out_of_memory, raised_out_of_memory_line
 from p2ptrain.train.trainer import RankContext, Trainer
 
 
@@ -59,6 +61,7 @@ def main() -> int:
         sock = socket.socket(fileno=int(os.environ["P2PTRAIN_CHANNEL_FD"]))
         link = ChannelLink(RankChannel(sock), Path(spec["buffer_path"]))
     done = False
+    trainer: Trainer | None = None
     try:
         resume = Path(spec["resume"]) if spec.get("resume") else None
         trainer = Trainer(
@@ -80,6 +83,13 @@ def main() -> int:
     except CheckpointError as exc:
         print(f"rank {rank}: error: {exc}", file=sys.stderr)
         return 1
+    except (RuntimeError, MemoryError) as exc:
+        if not is_out_of_memory(exc):
+            raise
+        chosen = config.train.micro_batch
+        micro = trainer.micro_batch if trainer is not None else chosen if isinstance(chosen, int) else 0
+        print(raised_out_of_memory_line(rank, exc, config, micro, ctx.device.type == "cuda"), file=sys.stderr)
+        return OUT_OF_MEMORY_EXIT
     finally:
         if not done and dist.is_initialized():
             dist.destroy_process_group()

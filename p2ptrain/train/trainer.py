@@ -29,10 +29,12 @@ from p2ptrain.ckpt.format import STAGED_KEEP, CheckpointMeta, checkpoint_places
 from p2ptrain.config import Config
 from p2ptrain.faults import Faults
 from p2ptrain.identity import short_id
+from p2ptrain.train.accumulate import accumulate_gradients
 from p2ptrain.train.agent_link import AgentLink, SoloLink
 from p2ptrain.train.checkpoint import load_state
 from p2ptrain.train.data import StreamPosition, node_batches
 from p2ptrain.train.layout import CanonicalLayout, broadcast_flat
+from p2ptrain.train.memory import loss_chunk_tokens, resolve_micro_batch
 from p2ptrain.train.metrics import MetricsWriter, peak_flops
 from p2ptrain.train.model import Transformer, parameter_count
 from p2ptrain.train.optim import adam_moments, build_inner_optimizer, set_schedule_position
@@ -54,7 +56,11 @@ class RankContext:
 def build_model(config: Config, ctx: RankContext) -> Transformer:
     """The same initial weights on every node and rank, then sharded over the local ranks."""
     torch.manual_seed(config.train.seed)
-    model = Transformer(config.model, activation_checkpointing=config.train.activation_checkpointing)
+    model = Transformer(
+        config.model,
+        activation_checkpointing=config.train.activation_checkpointing,
+        loss_chunk=loss_chunk_tokens(config),
+    )
     model.to(ctx.device)
     if ctx.world_size > 1:
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
@@ -92,6 +98,9 @@ class Trainer:
         self.ctx = ctx
         self.work_dir = work_dir
         self.link = link or SoloLink()
+        self.micro_batch, self.memory, self.memory_available = resolve_micro_batch(
+            config, ctx.world_size, ctx.device.type
+        )
         self.model = build_model(config, ctx)
         self.layout = CanonicalLayout.of(self.model)
         self.flat = self.layout.new_flat()
@@ -154,14 +163,12 @@ class Trainer:
     def inner_step_once(self) -> float:
         inputs, targets = self.batches.next()
         inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)
-        with self._autocast():
-            loss = self.model(inputs, targets)
-        loss.backward()
+        loss = accumulate_gradients(self.model, inputs, targets, self.micro_batch, self._autocast)
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.train.grad_clip)
         self.optimizer.step()
         self.schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
-        value = loss.detach().float().reshape(1).cpu()
+        value = loss.reshape(1)
         if self.ctx.cpu_group is not None:
             dist.all_reduce(value, group=self.ctx.cpu_group)
             value /= self.ctx.world_size
@@ -367,6 +374,9 @@ class Trainer:
                     self.ctx.world_size,
                     parameter_count(self.config.model),
                     self.outer_step,
+                    self.micro_batch,
+                    self.memory.device,
+                    self.memory_available,
                 )
             )
         interval = self.config.checkpoint.interval
