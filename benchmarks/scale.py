@@ -1,10 +1,15 @@
-"""What every node computes per outer step, as the swarm grows: simulated to 1000 nodes, one core.
+"""How a node's cost per outer step grows with the swarm: drill swarms here, simulated to 1000.
 
-    python -m benchmarks.scale --json [--simulate 100,300,1000] [--repeats 5]
+    python -m benchmarks.scale --json [--drill 2,4,8,16] [--steps 10] [--plot scale.png]
+                                      [--simulate 100,300,1000] [--repeats 5] [--set KEY=VALUE]
 
-No network: n synthetic nodes with real Ed25519 keys publish signed "ready" records (each with a
-data address, a token count and up to 16 measured slow links, as real records carry), and this
-process runs, per n, what a node runs on them in one election poll:
+Drill swarms (`--drill`, '' for none): real swarms of n drill nodes on 127.0.0.1, their figures
+per n and a fitted exponent per figure (cost ∝ n^k): see benchmarks/scale_drill.py.
+
+Simulation (`--simulate`, '' for none), no network: n synthetic nodes with real Ed25519 keys
+publish signed "ready" records (each with a data address, a token count and up to 16 measured slow
+links, as real records carry), and this process runs, per n, what a node runs on them in one
+election poll:
 
 - decode_cold_s: decoding and verifying every record (msgpack + Ed25519), as a node's first read;
 - decode_s: the same in steady state: a node reads about four times per heartbeat, so a quarter
@@ -19,9 +24,12 @@ about four times a second while it waits. Target: election_s ≤ 0.1 s at 1000 n
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +39,7 @@ from typing import Any, cast
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from benchmarks.common import parser, report
+from benchmarks.scale_drill import exponents, plot, run_swarm
 from p2ptrain.comm.connect import LanePlan
 from p2ptrain.comm.dataplane import RingSettings, membership_digest
 from p2ptrain.comm.schedule import Schedule
@@ -135,26 +144,51 @@ def one_size(n: int, repeats: int) -> dict[str, Any]:
 
 def main() -> None:
     cli = parser(__doc__)
-    cli.add_argument("--simulate", default="100,300,1000", help="comma-separated swarm sizes")
-    cli.add_argument("--repeats", type=int, default=5)
-    args = cli.parse_args()
-    try:
-        sizes = [int(part) for part in args.simulate.split(",") if part.strip()]
-    except ValueError:
-        cli.error(f"--simulate takes comma-separated node counts, got {args.simulate!r}")
-    if not sizes or min(sizes) < 2 or args.repeats < 1:
-        cli.error("--simulate needs sizes ≥ 2 and --repeats ≥ 1")
-    rows = [one_size(n, args.repeats) for n in sizes]
-    largest = rows[-1]
-    report(
-        {
-            "simulated": rows,
-            "election_s_at_largest": largest["election_s"],
-            "target_s": 0.1,
-            "ok": largest["n"] < 1000 or largest["election_s"] <= 0.1,
-        },
-        args.json,
+    cli.add_argument(
+        "--drill", default="2,4,8,16", help="drill swarm sizes run on this machine ('' for none)"
     )
+    cli.add_argument("--steps", type=int, default=10, help="outer steps per drill swarm")
+    cli.add_argument("--simulate", default="100,300,1000", help="simulated swarm sizes ('' for none)")
+    cli.add_argument("--repeats", type=int, default=5)
+    cli.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="for the drill nodes")
+    cli.add_argument("--plot", default="", metavar="PNG", help="plot the drill figures against n")
+    args = cli.parse_args()
+    drilled_sizes, simulated_sizes = (
+        _sizes(cli, "--drill", args.drill),
+        _sizes(cli, "--simulate", args.simulate),
+    )
+    if args.repeats < 1 or args.steps < 3:
+        cli.error("--repeats must be ≥ 1 and --steps ≥ 3")
+    result: dict[str, Any] = {}
+    if drilled_sizes:
+        settings = [item for pair in args.set for item in ("--set", pair)]
+        drilled = []
+        for n in drilled_sizes:
+            drilled.append(run_swarm(n, args.steps, settings))
+            if not args.json:
+                print(json.dumps(drilled[-1]), file=sys.stderr, flush=True)
+        result["drilled"] = drilled
+        result["exponents"] = exponents(drilled)
+        if args.plot:
+            plot(drilled, Path(args.plot))
+    if simulated_sizes:
+        rows = [one_size(n, args.repeats) for n in simulated_sizes]
+        largest = rows[-1]
+        result["simulated"] = rows
+        result["election_s_at_largest"] = largest["election_s"]
+        result["target_s"] = 0.1
+        result["ok"] = largest["n"] < 1000 or largest["election_s"] <= 0.1
+    report(result, args.json)
+
+
+def _sizes(cli: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        cli.error(f"{flag} takes comma-separated node counts, got {text!r}")
+    if sizes and min(sizes) < 2:
+        cli.error(f"{flag} needs sizes ≥ 2")
+    return sizes
 
 
 if __name__ == "__main__":

@@ -212,6 +212,8 @@ class DataPlaneServer:
         self.address: tuple[str, int] = ("", 0)
         self.reach = ReachService()
         """Dial-back probes (reach.py): answered here, and our own proofs collected here."""
+        self.lanes_accepted = 0
+        """Ring connections handed to a step so far (benchmarks.scale counts them per step)."""
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         self._server = await asyncio.start_server(self._on_connection, host, port)
@@ -379,4 +381,5 @@ class DataPlaneServer:
         if future is None or future.done():
             writer.close()  # the attempt ended while "ok" was on its way
             return
+        self.lanes_accepted += 1
         future.set_result((reader, writer, session))

@@ -97,7 +97,11 @@ async def run_drill(
                     "hash": params_hash,
                     "attempts": result.attempts,
                     "sync_s": round(time.monotonic() - started, 3),
+                    "election_s": round(result.election_s, 3),
+                    "allreduce_s": round(result.stats.seconds, 3),
                     "bytes_sent": result.stats.bytes_sent,
+                    "lanes_accepted": server.lanes_accepted,
+                    "dht": [dht.traffic.stored, dht.traffic.read, dht.traffic.calls],
                     "time": round(time.time(), 3),
                 }
                 log_file.write(json.dumps(line) + "\n")

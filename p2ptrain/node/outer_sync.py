@@ -58,6 +58,8 @@ class SyncResult:
     election: Election
     stats: RingStats
     attempts: int
+    election_s: float = 0.0
+    """From this node's ready record to the members of the attempt that completed being decided."""
 
 
 def ring_settings(config: Config) -> RingSettings:
@@ -190,8 +192,9 @@ class OuterSync:
         await self.publisher.publish(
             state=NodeState.READY, outer_step=step, tokens=tokens, extra=self._extra_for(step, named)
         )
+        ready_at = time.monotonic()
         try:
-            result = await self._attempts(step, vector, named)
+            result = await self._attempts(step, vector, named, ready_at)
         except StepGivenUp:
             self.offences.step_done(step, (), named - ignored)
             raise
@@ -199,7 +202,9 @@ class OuterSync:
         self._last_members = (step, frozenset(result.election.keys))
         return result
 
-    async def _attempts(self, step: int, vector: np.ndarray, named: set[bytes]) -> SyncResult:
+    async def _attempts(
+        self, step: int, vector: np.ndarray, named: set[bytes], ready_at: float
+    ) -> SyncResult:
         """Elect and all-reduce until an attempt completes; `named` collects whom we blame."""
         swarm = self.config.swarm
         me = self.publisher.current.node_key
@@ -231,6 +236,7 @@ class OuterSync:
                 await asyncio.sleep(swarm.heartbeat_interval / 2)
                 continue
             attempt += 1
+            elected_at = time.monotonic()
             await self.publisher.publish(state=NodeState.SYNCING)
             try:
                 stats = await ring_all_reduce(
@@ -265,7 +271,7 @@ class OuterSync:
                     short_id(key),
                     chunks,
                 )
-            return SyncResult(election, stats, attempt)
+            return SyncResult(election, stats, attempt, election_s=elected_at - ready_at)
         raise StepGivenUp(
             f"step {step}: no all-reduce completed in {attempt} attempts within "
             f"{swarm.election_timeout:.0f} s ({last_error})"

@@ -82,6 +82,16 @@ class DHTSettings:
     validators: Sequence[RecordValidatorBase] = field(default_factory=tuple)
 
 
+@dataclass
+class DHTTraffic:
+    """What this node's own DHT calls moved: the payload bytes it stored and read, and the calls
+    (the DHT's replication between peers comes on top; benchmarks.scale reports these)."""
+
+    stored: int = 0
+    read: int = 0
+    calls: int = 0
+
+
 class SwarmDHT:
     """A started DHT node. Every store and get is bounded by `settings.timeout`."""
 
@@ -90,6 +100,7 @@ class SwarmDHT:
         self.settings = settings
         self._pid = dht.pid
         self._closed = False
+        self.traffic = DHTTraffic()
 
     @classmethod
     def start(cls, settings: DHTSettings) -> SwarmDHT:
@@ -147,6 +158,8 @@ class SwarmDHT:
         dead peer still in the routing table does not hold every heartbeat up for its RPC timeout.
         """
         timeout = self.settings.timeout if timeout is None else timeout
+        self.traffic.stored += len(key) + len(subkey) + len(value)
+        self.traffic.calls += 1
         future = self._dht.store(
             key, value, expiration, subkey=subkey, return_future=True, await_all_replicas=False
         )
@@ -166,9 +179,14 @@ class SwarmDHT:
             future.cancel()
             log.warning("DHT get of %s timed out after %.1f s", key, self.settings.timeout)
             return None
+        self.traffic.calls += 1
         if found is None or not isinstance(found.value, dict):
             return None
-        return {subkey: item for subkey, item in found.value.items() if isinstance(item, ValueWithExpiration)}
+        items = {
+            subkey: item for subkey, item in found.value.items() if isinstance(item, ValueWithExpiration)
+        }
+        self.traffic.read += sum(len(subkey) + _size(item.value) for subkey, item in items.items())
+        return items
 
     def shutdown(self) -> None:
         """Stop the DHT child and p2pd; anything still alive after the timeout is killed by PID."""
@@ -251,6 +269,10 @@ def _remove_dead_sockets(paths: set[Path], settle: float = 3.0) -> None:
         if not remaining or time.monotonic() >= deadline:
             return
         time.sleep(0.05)
+
+
+def _size(value: Any) -> int:
+    return len(value) if isinstance(value, (bytes, bytearray, str)) else 0
 
 
 async def _awaitable(future: Any) -> Any:
