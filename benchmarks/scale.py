@@ -152,6 +152,7 @@ def main() -> None:
     cli.add_argument("--repeats", type=int, default=5)
     cli.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="for the drill nodes")
     cli.add_argument("--plot", default="", metavar="PNG", help="plot the drill figures against n")
+    cli.add_argument("--keep", default="", metavar="DIR", help="keep the drill nodes' logs in DIR")
     args = cli.parse_args()
     drilled_sizes, simulated_sizes = (
         _sizes(cli, "--drill", args.drill),
@@ -164,7 +165,7 @@ def main() -> None:
         settings = [item for pair in args.set for item in ("--set", pair)]
         drilled = []
         for n in drilled_sizes:
-            drilled.append(run_swarm(n, args.steps, settings))
+            drilled.append(run_swarm(n, args.steps, settings, Path(args.keep) if args.keep else None))
             if not args.json:
                 print(json.dumps(drilled[-1]), file=sys.stderr, flush=True)
         result["drilled"] = drilled

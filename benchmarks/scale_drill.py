@@ -5,7 +5,10 @@ phases of up to 0.3 s) that wait for each other, then take STEPS outer steps. Fr
 drill.jsonl and its process tree, per n (medians over nodes and steps):
 
 - overhead_s: one outer step's sync (ready → election → all-reduce done), the inner phase excluded;
-- election_s: this node's ready record → the members of the completing attempt decided;
+- election_s: this node's ready record → the members of the completing attempt decided (it
+  includes waiting for the others' inner phases);
+- decided_after_last_ready_s: the members decided, minus the last member's ready record (wall
+  clocks of one machine): what the control plane (DHT propagation, polling) costs a step;
 - allreduce_s: the all-reduce itself;
 - dht_bytes_per_node_s, dht_calls_per_node_s: the payload bytes this node's own DHT stores and gets
   moved, and their number, per second (SwarmDHT.traffic; the DHT's replication comes on top);
@@ -30,6 +33,7 @@ from p2ptrain.procs import ChildProcesses, descendants
 FIGURES = (
     "overhead_s",
     "election_s",
+    "decided_after_last_ready_s",
     "allreduce_s",
     "dht_bytes_per_node_s",
     "dht_calls_per_node_s",
@@ -68,12 +72,13 @@ def _node_command(root: Path, name: str, peer: str, n: int, steps: int, settings
     ]  # fmt: skip
 
 
-def run_swarm(n: int, steps: int, settings: list[str]) -> dict[str, Any]:
-    """One drill swarm of n nodes; its row of figures."""
+def run_swarm(n: int, steps: int, settings: list[str], keep: Path | None = None) -> dict[str, Any]:
+    """One drill swarm of n nodes; its row of figures (the nodes' logs kept under `keep`)."""
     children = ChildProcesses()
     peaks: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix=f"p2ptrain-scale-{n}-") as tmp:
-        root = Path(tmp)
+        root = Path(tmp) if keep is None else keep / f"n{n}"
+        root.mkdir(parents=True, exist_ok=True)
         try:
             address = root / "bootstrap.addr"
             children.spawn(
@@ -127,6 +132,10 @@ def _row(n: int, logs: dict[str, list[dict[str, Any]]], peaks: dict[str, int]) -
         per_node["connections"].append(
             2 * (last["lanes_accepted"] - first["lanes_accepted"]) / (len(lines) - 1)
         )
+    last_ready: dict[int, float] = {}
+    for line in every:
+        last_ready[line["step"]] = max(last_ready.get(line["step"], 0.0), line["ready_time"])
+    lags = [line["ready_time"] + line["election_s"] - last_ready[line["step"]] for line in every]
     return {
         "n": n,
         "steps_done": min(len(lines) for lines in done.values()),
@@ -134,6 +143,7 @@ def _row(n: int, logs: dict[str, list[dict[str, Any]]], peaks: dict[str, int]) -
         "members": statistics.median(len(line["members"]) for line in every),
         "overhead_s": _median(line["sync_s"] for line in every),
         "election_s": _median(line["election_s"] for line in every),
+        "decided_after_last_ready_s": _median(max(0.0, lag) for lag in lags),
         "allreduce_s": _median(line["allreduce_s"] for line in every),
         "dht_bytes_per_node_s": _median(per_node["dht_bytes"]),
         "dht_calls_per_node_s": _median(per_node["dht_calls"]),
@@ -168,6 +178,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     figure, axes = plt.subplots(2, 4, figsize=(16, 7))
     sizes = [row["n"] for row in rows]
@@ -176,6 +187,6 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         axis.set_title(name)
         axis.set_xlabel("nodes")
         axis.set_xticks(sizes, [str(size) for size in sizes])
-    axes.flat[-1].axis("off")
+        axis.xaxis.set_minor_formatter(NullFormatter())
     figure.tight_layout()
     figure.savefig(path)

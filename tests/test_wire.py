@@ -21,6 +21,7 @@ from p2ptrain.comm.wire import (
     MAGIC,
     PREFIX,
     VERSION,
+    ClosedBetweenFrames,
     FrameError,
     PeerClosed,
     PeerTimeout,
@@ -113,6 +114,19 @@ def test_bad_frames_raise_typed_errors(data: bytes, error: type[WireError], reas
 
     with pytest.raises(error, match=reason):
         run(go())
+
+
+def test_a_connection_closed_before_any_byte_is_told_from_a_broken_frame():
+    """Port probes (connect, close) are not broken handshakes: the server logs them quietly."""
+
+    async def go(data: bytes) -> WireError:
+        with pytest.raises(PeerClosed) as closed:
+            await read_frame(raw_reader(data), timeout=2)
+        return closed.value
+
+    assert isinstance(run(go(b"")), ClosedBetweenFrames)
+    for broken in (frame_bytes({"kind": "x"})[:5], frame_bytes({"kind": "x"})[: PREFIX.size]):
+        assert not isinstance(run(go(broken)), ClosedBetweenFrames)
 
 
 def test_a_stalled_peer_times_out():

@@ -41,6 +41,11 @@ class PeerClosed(WireError):
     """The connection ended, possibly in the middle of a frame."""
 
 
+class ClosedBetweenFrames(PeerClosed):
+    """The connection ended cleanly before the next frame's first byte: on a fresh connection, a
+    port probe (connect, then close), not a broken handshake."""
+
+
 class PeerTimeout(WireError):
     """The peer sent nothing (or not enough) before the deadline."""
 
@@ -97,14 +102,17 @@ def decode_header(data: bytes) -> dict[str, Any]:
     return header
 
 
-async def _read_exactly(reader: asyncio.StreamReader, count: int, deadline: float) -> bytes:
+async def _read_exactly(
+    reader: asyncio.StreamReader, count: int, deadline: float, frame_start: bool = False
+) -> bytes:
     remaining = deadline - asyncio.get_running_loop().time()
     if remaining <= 0:
         raise PeerTimeout("deadline passed before the frame arrived")
     try:
         return await asyncio.wait_for(reader.readexactly(count), remaining)
     except asyncio.IncompleteReadError as exc:
-        raise PeerClosed(f"connection closed after {len(exc.partial)} of {count} bytes") from None
+        closed = ClosedBetweenFrames if frame_start and not exc.partial else PeerClosed
+        raise closed(f"connection closed after {len(exc.partial)} of {count} bytes") from None
     except asyncio.TimeoutError:
         raise PeerTimeout(f"no complete frame within the deadline ({count} bytes pending)") from None
     except (ConnectionError, OSError) as exc:
@@ -116,7 +124,8 @@ async def read_frame(
 ) -> Frame:
     """Read one whole frame within `timeout` seconds, or raise a WireError."""
     deadline = asyncio.get_running_loop().time() + timeout
-    header_len, payload_len = parse_prefix(await _read_exactly(reader, PREFIX.size, deadline), max_payload)
+    prefix = await _read_exactly(reader, PREFIX.size, deadline, frame_start=True)
+    header_len, payload_len = parse_prefix(prefix, max_payload)
     header = decode_header(await _read_exactly(reader, header_len, deadline))
     payload = await _read_exactly(reader, payload_len, deadline) if payload_len else b""
     return Frame(header, payload)

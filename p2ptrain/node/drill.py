@@ -97,6 +97,8 @@ async def run_drill(
                     "hash": params_hash,
                     "attempts": result.attempts,
                     "sync_s": round(time.monotonic() - started, 3),
+                    "node": identity.public_key.hex(),
+                    "ready_time": round(result.ready_time, 3),
                     "election_s": round(result.election_s, 3),
                     "allreduce_s": round(result.stats.seconds, 3),
                     "bytes_sent": result.stats.bytes_sent,

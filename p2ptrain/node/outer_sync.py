@@ -60,6 +60,8 @@ class SyncResult:
     attempts: int
     election_s: float = 0.0
     """From this node's ready record to the members of the attempt that completed being decided."""
+    ready_time: float = 0.0
+    """Wall-clock time this node published its ready record (drills on one machine compare them)."""
 
 
 def ring_settings(config: Config) -> RingSettings:
@@ -192,7 +194,7 @@ class OuterSync:
         await self.publisher.publish(
             state=NodeState.READY, outer_step=step, tokens=tokens, extra=self._extra_for(step, named)
         )
-        ready_at = time.monotonic()
+        ready_at, ready_time = time.monotonic(), time.time()
         try:
             result = await self._attempts(step, vector, named, ready_at)
         except StepGivenUp:
@@ -200,6 +202,7 @@ class OuterSync:
             raise
         self.offences.step_done(step, result.election.keys, named - ignored)
         self._last_members = (step, frozenset(result.election.keys))
+        result.ready_time = ready_time
         return result
 
     async def _attempts(
