@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+from p2ptrain.procs import ChildProcesses
 
 
 def median_seconds(function: Callable[[], object], repeats: int, warmup: int = 1) -> float:
@@ -33,3 +37,38 @@ def report(result: dict[str, Any], as_json: bool) -> None:
         for key, value in result.items():
             print(f"{key:>22}: {value}")
     print(json.dumps(result))
+
+
+def wait_for_file(path: Path, timeout: float, benchmark: str) -> str:
+    """The text of `path` once a process has written it (an address file); exits after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip():
+            return path.read_text().strip()
+        time.sleep(0.1)
+    raise SystemExit(f"benchmarks.{benchmark}: error: {path.name} did not appear within {timeout:.0f} s")
+
+
+def start_bootstrap(children: ChildProcesses, root: Path, benchmark: str) -> str:
+    """A bootstrap peer on 127.0.0.1 under `root`; its multiaddress."""
+    address = root / "bootstrap.addr"
+    children.spawn(
+        "bootstrap",
+        [sys.executable, "-m", "p2ptrain", "bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0",
+         "--identity", str(root / "bootstrap"), "--address-file", str(address)],
+        root / "bootstrap.log",
+    )  # fmt: skip
+    return wait_for_file(address, 60, benchmark)
+
+
+def drill_command(
+    root: Path, name: str, peer: str, steps: int, nodes: int, size: int, extra: list[str]
+) -> list[str]:
+    """`p2ptrain join --drill` for a node on 127.0.0.1 that waits for `nodes` nodes, inner phases
+    of up to 0.3 s, vectors of `size` values."""
+    return [
+        sys.executable, "-m", "p2ptrain", "join", "--peer", peer, "--config", "debug",
+        "--work-dir", str(root / name), "--listen", "/ip4/127.0.0.1/tcp/0", "--table-every", "0",
+        "--drill", str(steps), "--drill-nodes", str(nodes), "--drill-inner", "0.3",
+        "--drill-size", str(size), "--set", 'node.data_host="127.0.0.1"', *extra,
+    ]  # fmt: skip

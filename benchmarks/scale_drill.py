@@ -22,12 +22,12 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import drill_command, start_bootstrap
 from p2ptrain.procs import ChildProcesses, descendants
 
 FIGURES = (
@@ -42,15 +42,6 @@ FIGURES = (
 )
 
 
-def _wait_for_file(path: Path, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and path.read_text().strip():
-            return path.read_text().strip()
-        time.sleep(0.1)
-    raise SystemExit(f"benchmarks.scale: error: {path.name} did not appear within {timeout:.0f} s")
-
-
 def _tree_rss(pid: int) -> int:
     total = 0
     for member in [pid, *descendants(pid)]:
@@ -63,15 +54,6 @@ def _tree_rss(pid: int) -> int:
     return total
 
 
-def _node_command(root: Path, name: str, peer: str, n: int, steps: int, settings: list[str]) -> list[str]:
-    return [
-        sys.executable, "-m", "p2ptrain", "join", "--peer", peer, "--config", "debug",
-        "--work-dir", str(root / name), "--listen", "/ip4/127.0.0.1/tcp/0", "--table-every", "0",
-        "--drill", str(steps), "--drill-nodes", str(n), "--drill-inner", "0.3",
-        "--drill-size", str(1 << 16), "--set", 'node.data_host="127.0.0.1"', *settings,
-    ]  # fmt: skip
-
-
 def run_swarm(n: int, steps: int, settings: list[str], keep: Path | None = None) -> dict[str, Any]:
     """One drill swarm of n nodes; its row of figures (the nodes' logs kept under `keep`)."""
     children = ChildProcesses()
@@ -80,18 +62,11 @@ def run_swarm(n: int, steps: int, settings: list[str], keep: Path | None = None)
         root = Path(tmp) if keep is None else keep / f"n{n}"
         root.mkdir(parents=True, exist_ok=True)
         try:
-            address = root / "bootstrap.addr"
-            children.spawn(
-                "bootstrap",
-                [sys.executable, "-m", "p2ptrain", "bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0",
-                 "--identity", str(root / "bootstrap"), "--address-file", str(address)],
-                root / "bootstrap.log",
-            )  # fmt: skip
-            peer = _wait_for_file(address, 60)
+            peer = start_bootstrap(children, root, "scale")
             names = [f"node{index}" for index in range(n)]
             for name in names:
                 children.spawn(
-                    name, _node_command(root, name, peer, n, steps, settings), root / f"{name}.log"
+                    name, drill_command(root, name, peer, steps, n, 1 << 16, settings), root / f"{name}.log"
                 )
             deadline = time.monotonic() + 120 + 30 * steps
             while any(children.children[name].poll() is None for name in names):

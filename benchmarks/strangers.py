@@ -22,33 +22,18 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import parser, report
+from benchmarks.common import drill_command, parser, report, start_bootstrap, wait_for_file
 from p2ptrain.procs import ChildProcesses
 
 NODES = 3
 CASES = ("honest", "stranger_refused", "stranger_silent", "node_dead_address")
 
 
-def wait_for(path: Path, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and path.read_text().strip():
-            return path.read_text().strip()
-        time.sleep(0.1)
-    raise SystemExit(f"benchmarks.strangers: error: {path.name} did not appear within {timeout:.0f} s")
-
-
 def join(root: Path, name: str, peer: str, steps: int, extra: list[str]) -> list[str]:
-    return [
-        sys.executable, "-m", "p2ptrain", "join", "--peer", peer, "--config", "debug",
-        "--work-dir", str(root / name), "--listen", "/ip4/127.0.0.1/tcp/0", "--table-every", "0",
-        "--drill", str(steps), "--drill-nodes", str(NODES), "--drill-inner", "0.3",
-        "--drill-size", str(1 << 18), "--set", 'node.data_host="127.0.0.1"', *extra,
-    ]  # fmt: skip
+    return drill_command(root, name, peer, steps, NODES, 1 << 18, extra)
 
 
 def run_case(case: str, steps: int, settings: list[str], keep: Path | None) -> dict[str, Any]:
@@ -57,14 +42,7 @@ def run_case(case: str, steps: int, settings: list[str], keep: Path | None) -> d
         root = Path(tmp) if keep is None else keep / case
         root.mkdir(parents=True, exist_ok=True)
         try:
-            address = root / "bootstrap.addr"
-            children.spawn(
-                "bootstrap",
-                [sys.executable, "-m", "p2ptrain", "bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0",
-                 "--identity", str(root / "bootstrap"), "--address-file", str(address)],
-                root / "bootstrap.log",
-            )  # fmt: skip
-            peer = wait_for(address, 60)
+            peer = start_bootstrap(children, root, "strangers")
             if case.startswith("stranger_"):
                 mode = case.removeprefix("stranger_")
                 children.spawn(
@@ -73,7 +51,7 @@ def run_case(case: str, steps: int, settings: list[str], keep: Path | None) -> d
                      "--address-file", str(root / "stranger.key")],
                     root / "stranger.log",
                 )  # fmt: skip
-                wait_for(root / "stranger.key", 60)
+                wait_for_file(root / "stranger.key", 60, "strangers")
             if case == "node_dead_address":
                 dead = ["--set", 'node.data_announce="127.0.0.1:9"']
                 children.spawn("dead", join(root, "dead", peer, steps, dead), root / "dead.log")
