@@ -35,7 +35,7 @@ def measure(
     import torch
 
     from p2ptrain.config import load_config
-    from p2ptrain.train.memory import estimate
+    from p2ptrain.memory_limits import peak_rss
     from p2ptrain.train.trainer import RankContext, Trainer
 
     overrides = [
@@ -58,8 +58,8 @@ def measure(
         trainer.save_checkpoint(background=False)
         for _ in range(steps - 1):
             trainer.inner_step_once()
-    found = estimate(config, micro_batch, 1, on_gpu)
-    measured = int(torch.cuda.max_memory_allocated()) if on_gpu else (peak_rss_self() or 0)
+    found = trainer.memory  # the rank's own estimate at this micro-batch
+    measured = int(torch.cuda.max_memory_allocated()) if on_gpu else (peak_rss("self") or 0)
     predicted = found.device
     return {
         "case": f"{config_name}:{micro_batch}{'' if chunked else ':unchunked'}",
@@ -71,14 +71,6 @@ def measure(
         "step_s": round(seconds, 2),
         "device": device.type,
     }
-
-
-def peak_rss_self() -> int | None:
-    import os
-
-    from p2ptrain.train.memory import peak_rss
-
-    return peak_rss(os.getpid())
 
 
 def run_case(case: str, steps: int, settings: list[str]) -> dict[str, Any]:
