@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import drill_command, start_bootstrap
+from p2ptrain.memory_limits import current_rss
 from p2ptrain.procs import ChildProcesses, descendants
 
 FIGURES = (
@@ -43,15 +44,7 @@ FIGURES = (
 
 
 def _tree_rss(pid: int) -> int:
-    total = 0
-    for member in [pid, *descendants(pid)]:
-        try:
-            for line in Path(f"/proc/{member}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-        except (OSError, ValueError, IndexError):
-            continue
-    return total
+    return sum(current_rss(member) or 0 for member in [pid, *descendants(pid)])
 
 
 def run_swarm(n: int, steps: int, settings: list[str], keep: Path | None = None) -> dict[str, Any]:

@@ -33,24 +33,26 @@ def out_of_memory_advice(config: Config, micro_batch: int) -> str:
 
 def ram_available() -> int:
     """MemAvailable, or less where this process's memory cgroup has a lower limit left."""
-    available = _meminfo().get("MemAvailable", _meminfo().get("MemTotal", 0))
+    meminfo = _kib_fields(Path("/proc/meminfo"))
+    available = meminfo.get("MemAvailable", meminfo.get("MemTotal", 0))
     limit = cgroup_memory_limit()
     if limit is not None:
         available = min(available, max(0, limit[0] - limit[1]))
     return available
 
 
-def ram_total() -> int:
-    """MemTotal, or this process's memory cgroup's limit where that is lower."""
-    total = _meminfo().get("MemTotal", 0)
-    limit = cgroup_memory_limit()
+def ram_total(pid: int | str = "self") -> int:
+    """MemTotal, or the process's memory cgroup's limit where that is lower."""
+    total = _kib_fields(Path("/proc/meminfo")).get("MemTotal", 0)
+    limit = cgroup_memory_limit(pid)
     return min(total, limit[0]) if limit is not None else total
 
 
-def _meminfo() -> dict[str, int]:
+def _kib_fields(path: Path) -> dict[str, int]:
+    """`Name:   N kB` lines (/proc/meminfo, /proc/PID/status) as bytes; {} where unreadable."""
     found = {}
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
+        for line in path.read_text().splitlines():
             name, _, rest = line.partition(":")
             fields = rest.split()
             if fields and fields[0].isdigit():
@@ -99,19 +101,20 @@ def cgroup_memory_limit(pid: int | str = "self") -> tuple[int, int] | None:
         if limit is not None and usage is not None:
             if limit >= 1 << 60:
                 return None
-            return limit, max(0, usage - _stat(folder, cache_name))
+            return limit, max(0, usage - (_keyed(folder / "memory.stat", cache_name) or 0))
     return None
 
 
-def _stat(folder: Path, name: str) -> int:
+def _keyed(path: Path, key: str) -> int | None:
+    """The number after `key` in a cgroup file of `key value` lines (memory.stat, memory.events)."""
     try:
-        for line in (folder / "memory.stat").read_text().splitlines():
-            key, _, value = line.partition(" ")
-            if key == name and value.strip().isdigit():
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key and value.strip().isdigit():
                 return int(value)
     except OSError:
         pass
-    return 0
+    return None
 
 
 def cgroup_oom_kills(folder: Path | None) -> int | None:
@@ -119,13 +122,9 @@ def cgroup_oom_kills(folder: Path | None) -> int | None:
     if folder is None:
         return None
     for name in ("memory.events", "memory.oom_control"):
-        try:
-            for line in (folder / name).read_text().splitlines():
-                key, _, value = line.partition(" ")
-                if key == "oom_kill" and value.strip().isdigit():
-                    return int(value)
-        except OSError:
-            continue
+        kills = _keyed(folder / name, "oom_kill")
+        if kills is not None:
+            return kills
     return None
 
 
@@ -141,18 +140,8 @@ def _read_int(path: Path) -> int | None:
 
 def peak_rss(pid: int | str) -> int | None:
     """VmHWM, the process's peak resident memory so far, in bytes (while it runs)."""
-    return _status_bytes(pid, "VmHWM:")
+    return _kib_fields(Path(f"/proc/{pid}/status")).get("VmHWM")
 
 
 def current_rss(pid: int | str = "self") -> int | None:
-    return _status_bytes(pid, "VmRSS:")
-
-
-def _status_bytes(pid: int | str, field: str) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return _kib_fields(Path(f"/proc/{pid}/status")).get("VmRSS")

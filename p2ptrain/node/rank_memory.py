@@ -14,7 +14,6 @@ from pathlib import Path
 from p2ptrain.config import Config
 from p2ptrain.memory_limits import (
     cgroup_memory_folder,
-    cgroup_memory_limit,
     cgroup_oom_kills,
     gib,
     out_of_memory_advice,
@@ -40,9 +39,7 @@ class RankMemoryWatch:
     @classmethod
     def start(cls, pid: int) -> RankMemoryWatch:
         folder = cgroup_memory_folder(pid)
-        limit = cgroup_memory_limit(pid)
-        total = ram_total()
-        return cls(pid, folder, cgroup_oom_kills(folder), 0, min(total, limit[0]) if limit else total)
+        return cls(pid, folder, cgroup_oom_kills(folder), 0, ram_total(pid))
 
     def sample(self) -> None:
         self.peak = max(self.peak, peak_rss(self.pid) or 0)
