@@ -28,8 +28,9 @@ def cmd_config_show(args: argparse.Namespace) -> int:
         from p2ptrain.train.memory import available_memory, memory_report
 
         world_size = config.node.nproc or default_nproc()
-        device_type = "cuda" if args.device == "cuda" or (args.device == "auto" and _has_gpu()) else "cpu"
-        available = available_memory(device_type, world_size) if device_type == _local_device() else None
+        local = "cuda" if _has_gpu() else "cpu"
+        device_type = local if args.device == "auto" else args.device
+        available = available_memory(device_type, world_size) if device_type == local else None
         print("\n".join(memory_report(config, world_size, device_type, available)))
         return 0
     print(
@@ -43,10 +44,6 @@ def _has_gpu() -> bool:
     import torch
 
     return bool(torch.cuda.is_available())
-
-
-def _local_device() -> str:
-    return "cuda" if _has_gpu() else "cpu"
 
 
 def cmd_identity(args: argparse.Namespace) -> int:

@@ -125,9 +125,10 @@ class RankGroup:
     def describe_exit(self, rank: int) -> str:
         code = self.procs[rank].returncode
         log_path = f"; log: {self.log_dir}/rank-{rank}.log"
-        last = _last_line(self.log_dir / f"rank-{rank}.log")
-        if code == OUT_OF_MEMORY_EXIT and last:
-            return f"trainer {_last_line(self.log_dir / f'rank-{rank}.log', 500)}{log_path}"
+        last_line = _last_line(self.log_dir / f"rank-{rank}.log")
+        if code == OUT_OF_MEMORY_EXIT and last_line:
+            return f"trainer {last_line[:500]}{log_path}"
+        last = last_line[:200]
         if rank < len(self.memory) and self.memory[rank].killed_for_memory(code):
             return self.memory[rank].killed_line(rank, self.config, self.micro_batch) + log_path
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
@@ -147,9 +148,9 @@ class RankGroup:
                 await proc.wait()
 
 
-def _last_line(path: Path, limit: int = 200) -> str:
+def _last_line(path: Path) -> str:
     with contextlib.suppress(OSError):
         lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
         if lines:
-            return lines[-1][:limit]
+            return lines[-1]
     return ""

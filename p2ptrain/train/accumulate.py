@@ -23,12 +23,12 @@ def accumulate_gradients(
     autocast: Callable[[], AbstractContextManager[object]],
 ) -> torch.Tensor:
     """Run forward and backward over `inputs` in passes of `micro_batch` sequences, adding up the
-    gradients; returns the batch's mean loss (detached)."""
+    gradients; returns the batch's mean loss (detached, on the CPU: one device sync per batch)."""
     tokens = targets.numel()
-    total = torch.zeros((), dtype=torch.float32)
+    total = torch.zeros((), dtype=torch.float32, device=targets.device)
     for part, part_targets in zip(inputs.split(micro_batch), targets.split(micro_batch), strict=True):
         with autocast():
             loss = model(part, part_targets, reduction="sum") / tokens
         loss.backward()
-        total += loss.detach().float().cpu()
-    return total
+        total += loss.detach().float()
+    return total.cpu()
