@@ -331,3 +331,40 @@ def test_the_linear_greedy_tour_equals_the_quadratic_one():
                 if sender != receiver:
                     links[(sender, receiver)] = float(rng.choice([1e6, 2e6, rng.uniform(1e5, 1e8)]))
         assert _greedy_tour(keys, links) == _greedy_oracle(keys, links), trial
+
+
+def test_a_member_that_dials_before_we_decided_cuts_our_election_wait_short(tmp_path):
+    """`DataPlaneServer.dialed`, which the node's election waits on between reads, returns as soon
+    as a member's hello for our step arrives before we registered the step (over real TCP), once
+    per hello: a stale wake is consumed, the next wait runs its full time."""
+    from p2ptrain.comm.connect import dial_member
+    from p2ptrain.comm.dataplane import DataPlaneServer, RingMember, RingSettings, membership_digest
+    from p2ptrain.identity import load_or_create_identity
+
+    step = 7
+
+    async def scenario() -> tuple[float, float]:
+        settings = RingSettings(failure_timeout=5.0, setup_timeout=30.0)
+        me, member = load_or_create_identity(tmp_path / "me"), load_or_create_identity(tmp_path / "m")
+        server = DataPlaneServer(me, settings)
+        host, port = await server.start()
+        server.at_step(step)
+        members = [RingMember(me.public_key, host, port), RingMember(member.public_key, "127.0.0.1", 1)]
+        digest = membership_digest(step, members)
+        dial = asyncio.create_task(dial_member(member, members[0], step, digest, settings))
+        started = asyncio.get_running_loop().time()
+        await server.dialed(60.0)  # the hello waits for our registration: we are woken
+        woken_after = asyncio.get_running_loop().time() - started
+        registration = server.expect(step, [member.public_key], digest)
+        _, writer, _ = await asyncio.wait_for(dial, 10)
+        assert await asyncio.wait_for(registration.incoming[(member.public_key, 0)], 10) is not None
+        writer.close()
+        started = asyncio.get_running_loop().time()
+        await server.dialed(0.3)  # nothing new: the whole wait
+        waited = asyncio.get_running_loop().time() - started
+        await server.close()
+        return woken_after, waited
+
+    woken_after, waited = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert woken_after < 30.0, woken_after  # not the full 60 s
+    assert waited >= 0.29, waited

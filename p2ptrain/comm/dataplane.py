@@ -212,6 +212,8 @@ class DataPlaneServer:
         self.address: tuple[str, int] = ("", 0)
         self.reach = ReachService()
         """Dial-back probes (reach.py): answered here, and our own proofs collected here."""
+        self._dialed = asyncio.Event()
+        self._woken_for = -1
         self.lanes_accepted = 0
         """Ring connections handed to a step so far (benchmarks.scale counts them per step)."""
 
@@ -230,6 +232,14 @@ class DataPlaneServer:
         hellos may wait for us, and hellos for steps beyond it are refused at once."""
         self._latest_step = max(self._latest_step, step)
         self.waiting.candidates = frozenset(candidates)
+
+    async def dialed(self, timeout: float) -> None:
+        """Return when the first hello for our step arrived before we registered the step (a
+        member has decided its election and dials us: read the records again now), or after
+        `timeout`. A wake that came since the last call returns at once, once."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._dialed.wait(), timeout)
+        self._dialed.clear()
 
     async def close(self) -> None:
         if self._server is not None:
@@ -288,6 +298,9 @@ class DataPlaneServer:
             raise HandshakeError(f"{self.waiting.strangers} connections already wait for step {step}")
         stranger = key not in self.waiting.candidates
         self.waiting.waiting_strangers += stranger
+        if step == self._latest_step and step != self._woken_for:
+            self._woken_for = step  # once per step: a crowd of hellos, or a stranger's, wakes it once
+            self._dialed.set()
         try:
             deadline = time.monotonic() + self.settings.setup_timeout
             while step not in self._expected:

@@ -44,6 +44,10 @@ MAX_PUBLISHED_LINKS = 16
 """Slow links a node keeps in its heartbeat (~30 bytes each; records stay far below 16 KiB)."""
 
 
+MIN_READ_GAP = 0.05
+"""Seconds between two reads of the records in an election, however often members dial us."""
+
+
 class StepGivenUp(RuntimeError):
     """No all-reduce of this step completed within the retries; the vector is unchanged."""
 
@@ -122,6 +126,14 @@ class OuterSync:
         )
         return self.crashes.alive(beats)
 
+    async def _pause(self, seconds: float) -> None:
+        """The election's wait between two reads: cut short when a member dials us for the step
+        (it has decided, so the records it saw are in the DHT), but never below MIN_READ_GAP, so
+        hellos (anyone may send one) cannot make this node read the DHT more than 1/gap a second."""
+        gap = min(seconds, MIN_READ_GAP)
+        await asyncio.sleep(gap)
+        await self.server.dialed(seconds - gap)
+
     def _in_transit(self, step: int) -> frozenset[bytes]:
         """The members of our step - 1, on their way to `step` (election.expected_for)."""
         completed, members = self._last_members
@@ -191,6 +203,8 @@ class OuterSync:
         ignored = self.offences.named_at(step)
         named = set(ignored)
         self.server.at_step(step)
+        # stored before we elect: once we decide we dial the others, and the read our hello wakes
+        # them to must find our record in the DHT
         await self.publisher.publish(
             state=NodeState.READY, outer_step=step, tokens=tokens, extra=self._extra_for(step, named)
         )
@@ -227,6 +241,7 @@ class OuterSync:
                     in_transit=self._in_transit(step),
                     max_tokens=self.config.max_tokens(),
                     pairwise=self.config.comm.clip > 0,
+                    pause=self._pause,
                 )
             except LeftOut as exc:
                 raise LeftOutOfStep(str(exc)) from None
@@ -240,7 +255,7 @@ class OuterSync:
                 continue
             attempt += 1
             elected_at = time.monotonic()
-            await self.publisher.publish(state=NodeState.SYNCING)
+            self.publisher.publish_soon(state=NodeState.SYNCING)  # for the others' tables: no need to wait
             try:
                 stats = await ring_all_reduce(
                     self.server, step, election.members, vector, lambda *_: self.faults.die_mid_reduce(step)

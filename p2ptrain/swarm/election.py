@@ -346,10 +346,13 @@ async def elect(
     in_transit: Collection[bytes] = (),
     max_tokens: int | None = None,
     pairwise: bool = False,
+    pause: Callable[[float], Awaitable[None]] = asyncio.sleep,
 ) -> Election:
     """Poll the heartbeats (via `read`) until `decide` gives the members of `step`.
 
-    The DHT offers no change notification across processes, hence the bounded poll.
+    The DHT offers no change notification across processes, hence the bounded poll; `pause`
+    waits between reads (at most `poll_interval`: the node's cuts it short when a member that has
+    decided already dials it).
     Raises TimeoutError when no decision is possible within `timeout` seconds, SwarmAhead (given
     `me`) as soon as the swarm is done with `step` (`swarm_ahead`; `finished` is read again at every
     poll): a straggler must catch up, not take the step alone; and LeftOut when the evidence leaves
@@ -382,4 +385,4 @@ async def elect(
             return election
         if now - started >= timeout:
             raise TimeoutError(f"no members for step {step} within {timeout:.0f} s")
-        await asyncio.sleep(poll_interval)
+        await pause(poll_interval)
