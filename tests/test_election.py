@@ -10,6 +10,9 @@ from dataclasses import replace
 
 import pytest
 
+from p2ptrain.comm.connect import dial_member
+from p2ptrain.comm.dataplane import DataPlaneServer, RingMember, RingSettings, membership_digest
+from p2ptrain.identity import load_or_create_identity
 from p2ptrain.swarm.election import (
     LINKS_FIELD,
     decide,
@@ -337,10 +340,6 @@ def test_a_member_that_dials_before_we_decided_cuts_our_election_wait_short(tmp_
     """`DataPlaneServer.dialed`, which the node's election waits on between reads, returns as soon
     as a member's hello for our step arrives before we registered the step (over real TCP), once
     per hello: a stale wake is consumed, the next wait runs its full time."""
-    from p2ptrain.comm.connect import dial_member
-    from p2ptrain.comm.dataplane import DataPlaneServer, RingMember, RingSettings, membership_digest
-    from p2ptrain.identity import load_or_create_identity
-
     step = 7
 
     async def scenario() -> tuple[float, float]:

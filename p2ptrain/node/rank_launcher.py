@@ -124,8 +124,9 @@ class RankGroup:
 
     def describe_exit(self, rank: int) -> str:
         code = self.procs[rank].returncode
-        log_path = f"; log: {self.log_dir}/rank-{rank}.log"
-        last_line = _last_line(self.log_dir / f"rank-{rank}.log")
+        path = self.log_dir / f"rank-{rank}.log"
+        log_path = f"; log: {path}"
+        last_line = _last_line(path)
         if code == OUT_OF_MEMORY_EXIT and last_line:
             return f"trainer {last_line[:500]}{log_path}"
         last = last_line[:200]
