@@ -10,13 +10,13 @@ import sys
 from pathlib import Path
 
 from p2ptrain.cli.common import (
+    address_file_writer,
     peers_of,
     resolve_config,
     run_until_signal,
     to_toml,
     validate_dashboard,
     validate_listen,
-    write_atomic,
 )
 from p2ptrain.errors import UserError
 
@@ -64,11 +64,10 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     validate_dashboard(args.dashboard)
     dht = start_bootstrap_dht(Path(args.identity).expanduser(), listen, announce)
     with dht:
-        if args.address_file:
-            write_atomic(Path(args.address_file), "\n".join(dht.visible_maddrs()) + "\n")
         run_until_signal(
             lambda stop: serve_bootstrap(dht, stop, sys.stdout, args.dashboard, args.run_id),
             on_force=dht.shutdown,
+            on_ready=address_file_writer(args.address_file, dht.visible_maddrs),
         )
     print("bootstrap peer stopped", flush=True)
     return 0

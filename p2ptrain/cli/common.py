@@ -66,6 +66,17 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def address_file_writer(address_file: str | None, addresses: Callable[[], list[str]]) -> Callable[[], None]:
+    """What `--address-file` does once the process handles its signals: whoever waits for the file
+    may then stop the process with SIGTERM and get a clean shutdown, not the default death."""
+
+    def write() -> None:
+        if address_file:
+            write_atomic(Path(address_file), "\n".join(addresses()) + "\n")
+
+    return write
+
+
 SLOW_STOP = 2.0
 """A shutdown that takes longer than this many seconds says where the time went."""
 
@@ -91,8 +102,10 @@ def run_until_signal(
     main: Callable[[asyncio.Event], Coroutine[Any, Any, None]],
     on_force: Callable[[], None],
     clock: StopClock | None = None,
+    on_ready: Callable[[], None] = lambda: None,
 ) -> None:
-    """Run `main(stop)`; the first SIGINT/SIGTERM sets `stop`, a second one forces the shutdown."""
+    """Run `main(stop)`; the first SIGINT/SIGTERM sets `stop`, a second one forces the shutdown.
+    `on_ready` runs once the signal handlers are in place."""
     clock = clock or StopClock()
 
     async def runner() -> None:
@@ -110,6 +123,7 @@ def run_until_signal(
 
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, request_stop, signum)
+        on_ready()
         await main(stop)
         clock.mark("the node's own shutdown")
 

@@ -8,12 +8,12 @@ from pathlib import Path
 
 from p2ptrain.cli.common import (
     StopClock,
+    address_file_writer,
     peers_of,
     resolve_config,
     run_until_signal,
     validate_dashboard,
     validate_listen,
-    write_atomic,
 )
 from p2ptrain.config import Config
 from p2ptrain.errors import UserError
@@ -62,14 +62,13 @@ def cmd_join(args: argparse.Namespace) -> int:
     identity, dht = start_node_dht(config)
     clock = StopClock()
     with dht:
-        if args.address_file:
-            write_atomic(Path(args.address_file), "\n".join(dht.visible_maddrs()) + "\n")
         run_until_signal(
             lambda stop: TrainingNode(
                 config, identity, dht, stop, sys.stdout, config.node.nproc, resume
             ).run(),
             on_force=dht.shutdown,
             clock=clock,
+            on_ready=address_file_writer(args.address_file, dht.visible_maddrs),
         )
     clock.mark("the DHT")
     clock.report()
@@ -120,8 +119,6 @@ def _join_without_training(args: argparse.Namespace, config: Config, peers: list
     identity, dht = start_node_dht(config)
     clock = StopClock()
     with dht:
-        if args.address_file:
-            write_atomic(Path(args.address_file), "\n".join(dht.visible_maddrs()) + "\n")
         if args.drill:
             from p2ptrain.node.drill import run_drill
 
@@ -141,12 +138,14 @@ def _join_without_training(args: argparse.Namespace, config: Config, peers: list
                 ),
                 on_force=dht.shutdown,
                 clock=clock,
+                on_ready=address_file_writer(args.address_file, dht.visible_maddrs),
             )
         else:
             run_until_signal(
                 lambda stop: run_node(config, identity, dht, stop, sys.stdout, table_every=args.table_every),
                 on_force=dht.shutdown,
                 clock=clock,
+                on_ready=address_file_writer(args.address_file, dht.visible_maddrs),
             )
     clock.mark("the DHT")
     clock.report()
