@@ -41,6 +41,12 @@ class Section(BaseModel):
 class RunConfig(Section):
     id: str = Field("p2ptrain-debug", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
     """Name shared by every node of one training run; records of other runs are ignored."""
+    authority: str = Field("", pattern=r"^([0-9a-f]{64})?$")
+    """Ed25519 public key (hex) of whoever admits nodes (`p2ptrain admit`); empty: an open run."""
+
+    @property
+    def authority_key(self) -> bytes | None:
+        return bytes.fromhex(self.authority) if self.authority else None
 
 
 class NodeConfig(Section):
@@ -64,6 +70,8 @@ class NodeConfig(Section):
     """URL others fetch checkpoints from; default: http://<data-plane host>:<ckpt_port>."""
     dashboard: str = ""
     """Serve the status page at PORT (127.0.0.1) or HOST:PORT; empty: no page."""
+    ticket: str = ""
+    """This node's admission ticket for a closed run (`p2ptrain admit` prints it)."""
     nproc: int = Field(0, ge=0, le=64)
     """Trainer ranks on this node; 0: one per visible GPU, one on a CPU-only machine."""
 

@@ -69,6 +69,8 @@ def _check_private_file(path: Path) -> None:
     """Refuse key files that other users can read or write, as ssh does."""
     try:
         mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise IdentityError(f"{path}: no such key file") from None
     except PermissionError:
         raise IdentityError(f"{path}: key file is not accessible (permission denied)") from None
     if not stat.S_ISREG(mode):
@@ -100,10 +102,20 @@ def load_or_create_identity(directory: str | os.PathLike[str]) -> NodeIdentity:
     """Load `directory`/node.key, creating a fresh Ed25519 key there on first use."""
     path = Path(directory).expanduser() / NODE_KEY_FILE
     if not path.exists():
-        pem = Ed25519PrivateKey.generate().private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-        _write_private_file(path, pem)
+        create_key_file(path)
+    return load_key_file(path)
+
+
+def create_key_file(path: Path) -> bool:
+    """Write a fresh Ed25519 key (PEM, mode 0600) to `path`; False if the file exists already."""
+    pem = Ed25519PrivateKey.generate().private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    return _write_private_file(path, pem)
+
+
+def load_key_file(path: Path) -> NodeIdentity:
+    """The Ed25519 key in `path` (a node.key, or a run authority's key), refused if others may read it."""
     _check_private_file(path)
     try:
         key = serialization.load_pem_private_key(path.read_bytes(), password=None)

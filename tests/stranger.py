@@ -1,6 +1,7 @@
 """A stranger on the swarm's DHT, run as its own process by the tests and benchmarks.
 
     python -m tests.stranger --peer MADDR --run-id RUN --mode refused|silent [--address-file F]
+                             [--closed-by AUTHORITY --ticket none|copied]
 
 It makes a fresh key and, every `--interval` seconds, publishes a validly signed heartbeat saying
 "ready for the current outer step" (the highest step the honest nodes are at, with their config
@@ -10,7 +11,10 @@ digest copied from their records) with a data-plane address that cannot take par
 - `silent`: a port of its own that accepts connections and never answers (a frozen or malicious
   node looks like this), so only a timeout can tell.
 
-It runs until SIGTERM; with `--address-file` it writes its key there once it is on the DHT.
+In a closed run (`--closed-by`, the run's authority key in hex) it stores its records under that
+run's key, with no ticket or with a ticket copied from an honest node's record (`--ticket copied`),
+and prints whether each store was taken. It runs until SIGTERM; with `--address-file` it writes its
+key there once it is on the DHT.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from p2ptrain.identity import NodeIdentity
 from p2ptrain.swarm.dht import DHTSettings, SwarmDHT
 from p2ptrain.swarm.election import IN_STEPS
 from p2ptrain.swarm.membership import HeartbeatPublisher, read_heartbeats
-from p2ptrain.swarm.records import NodeState
+from p2ptrain.swarm.records import Heartbeat, NodeState, heartbeat_key
 
 
 def silent_listener() -> socket.socket:
@@ -46,27 +50,43 @@ async def publish_forever(args: argparse.Namespace, address: str) -> None:
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     publisher = HeartbeatPublisher(dht, identity, args.run_id, ttl=30.0, data_addr=address)
+    authority = bytes.fromhex(args.closed_by) if args.closed_by else None
     if args.address_file:
         Path(args.address_file).write_text(identity.public_key.hex())
     try:
         while not stop.is_set():
             honest = [
                 beat
-                for beat in await read_heartbeats(dht, args.run_id)
+                for beat in await read_heartbeats(dht, args.run_id, authority=authority)
                 if beat.node_key != identity.public_key and beat.state in IN_STEPS
             ]
             if honest:
                 newest = max(honest, key=lambda beat: beat.outer_step)
-                await publisher.publish(
-                    state=NodeState.READY,
-                    outer_step=newest.outer_step,
-                    tokens=1000,
-                    config_digest=newest.config_digest,
-                )
+                changes = {
+                    "state": NodeState.READY,
+                    "outer_step": newest.outer_step,
+                    "tokens": 1000,
+                    "config_digest": newest.config_digest,
+                }
+                if authority is None:
+                    await publisher.publish(**changes)
+                else:
+                    ticket = newest.ticket if args.ticket == "copied" else b""
+                    await store_in_closed_run(dht, identity, publisher, authority, ticket=ticket, **changes)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), args.interval)
     finally:
         dht.shutdown()
+
+
+async def store_in_closed_run(
+    dht: SwarmDHT, identity: NodeIdentity, publisher: HeartbeatPublisher, authority: bytes, **changes: object
+) -> None:
+    """Sign a record with `changes` and store it under the closed run's key, whatever it holds."""
+    record: Heartbeat = publisher._next(changes)
+    key = heartbeat_key(record.run_id, authority)
+    taken = await dht.store(key, record.node_key, record.sign(identity), record.expiration)
+    print(f"store {'taken' if taken else 'refused'}", flush=True)
 
 
 def main() -> None:
@@ -76,6 +96,8 @@ def main() -> None:
     parser.add_argument("--mode", choices=["refused", "silent"], default="refused")
     parser.add_argument("--interval", type=float, default=0.5)
     parser.add_argument("--address-file", default="")
+    parser.add_argument("--closed-by", default="", metavar="AUTHORITY")
+    parser.add_argument("--ticket", choices=["none", "copied"], default="none")
     args = parser.parse_args()
     listener = silent_listener() if args.mode == "silent" else None
     address = f"127.0.0.1:{listener.getsockname()[1]}" if listener else "127.0.0.1:9"

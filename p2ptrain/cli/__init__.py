@@ -1,4 +1,4 @@
-"""Console entry point: `p2ptrain bootstrap | join | status | config show | identity | export | demo`.
+"""Console entry point: `p2ptrain bootstrap | join | status | config show | identity | admit | export | demo`.
 
 Errors a user can fix print as one line (`p2ptrain: error: ...`) with a non-zero exit code;
 SIGINT and SIGTERM stop a running node or bootstrap peer cleanly, children included; SIGUSR1 prints
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -40,3 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader of our output went away (`p2ptrain identity ... | head -1`): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

@@ -56,6 +56,45 @@ def cmd_identity(args: argparse.Namespace) -> int:
     return 0
 
 
+MAX_TICKET_DAYS = 3650
+
+
+def cmd_admit(args: argparse.Namespace) -> int:
+    """Create a run authority's key (`--new`), or print a ticket that admits NODE_KEY to its run."""
+    import datetime
+    import time
+
+    from p2ptrain.identity import create_key_file, load_key_file
+    from p2ptrain.swarm.admission import TicketError, issue_ticket, parse_public_key
+
+    path = Path(args.authority_key).expanduser()
+    if args.new:
+        if not create_key_file(path):
+            raise UserError(f"{path} exists already: refusing to replace a run's authority key")
+        authority = load_key_file(path)
+        print(f"created the authority key {path}; give every node of the run this setting:")
+        print(f'  [run]\n  authority = "{authority.node_id}"')
+        if not args.node_key:
+            return 0
+    if not args.node_key:
+        raise UserError("admit needs the NODE_KEY to admit (as 'p2ptrain identity' prints it), or --new")
+    if not 0 < args.days <= MAX_TICKET_DAYS:
+        raise UserError(f"--days must be above 0 and at most {MAX_TICKET_DAYS}")
+    try:
+        node_key = parse_public_key(args.node_key, "NODE_KEY")
+    except TicketError as exc:
+        raise UserError(str(exc)) from None
+    authority = load_key_file(path)
+    expires = time.time() + args.days * 86400
+    until = datetime.datetime.fromtimestamp(expires, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    print(
+        f"ticket for {args.node_key[:12]} in the run of authority {authority.short_id}, until {until}:",
+        file=sys.stderr,
+    )
+    print(issue_ticket(authority, node_key, expires).to_text())
+    return 0
+
+
 def cmd_bootstrap(args: argparse.Namespace) -> int:
     from p2ptrain.swarm.bootstrap import DEFAULT_LISTEN, serve_bootstrap, start_bootstrap_dht
 
@@ -91,7 +130,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     settings.listen = ("/ip4/127.0.0.1/tcp/0",)
     watch = 0.0 if args.once else 2 * config.swarm.heartbeat_interval + 0.5
     with SwarmDHT.start(settings) as dht:
-        heartbeats, verdicts = asyncio.run(observe(dht, config.run.id, watch))
+        heartbeats, verdicts = asyncio.run(observe(dht, config.run.id, watch, config.run.authority_key))
     if args.json:
         print(json.dumps(status_json(heartbeats, verdicts=verdicts)))
     else:

@@ -7,6 +7,7 @@ import os
 
 from p2ptrain import __version__
 from p2ptrain.cli.commands import (
+    cmd_admit,
     cmd_bootstrap,
     cmd_config_show,
     cmd_demo,
@@ -169,6 +170,19 @@ def build_parser() -> argparse.ArgumentParser:
     ident = commands.add_parser("identity", help="create (if missing) and print a node or bootstrap identity")
     ident.add_argument("--identity", required=True, metavar="DIR", help="identity directory")
     ident.set_defaults(handler=cmd_identity)
+
+    admit = commands.add_parser(
+        "admit", help="closed runs: print a node's admission ticket, signed with the run's authority key"
+    )
+    admit.add_argument("node_key", nargs="?", metavar="NODE_KEY", help="the node's key (p2ptrain identity)")
+    admit.add_argument(
+        "--authority-key", required=True, metavar="FILE", help="the run authority's private key (0600)"
+    )
+    admit.add_argument(
+        "--days", type=float, default=30.0, help="how long the ticket holds (default %(default)s)"
+    )
+    admit.add_argument("--new", action="store_true", help="create FILE first and print run.authority")
+    admit.set_defaults(handler=cmd_admit)
 
     exp = commands.add_parser("export", help="write a checkpoint as a Hugging Face Llama model")
     exp.add_argument(

@@ -44,14 +44,7 @@ async def run_drill(
 ) -> None:
     server = DataPlaneServer(identity, ring_settings(config))
     _, port = await server.start(config.node.data_host, config.node.data_port)
-    publisher = HeartbeatPublisher(
-        dht,
-        identity,
-        config.run.id,
-        ttl=config.swarm.record_lifetime,
-        config_digest=config.digest(),
-        data_addr=data_address(config, port),
-    )
+    publisher = HeartbeatPublisher.for_run(dht, identity, config, data_addr=data_address(config, port))
     await publisher.publish(state=NodeState.TRAINING, outer_step=0)
     sync = OuterSync(config, dht, publisher, server)
     keeper = asyncio.create_task(keep_alive(publisher, config.swarm.heartbeat_interval, stop))

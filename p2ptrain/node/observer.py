@@ -32,10 +32,8 @@ async def run_node(
     table_every: float = 10.0,
 ) -> None:
     """Heartbeat until `stop` is set, then send the deathrattle (bounded by the DHT timeout)."""
-    publisher = HeartbeatPublisher(
-        dht, identity, config.run.id, ttl=config.swarm.record_lifetime, config_digest=config.digest()
-    )
-    view = SwarmView(dht, config.run.id, config.swarm.heartbeat_timeout)
+    publisher = HeartbeatPublisher.for_run(dht, identity, config)
+    view = SwarmView.for_run(dht, config)
     print(
         f"node {identity.short_id} joined run {config.run.id!r} as DHT peer {dht.peer_id}",
         file=out,

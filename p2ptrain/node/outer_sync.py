@@ -94,7 +94,7 @@ class OuterSync:
         self.dht = dht
         self.publisher = publisher
         self.server = server
-        self.view = SwarmView(dht, config.run.id, config.swarm.heartbeat_timeout)
+        self.view = SwarmView.for_run(dht, config)
         self.faults = Faults.from_env()
         self.links: dict[bytes, float] = {}
         """Receiver key → bytes/s of our slow links, latest measurement; published when ready."""

@@ -143,12 +143,10 @@ class SwarmLink(SoloSwarm):
         _, port = await self.server.start(node.data_host, node.data_port)
         ckpt_port = await self.sidecar.start(node.data_host, node.ckpt_port)
         host = data_address(self.config, port).rpartition(":")[0]
-        self.publisher = HeartbeatPublisher(
+        self.publisher = HeartbeatPublisher.for_run(
             self.dht,
             self.identity,
-            self.config.run.id,
-            ttl=self.config.swarm.record_lifetime,
-            config_digest=self.config.digest(),
+            self.config,
             data_addr=data_address(self.config, port),
             ckpt_addr=node.ckpt_announce or f"http://{host}:{ckpt_port}",
         )

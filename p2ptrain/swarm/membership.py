@@ -26,6 +26,7 @@ from p2ptrain.comm.reach import can_be_dialed
 from p2ptrain.config import Config
 from p2ptrain.errors import UserError
 from p2ptrain.identity import NodeIdentity
+from p2ptrain.swarm.admission import parse_ticket_text
 from p2ptrain.swarm.crash_watch import port_refuses
 from p2ptrain.swarm.dht import SwarmDHT
 from p2ptrain.swarm.records import (
@@ -33,6 +34,7 @@ from p2ptrain.swarm.records import (
     Heartbeat,
     NodeState,
     RecordError,
+    check_admitted,
     decode_heartbeat,
     heartbeat_key,
 )
@@ -66,6 +68,22 @@ class HeartbeatPublisher:
             **fields,
         )
 
+    @classmethod
+    def for_run(
+        cls, dht: SwarmDHT, identity: NodeIdentity, config: Config, **fields: Any
+    ) -> HeartbeatPublisher:
+        """The publisher of a node of `config`'s run: its record life, config digest and ticket."""
+        ticket = parse_ticket_text(config.node.ticket).to_bytes() if config.run.authority else b""
+        return cls(
+            dht,
+            identity,
+            config.run.id,
+            ttl=config.swarm.record_lifetime,
+            config_digest=config.digest(),
+            ticket=ticket,
+            **fields,
+        )
+
     async def publish(self, timeout: float | None = None, **changes: Any) -> bool:
         """Store a fresh record with `changes` applied; False when the DHT did not take it."""
         return await self._store(self._next(changes), timeout)
@@ -90,7 +108,7 @@ class HeartbeatPublisher:
 
     async def _store(self, record: Heartbeat, timeout: float | None) -> bool:
         return await self._dht.store(
-            heartbeat_key(record.run_id),
+            record.key,
             record.node_key,
             record.sign(self._identity),
             record.expiration,
@@ -150,8 +168,10 @@ async def read_heartbeats(
     run_id: str,
     refusals: ThrottledLog | None = None,
     verified: VerifiedRecords | None = None,
+    authority: bytes | None = None,
 ) -> list[Heartbeat]:
-    """Every valid, unexpired heartbeat of `run_id`, ordered by node key.
+    """Every valid, unexpired heartbeat of `run_id` (closed by `authority`, if given), ordered by
+    node key.
 
     The DHT validator already refused bad records where they were stored; the reader verifies
     again because a record may come from a node that runs no validator. What it ignores goes to
@@ -159,20 +179,27 @@ async def read_heartbeats(
     `verified` records of the last read).
     """
     refusals = refusals or ThrottledLog(log, interval=0.0)
-    found = await dht.get(heartbeat_key(run_id))
+    found = await dht.get(heartbeat_key(run_id, authority))
     if not found:
         return []
-    return decode_all(found.items(), run_id, refusals, verified or VerifiedRecords())
+    return decode_all(found.items(), run_id, refusals, verified or VerifiedRecords(), authority)
 
 
 def decode_all(
-    items: Iterable[tuple[bytes, Any]], run_id: str, refusals: ThrottledLog, verified: VerifiedRecords
+    items: Iterable[tuple[bytes, Any]],
+    run_id: str,
+    refusals: ThrottledLog,
+    verified: VerifiedRecords,
+    authority: bytes | None = None,
 ) -> list[Heartbeat]:
-    """The valid heartbeats of `run_id` among (subkey, DHT value) pairs, ordered by node key."""
+    """The valid heartbeats of `run_id` among (subkey, DHT value) pairs, ordered by node key;
+    in a run closed by `authority`, only those with a valid ticket from it."""
     heartbeats = []
+    now = get_dht_time()
     for subkey, item in items:
         try:
             heartbeat = verified.decode(item.value)
+            check_admitted(heartbeat, authority, now)
         except (RecordError, TypeError) as exc:
             refusals.warning("ignoring heartbeat under subkey %r: %s", subkey[:8], exc)
             continue
@@ -198,10 +225,16 @@ class SwarmView:
     """
 
     def __init__(
-        self, dht: SwarmDHT, run_id: str, timeout: float, clock: Callable[[], float] = time.monotonic
+        self,
+        dht: SwarmDHT,
+        run_id: str,
+        timeout: float,
+        clock: Callable[[], float] = time.monotonic,
+        authority: bytes | None = None,
     ):
         self._dht = dht
         self.run_id = run_id
+        self.authority = authority
         self._timeout = timeout
         self._clock = clock
         self._newest: dict[bytes, tuple[Heartbeat, float]] = {}
@@ -211,9 +244,14 @@ class SwarmView:
         self._refusals = ThrottledLog(log)
         self._verified = VerifiedRecords()
 
+    @classmethod
+    def for_run(cls, dht: SwarmDHT, config: Config) -> SwarmView:
+        return cls(dht, config.run.id, config.swarm.heartbeat_timeout, authority=config.run.authority_key)
+
     async def read(self) -> list[Heartbeat]:
         """Every heartbeat in the DHT whose sender is not silent, ordered by node key."""
-        return self.judge(await read_heartbeats(self._dht, self.run_id, self._refusals, self._verified))
+        beats = await read_heartbeats(self._dht, self.run_id, self._refusals, self._verified, self.authority)
+        return self.judge(beats)
 
     def judge(self, heartbeats: list[Heartbeat]) -> list[Heartbeat]:
         """The non-silent subset of one DHT read (its records replaced by newer ones seen before)."""
@@ -261,13 +299,15 @@ GONE, SILENT = "gone", "silent"
 is gone), or its heartbeat did not advance while `status` watched (stopped, frozen, cut off)."""
 
 
-async def observe(dht: SwarmDHT, run_id: str, watch: float) -> tuple[list[Heartbeat], dict[bytes, str]]:
+async def observe(
+    dht: SwarmDHT, run_id: str, watch: float, authority: bytes | None = None
+) -> tuple[list[Heartbeat], dict[bytes, str]]:
     """The run's records, and a verdict for the nodes that are not what their record says.
 
     One read of the DHT cannot tell a live node from one that died a second ago (its record stays
     until it expires), so: probe every data port (a refusal means the process is gone), and with
     `watch` > 0 read again after that many seconds (records are refreshed every heartbeat interval)."""
-    first = await read_heartbeats(dht, run_id)
+    first = await read_heartbeats(dht, run_id, authority=authority)
     candidates = [
         beat for beat in first if beat.state is not NodeState.DEAD and can_be_dialed(beat.data_reach)
     ]
@@ -278,7 +318,7 @@ async def observe(dht: SwarmDHT, run_id: str, watch: float) -> tuple[list[Heartb
     verdicts = {beat.node_key: GONE for beat, gone in zip(candidates, refused, strict=True) if gone}
     if watch <= 0:
         return first, verdicts
-    second = {beat.node_key: beat for beat in await read_heartbeats(dht, run_id)}
+    second = {beat.node_key: beat for beat in await read_heartbeats(dht, run_id, authority=authority)}
     for beat in candidates:
         again = second.get(beat.node_key)
         if beat.node_key not in verdicts and (again is None or again.seq <= beat.seq):

@@ -1,9 +1,10 @@
 """Signed heartbeat records and the DHT validator that enforces them at every node that stores them.
 
-A heartbeat lives in the DHT under the run's key `p2ptrain/<run id>/nodes`, with the node's
-Ed25519 public key as subkey. Its value is a msgpack triple (version, body, signature): the body
-is a msgpack map of the fields below, the signature covers a domain tag plus the body. The body
-also names its DHT expiration time, so nobody can re-store an old record with a longer life.
+A heartbeat lives in the DHT under the run's key `p2ptrain/<run id>/nodes` (a closed run's key also
+names its authority: admission.py), with the node's Ed25519 public key as subkey. Its value is a
+msgpack triple (version, body, signature): the body is a msgpack map of the fields below, the
+signature covers a domain tag plus the body. The body also names its DHT expiration time, so nobody
+can re-store an old record with a longer life.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 
 import p2ptrain.swarm.quiet  # noqa: F401  (hivemind keeps quiet)
-from p2ptrain.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, NodeIdentity, verify
+from p2ptrain.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, NodeIdentity, short_id, verify
+from p2ptrain.swarm.admission import Ticket, TicketError, check_admits, decode_ticket
 from p2ptrain.untrusted import ThrottledLog, UndecodableError, unpack_untrusted
 
 log = logging.getLogger(__name__)
@@ -64,8 +66,9 @@ class StaleRecord(RecordError):
     """A validly signed record older than one already seen from the same node (a replay)."""
 
 
-def heartbeat_key(run_id: str) -> str:
-    return f"p2ptrain/{run_id}/nodes"
+def heartbeat_key(run_id: str, authority: bytes | None = None) -> str:
+    """The DHT key of a run's heartbeats; a closed run's names the authority that admits its nodes."""
+    return f"p2ptrain/{run_id}/nodes" if authority is None else f"p2ptrain/{run_id}/{authority.hex()}/nodes"
 
 
 def key_id(key: str) -> bytes:
@@ -91,6 +94,8 @@ class Heartbeat:
     config_digest: str = ""
     data_reach: str = ""
     """Whether others can dial data_addr (comm.reach.Reach: "", "open", "closed")."""
+    ticket: bytes = b""
+    """The admission ticket of a closed run (admission.Ticket.to_bytes); empty in an open run."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Small fields of later protocol revisions; readers ignore what they do not know."""
 
@@ -112,6 +117,17 @@ class Heartbeat:
     def digest(self) -> bytes:
         return hashlib.sha256(self.body()).digest()
 
+    @property
+    def admission(self) -> Ticket | None:
+        """The ticket, already verified by decode_heartbeat; None in an open run."""
+        return decode_ticket(self.ticket) if self.ticket else None
+
+    @property
+    def key(self) -> str:
+        """The DHT key this record belongs under."""
+        admission = self.admission
+        return heartbeat_key(self.run_id, admission.authority if admission else None)
+
 
 _FIELDS = {
     "run_id": str,
@@ -129,6 +145,7 @@ _FIELDS = {
     "tokens": int,
     "config_digest": str,
     "data_reach": str,
+    "ticket": bytes,
     "extra": dict,
 }
 
@@ -173,7 +190,29 @@ def decode_heartbeat(value: bytes) -> Heartbeat:
         raise RecordError(f"unknown state {fields['state']!r}") from None
     if not verify(fields["node_key"], signature, _DOMAIN + body):
         raise RecordError("bad signature")
+    if fields["ticket"]:
+        try:
+            ticket = decode_ticket(fields["ticket"])
+        except TicketError as exc:
+            raise RecordError(str(exc)) from None
+        if ticket.node_key != fields["node_key"]:
+            raise RecordError(f"heartbeat of {short_id(fields['node_key'])} with another node's ticket")
     return Heartbeat(**fields)
+
+
+def check_admitted(heartbeat: Heartbeat, authority: bytes | None, now: float) -> None:
+    """Raise RecordError unless `heartbeat` may take part in the run that `authority` closes
+    (any record may in an open run: None). Kept apart from decode_heartbeat, whose verdict on the
+    same bytes never changes, because a ticket expires."""
+    if authority is None:
+        return
+    admission = heartbeat.admission
+    if admission is None:
+        raise RecordError(f"heartbeat of {short_id(heartbeat.node_key)} without an admission ticket")
+    try:
+        check_admits(admission, heartbeat.node_key, authority, now)
+    except TicketError as exc:
+        raise RecordError(str(exc)) from None
 
 
 def record_number(value: Any) -> float | None:
@@ -188,11 +227,12 @@ class HeartbeatValidator(RecordValidatorBase):
 
     Runs inside every DHT node (bootstrap peers included), so a forged, replayed, oversized or
     malformed heartbeat is refused where it would be stored, not only where it is read.
-    `run_ids` are the runs whose key must hold heartbeats only. A bootstrap peer serves any run:
-    it cannot tell a run's key from a hash, so it protects every key at which it has seen a valid
-    heartbeat (DHT keys are hashes of the run id: junk stored there first stays only until a
-    heartbeat arrives, and never longer than its expiration). No record may expire later than
-    `max_lifetime` seconds from now.
+    `run_ids` are the runs whose key must hold heartbeats only (closed by `authority`, if given).
+    A bootstrap peer serves any run: it cannot tell a run's key from a hash, so it protects every
+    key at which it has seen a valid heartbeat (DHT keys are hashes of the run id: junk stored
+    there first stays only until a heartbeat arrives, and never longer than its expiration). No
+    record may expire later than `max_lifetime` seconds from now. A closed run's key names its
+    authority, so every validator checks the tickets of its records without knowing the run.
     """
 
     def __init__(
@@ -200,8 +240,9 @@ class HeartbeatValidator(RecordValidatorBase):
         run_ids: tuple[str, ...] = (),
         max_tracked: int = 65536,
         max_lifetime: float = MAX_LIFETIME_ANY_RUN,
+        authority: bytes | None = None,
     ):
-        self._protected = {key_id(heartbeat_key(run)) for run in run_ids}
+        self._protected = {key_id(heartbeat_key(run, authority)) for run in run_ids}
         self._learned: OrderedDict[bytes, None] = OrderedDict()
         self._refusals = ThrottledLog(log)
         self._max_lifetime = max_lifetime
@@ -231,8 +272,10 @@ class HeartbeatValidator(RecordValidatorBase):
                     f"foreign value of {len(record.value)} bytes at a non-p2ptrain key"
                 ) from None
             return  # a small value under some other key: not ours to judge
-        if record.key != key_id(heartbeat_key(heartbeat.run_id)):
+        if record.key != key_id(heartbeat.key):
             raise RecordError(f"heartbeat of run {heartbeat.run_id!r} stored under another key")
+        admission = heartbeat.admission
+        check_admitted(heartbeat, admission.authority if admission else None, get_dht_time())
         if _unpack_value(record.subkey) != heartbeat.node_key:
             raise RecordError(f"heartbeat of {heartbeat.node_key.hex()[:12]} under another node's subkey")
         if record.expiration_time != heartbeat.expiration:

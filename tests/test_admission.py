@@ -1,0 +1,181 @@
+"""Closed runs: admission tickets checked by every validator and reader, and by the node at start."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import sys
+import time
+
+import msgpack
+import pytest
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils import ValueWithExpiration
+
+from p2ptrain.identity import NodeIdentity, load_or_create_identity
+from p2ptrain.swarm.admission import TicketError, check_admits, decode_ticket, issue_ticket, parse_ticket_text
+from p2ptrain.swarm.membership import VerifiedRecords, decode_all
+from p2ptrain.swarm.records import (
+    Heartbeat,
+    HeartbeatValidator,
+    NodeState,
+    RecordError,
+    decode_heartbeat,
+    heartbeat_key,
+    key_id,
+)
+from p2ptrain.untrusted import ThrottledLog
+from tests.helpers import LocalSwarm, cli, read_address
+from tests.test_drill import DRILL, assert_agreement, drill_args, drill_log, finish
+from tests.test_records import RUN, SOON
+
+LATER = time.time() + 86400
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, NodeIdentity]:
+    root = tmp_path_factory.mktemp("keys")
+    return {name: load_or_create_identity(root / name) for name in ("authority", "rogue", "a", "b")}
+
+
+def closed_beat(node: NodeIdentity, ticket: bytes, seq: int = 1) -> Heartbeat:
+    return Heartbeat(RUN, node.public_key, seq, 1.0, SOON, NodeState.READY, ticket=ticket)
+
+
+def stored(value: bytes, node: NodeIdentity, key: str) -> DHTRecord:
+    return DHTRecord(key_id(key), msgpack.packb(node.public_key), msgpack.packb(value), SOON)
+
+
+def test_a_ticket_round_trips_as_text_and_admits_its_node_only_until_it_expires(keys):
+    authority, a, b = keys["authority"].public_key, keys["a"], keys["b"]
+    ticket = parse_ticket_text(issue_ticket(keys["authority"], a.public_key, LATER).to_text())
+    check_admits(ticket, a.public_key, authority, time.time())
+    with pytest.raises(TicketError, match="admits"):
+        check_admits(ticket, b.public_key, authority, time.time())
+    with pytest.raises(TicketError, match="expired"):
+        check_admits(ticket, a.public_key, authority, LATER + 1)
+    with pytest.raises(TicketError, match="authority"):
+        check_admits(ticket, a.public_key, keys["rogue"].public_key, time.time())
+
+
+def test_a_changed_or_cut_ticket_is_refused(keys):
+    ticket = issue_ticket(keys["authority"], keys["a"].public_key, LATER)
+    longer = dataclasses.replace(ticket, expires=LATER + 86400 * 365)  # the holder extends it
+    with pytest.raises(TicketError, match="not signed"):
+        decode_ticket(longer.to_bytes())
+    for text in (ticket.to_text()[:-9], "p2pt1-???", "hello"):
+        with pytest.raises(TicketError):
+            parse_ticket_text(text)
+
+
+def test_every_validator_keeps_a_closed_runs_key_for_records_its_authority_admitted(keys):
+    """A bootstrap-like validator (no run configured) tells, from the key alone, which authority
+    must have signed the ticket of every record stored there."""
+    authority, rogue, a, b = keys["authority"], keys["rogue"], keys["a"], keys["b"]
+    closed = heartbeat_key(RUN, authority.public_key)
+    good = issue_ticket(authority, a.public_key, LATER).to_bytes()
+    for validator in (HeartbeatValidator(), HeartbeatValidator((RUN,), authority=authority.public_key)):
+        assert validator.validate(stored(closed_beat(a, good).sign(a), a, closed))
+        refused = {
+            "no ticket": stored(closed_beat(b, b"", seq=2).sign(b), b, closed),
+            "a ticket of its own authority": stored(
+                closed_beat(b, issue_ticket(rogue, b.public_key, LATER).to_bytes()).sign(b), b, closed
+            ),
+            "an expired ticket": stored(
+                closed_beat(b, issue_ticket(authority, b.public_key, time.time() - 1).to_bytes()).sign(b),
+                b,
+                closed,
+            ),
+            "a ticket under the open key": stored(closed_beat(a, good, seq=3).sign(a), a, heartbeat_key(RUN)),
+        }
+        assert [why for why, record in refused.items() if validator.validate(record)] == []
+    with pytest.raises(RecordError, match="another node's ticket"):
+        decode_heartbeat(closed_beat(b, good).sign(b))  # a ticket copied from a's record
+
+
+def test_readers_of_a_closed_run_take_only_admitted_records(keys):
+    """Records read from a DHT node that runs no validator are checked again by the reader."""
+    authority, a, b = keys["authority"], keys["a"], keys["b"]
+    admitted = closed_beat(a, issue_ticket(authority, a.public_key, LATER).to_bytes())
+    items = [
+        (admitted.node_key, ValueWithExpiration(admitted.sign(a), SOON)),
+        (b.public_key, ValueWithExpiration(closed_beat(b, b"").sign(b), SOON)),
+    ]
+    refusals = ThrottledLog(logging.getLogger(__name__))
+    found = decode_all(items, RUN, refusals, VerifiedRecords(), authority.public_key)
+    assert [beat.node_key for beat in found] == [a.public_key]
+
+
+def admit(swarm: LocalSwarm, name: str, authority_file: str) -> str:
+    """A node key for `name`'s work dir and its ticket, printed by the CLI as an operator runs it."""
+    identity = cli("identity", "--identity", str(swarm.root / name))
+    node_key = identity.stdout.split()[2]
+    result = cli("admit", node_key, "--authority-key", authority_file, "--days", "1")
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def test_a_closed_run_takes_its_ticketed_nodes_and_refuses_everyone_else(swarm: LocalSwarm):
+    """Three admitted drill nodes take every step; a stranger storing 'ready' records under the
+    run's key with a ticket copied from an admitted node's record is never a member; a node without
+    a ticket, or with another node's, is refused in one line before it joins."""
+    authority_file = str(swarm.root / "authority.key")
+    created = cli("admit", "--new", "--authority-key", authority_file)
+    assert created.returncode == 0, created.stderr
+    authority = created.stdout.split('authority = "')[1].split('"')[0]
+    closed = ["--set", f'run.authority="{authority}"']
+    names = [f"node{i}" for i in range(3)]
+    tickets = {name: admit(swarm, name, authority_file) for name in names}
+    swarm.start_bootstrap()
+    steps = 10
+    for name in names:
+        ticket = ["--set", f'node.ticket="{tickets[name]}"']
+        swarm.start_node(name, None, *drill_args(steps, 3), *closed, *ticket, *DRILL)
+    key_file = swarm.root / "stranger.key"
+    stranger_args = ["--closed-by", authority, "--ticket", "copied", "--address-file", str(key_file)]
+    swarm.children.spawn(
+        "stranger",
+        [sys.executable, "-m", "tests.stranger", "--peer", swarm.bootstrap_addr, *stranger_args],
+        swarm.root / "stranger.log",
+    )
+    stranger = read_address(key_file, timeout=60)
+    for ticket in ([], ["--set", f'node.ticket="{tickets["node0"]}"']):
+        refused = cli(
+            "join", "--peer", swarm.bootstrap_addr, "--work-dir", str(swarm.root / "late"), *closed, *ticket
+        )
+        assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+        assert "ticket" in refused.stderr and "Traceback" not in refused.stderr
+    status = cli("status", "--peer", swarm.bootstrap_addr, "--config", "debug", *closed, "--json", "--once")
+    listed = {node["id"] for node in json.loads(status.stdout.splitlines()[-1])["nodes"]}
+    assert len(listed) == 3 and stranger not in listed, status.stdout
+    logs = finish(swarm, names)
+    assert all(len(log) == steps for log in logs.values()), logs
+    assert_agreement(logs, range(steps))
+    assert all(entry["members"] and stranger not in entry["members"] for entry in drill_log(swarm, "node0"))
+    assert all(len(entry["members"]) == 3 for entry in logs["node0"])
+    # no DHT node, the bootstrap peer included, stored one of its records
+    assert "store refused" in swarm.log("stranger") and "store taken" not in swarm.log("stranger")
+
+
+def test_admission_mistakes_are_one_line_errors(tmp_path):
+    key_file = str(tmp_path / "authority.key")
+    assert cli("admit", "--new", "--authority-key", key_file).returncode == 0
+    node = "ab" * 32
+    peer_id = cli("identity", "--identity", str(tmp_path / "peer")).stdout.split("DHT peer")[1].split()[0]
+    nobody = f"/ip4/127.0.0.1/tcp/9/p2p/{peer_id}"  # never dialed: the ticket is checked first
+    mistakes = {
+        "exists already": ("admit", "--new", "--authority-key", key_file),
+        "not an Ed25519 public key": ("admit", "xyz", "--authority-key", key_file),
+        "no such key file": ("admit", node, "--authority-key", str(tmp_path / "missing.key")),
+        "--days": ("admit", node, "--authority-key", key_file, "--days", "0"),
+        "run.authority": ("config", "show", "--set", 'run.authority="not-hex"'),
+        "not an admission ticket": (
+            "join", "--peer", nobody, "--work-dir", str(tmp_path / "n"), "--set", f'run.authority="{node}"',
+            "--set", 'node.ticket="hello"',
+        ),
+    }  # fmt: skip
+    for needle, args in mistakes.items():
+        result = cli(*args)
+        assert result.returncode == 2, (args, result.stderr)
+        assert needle in result.stderr and result.stderr.count("\n") == 1, (args, result.stderr)
