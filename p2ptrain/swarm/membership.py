@@ -139,7 +139,14 @@ async def keep_alive(publisher: HeartbeatPublisher, interval: float, stop: async
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), interval)
         if not stop.is_set() and not await publisher.publish():
-            log.warning("heartbeat not stored by any DHT peer; retrying")
+            admission = publisher.current.admission
+            if admission is not None and admission.expires <= get_dht_time():
+                log.error(
+                    "this node's admission ticket has expired: the run refuses its records; "
+                    "restart it with a new ticket ('p2ptrain admit')"
+                )
+            else:
+                log.warning("heartbeat not stored by any DHT peer; retrying")
 
 
 class VerifiedRecords:
