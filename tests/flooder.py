@@ -1,13 +1,18 @@
 """A flooding client against one node's data port, run as its own process by the tests.
 
-    python -m tests.flooder --target HOST:PORT --mode idle|hellos|reaches [--count N] [--source 127.0.0.2]
+    python -m tests.flooder --target HOST:PORT --mode idle|hellos|reaches|forged [--count N]
+                            [--source 127.0.0.2] [--claim KEY]
 
 - `idle`: keeps `count` TCP connections open that never send a byte, opening a new one whenever
   the node closes one (a stranger's cheapest way to hold a node's handshake slots);
 - `hellos`: keeps sending well-formed hellos, each from a fresh key, for outer step 10⁹, `count`
   connections at a time;
 - `reaches`: keeps asking for reachability probes (dial-backs to random ports of its address),
-  `count` connections at a time.
+  `count` connections at a time;
+- `forged`: keeps sending hellos for the node's next outer step that claim `--claim` (a member's
+  key, which it cannot sign for), `count` connections at a time, each held open as long as the node
+  lets it: hellos from a member that dials early wait for the node to reach the step. It learns the
+  node's step from the node's own refusal of a hello for step 10⁹.
 
 Connections come from `--source` (another loopback address than the honest nodes' 127.0.0.1, as a
 stranger's would come from another host). It runs until SIGTERM and prints one line per second:
@@ -20,6 +25,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import re
 import secrets
 import signal
 import sys
@@ -29,15 +35,16 @@ from p2ptrain.comm.wire import encode_frame
 FAR_STEP = 10**9
 
 
-def hello() -> bytes:
+def hello(step: int = FAR_STEP, key: bytes | None = None) -> bytes:
     header = {
         "kind": "hello",
-        "node_key": secrets.token_bytes(32),
-        "step": FAR_STEP,
+        "node_key": key or secrets.token_bytes(32),
+        "step": step,
         "attempt": 0,
         "digest": secrets.token_bytes(32),
         "nonce": secrets.token_bytes(32),
         "lane": 0,
+        "ephemeral": secrets.token_bytes(32),
     }
     return b"".join(bytes(part) for part in encode_frame(header))
 
@@ -54,6 +61,20 @@ class Flood:
         self.args = args
         self.held = 0
         self.closed = 0
+        self.step = 0
+
+    async def learn_step(self) -> None:
+        """The node's outer step, from its refusal of a hello far ahead ("… of this node's step N")."""
+        while True:
+            with contextlib.suppress(OSError, asyncio.TimeoutError):
+                reader, writer = await asyncio.open_connection(self.host, self.port)
+                writer.write(hello())
+                answer = await asyncio.wait_for(reader.read(), 5)  # the refusal, then the close
+                writer.close()
+                found = re.search(rb"this node's step (\d+)", answer)
+                if found:
+                    self.step = int(found.group(1))
+            await asyncio.sleep(0.2)
 
     async def one(self) -> None:
         """One connection slot, reopened as soon as the node closes it."""
@@ -68,6 +89,8 @@ class Flood:
             self.held += 1
             if self.args.mode == "hellos":
                 writer.write(hello())
+            elif self.args.mode == "forged":
+                writer.write(hello(self.step + 1, bytes.fromhex(self.args.claim)))
             elif self.args.mode == "reaches":
                 writer.write(reach_request())
             with contextlib.suppress(OSError):
@@ -81,10 +104,13 @@ class Flood:
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         tasks = [asyncio.create_task(self.one()) for _ in range(self.args.count)]
+        if self.args.mode == "forged":
+            tasks.append(asyncio.create_task(self.learn_step()))
         while not stop.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
-            print(f"flooder: holding {self.held}, closed by the node {self.closed}", flush=True)
+            held = f"holding {self.held}, closed by the node {self.closed}"
+            print(f"flooder: {held}, step {self.step}", flush=True)
         for task in tasks:
             task.cancel()
 
@@ -92,7 +118,8 @@ class Flood:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", required=True)
-    parser.add_argument("--mode", choices=["idle", "hellos", "reaches"], default="idle")
+    parser.add_argument("--mode", choices=["idle", "hellos", "reaches", "forged"], default="idle")
+    parser.add_argument("--claim", default="", metavar="KEY", help="forged: the member key to claim")
     parser.add_argument("--count", type=int, default=500)
     parser.add_argument("--source", default="127.0.0.2")
     args = parser.parse_args()

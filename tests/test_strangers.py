@@ -10,8 +10,8 @@ import urllib.request
 
 import pytest
 
-from tests.helpers import LocalSwarm, read_address, wait_until
-from tests.test_drill import assert_agreement, finish, start_drill
+from tests.helpers import LocalSwarm, cli, read_address, wait_until
+from tests.test_drill import DRILL, assert_agreement, drill_args, drill_log, finish, start_drill
 
 STEPS = 15
 
@@ -128,3 +128,30 @@ def test_two_thousand_slow_http_connections_leave_the_sidecar_up_and_serving(swa
     assert int(counts[-1][1]) > 500, counts[-1]
     assert "HTTP connection from 127.0.0." in swarm.log("a")
     assert "Too many open files" not in swarm.log("a")
+
+
+def test_hellos_forged_in_a_members_name_hold_no_slots_of_the_node_they_flood(swarm: LocalSwarm):
+    """2,000 connections at a time, from another address, with hellos for node0's next step that
+    claim node1's key (a member that dials early waits for node0 to reach the step), against a node0
+    limited to 1024 open files: each must prove the key before it may wait, so node0 keeps taking
+    part in every step and node1's name earns no waiting slot."""
+    swarm.start_bootstrap()
+    claimed = cli("identity", "--identity", str(swarm.root / "node1")).stdout.split()[2]
+    names = ["node0", "node1", "node2"]
+    for name in names:
+        limit = ("prlimit", "--nofile=1024:1024") if name == "node0" else ()
+        # 1 s inner phases: a forged hello for the next step would wait that long (and hold its file)
+        drill = [*drill_args(STEPS, 3, inner=1.0), "--set", "comm.failure_timeout=3", *DRILL]
+        swarm.start_node(name, None, *drill, prefix=limit)
+    wait_until(lambda: len(drill_log(swarm, "node0")) >= 3, timeout=120, what="three drill steps")
+    target = f"127.0.0.1:{data_port(swarm, 'node0')}"
+    flood = ["--mode", "forged", "--claim", claimed, "--count", "2000", "--target", target]
+    flooder = [sys.executable, "-m", "tests.flooder", *flood]
+    swarm.children.spawn("flooder", flooder, swarm.root / "flooder.log")
+    wait_until(lambda: re.search(r"step [1-9]", swarm.log("flooder")), timeout=30, what="the forged flood")
+    logs = finish(swarm, names)
+    assert_agreement(logs, range(STEPS))
+    flooded = [entry for entry in logs["node0"] if entry["step"] >= 3]
+    assert all(len(entry["members"]) == 3 for entry in flooded), flooded
+    assert "127.0.0.2 dropped in its handshake" in swarm.log("node0")  # it could not send the proof
+    assert "Too many open files" not in swarm.log("node0")

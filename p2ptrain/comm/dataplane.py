@@ -286,14 +286,23 @@ class DataPlaneServer:
         """The all-reduce of `step` succeeded here: dials for it (or older) are refused at once."""
         self._completed_step = max(self._completed_step, step)
 
-    async def _admission(self, step: int, key: bytes) -> Admission | None:
-        """Wait (bounded) for the local node to reach `step`: a fast peer may dial before we get there."""
-        if step in self._expected:
-            return self._heard(step, key)
+    def _known(self, step: int) -> Admission | None:
+        """The admission of `step` if it is registered; HandshakeError for a step that is over
+        here or far ahead (refused before the handshake signs anything); else None (it may come)."""
+        registration = self._expected.get(step)
+        if registration is not None:
+            return registration.admission
         if step < self._latest_step or step <= self._completed_step:
-            return None  # an older step than ours, or one done here: nothing to wait for
+            raise HandshakeError(f"step {step} is not a step this node is reducing")
         if self._latest_step >= 0 and step > self._latest_step + MAX_STEPS_AHEAD:
             raise HandshakeError(f"step {step} is far ahead of this node's step {self._latest_step}")
+        return None
+
+    async def _admission(self, step: int, key: bytes) -> Admission | None:
+        """Wait (bounded) for the local node to reach `step`: a fast peer may dial before we get
+        there. `key` is proven (handshake.accept_any)."""
+        if self._known(step) is not None:
+            return self._heard(step, key)
         if not self.waiting.may_wait(key):
             raise HandshakeError(f"{self.waiting.strangers} connections already wait for step {step}")
         stranger = key not in self.waiting.candidates
@@ -358,8 +367,14 @@ class DataPlaneServer:
             writer.transport.abort()
             return
 
+        def peek(step: int) -> Admission | None:
+            known = self._known(step)
+            if known is not None:
+                self.pending.leave(ticket)  # a hello for a step under way: no longer an idle connection
+            return known
+
         async def resolve(step: int, key: bytes) -> Admission | None:
-            self.pending.leave(ticket)  # the hello is in: no longer an idle connection
+            self.pending.leave(ticket)  # proven (an early dialer holds its slot for one round trip)
             return await self._admission(step, key)
 
         try:
@@ -377,6 +392,7 @@ class DataPlaneServer:
                 self._claim,
                 lambda reason: self._refusals.warning("refused data-plane connection: %s", reason),
                 first,
+                peek,
             )
         except HandshakeError:
             writer.close()  # refused, and logged, by the handshake

@@ -3,7 +3,11 @@
     dialer   → hello   {node_key, step, attempt, digest, nonce, lane, ephemeral}
     listener → welcome {node_key, nonce, ephemeral, signature}     (or refuse {reason})
     dialer   → proof   {signature}
-    listener → ok                                     (or refuse {reason[, retry | attempt]})
+    listener → ok                      (or refuse {reason[, retry | attempt | views_differ]})
+
+The listener checks the hello against the step's members before it signs anything where it knows
+them; a hello for a step it has not reached yet waits for that step only once the dialer has proven
+its key, so no one can hold a member's waiting slot, or be heard from in its name, with a forged key.
 
 Each signature is Ed25519 over a transcript that binds both nonces, both keys, the role, the step,
 the attempt, the membership digest and both ephemeral X25519 keys: a recorded handshake cannot be
@@ -43,6 +47,7 @@ log = logging.getLogger(__name__)
 _DOMAIN = b"p2ptrain/ring-handshake/v4\0"
 MAX_LANES = 16
 NONCE_BYTES = 32
+DIGEST_BYTES = 32
 MAX_HANDSHAKE_FRAME = 1024
 
 
@@ -178,6 +183,8 @@ async def dial(
     answer = await read_frame(reader, timeout, MAX_HANDSHAKE_FRAME)
     if answer.kind == "refuse":
         reason = f"{short_id(peer_key)}: {answer.header.get('reason', 'no reason given')}"
+        if answer.header.get("views_differ") is True:
+            raise ViewsDiffer(f"peer refused: {reason[:200]}")
         if answer.header.get("retry") is True:
             raise PeerBusy(reason)
         if "attempt" in answer.header:
@@ -201,7 +208,11 @@ class Admission:
 
 
 Resolver = Callable[[int, bytes], Awaitable["Admission | None"]]
-"""Who may connect for (step, the key the hello claims); may raise HandshakeError with the reason."""
+"""Who may connect for (step, the key the dialer has proven); may wait for this node to reach the
+step, and may raise HandshakeError with the reason."""
+Peek = Callable[[int], "Admission | None"]
+"""Who may connect for `step`, where that is known at once (None: resolve after the proof); may
+raise HandshakeError for a hello refused before any signature (a step that is over, or far ahead)."""
 Claim = Callable[[Session], "Refusal | None"]
 """Called once the dialer has proven its key: None takes the connection."""
 
@@ -217,10 +228,13 @@ async def accept(
 ) -> Session:
     """Authenticate an incoming connection for one known step (see `accept_any`)."""
 
-    async def resolve(asked: int, _: bytes) -> Admission | None:
+    def peek(asked: int) -> Admission | None:
         return Admission(members, digest) if asked == step else None
 
-    return await accept_any(reader, writer, identity, resolve, timeout)
+    async def resolve(asked: int, _: bytes) -> Admission | None:
+        return peek(asked)
+
+    return await accept_any(reader, writer, identity, resolve, timeout, peek=peek)
 
 
 async def accept_any(
@@ -232,9 +246,15 @@ async def accept_any(
     claim: Claim | None = None,
     log_refusal: Callable[[str], None] | None = None,
     first: Frame | None = None,
+    peek: Peek | None = None,
 ) -> Session:
     """Authenticate an incoming connection; `resolve(step, key)` says who may connect for that
     step, and `claim` whether the authenticated connection is wanted now.
+
+    `resolve` sees only keys the dialer has proven: a hello that would wait for this node to reach
+    its step (or that another membership sent) is answered and proven first, so nobody waits, or
+    counts as heard from, under another node's key. Where `peek` knows the step's members, a
+    non-member is refused before anything is signed.
 
     A refusal is sent to the peer, logged (by `log_refusal`, which a server throttles), and raised
     as HandshakeError. `first`: the hello, where the caller has read it already.
@@ -247,19 +267,11 @@ async def accept_any(
         step = _int_field(hello.header, "step", 1 << 63)
         lane = _int_field(hello.header, "lane", 2 * MAX_LANES)  # reversed lanes above
         attempt = _int_field(hello.header, "attempt", MAX_ATTEMPT + 1)
-        admission = await resolve(step, peer_key)
-        reason = None
-        if admission is None:
-            reason = f"step {step} is not a step this node is reducing"
-        elif hello.header.get("digest") != admission.digest:
-            raise ViewsDiffer("membership digest differs (the two nodes elected different members)")
-        elif peer_key not in admission.allowed or peer_key == identity.public_key:
-            reason = f"{short_id(peer_key)} is not a member of step {step}"
-        elif lane >= admission.lanes:
-            reason = f"lane {lane} of {admission.lanes} (the two nodes differ in comm.connections)"
-        if reason or admission is None:
-            raise HandshakeError(reason or "refused")
-        session = Session(step, admission.digest, identity.public_key, peer_key, lane, attempt)
+        digest = _bytes_field(hello.header, "digest", DIGEST_BYTES)
+        known = peek(step) if peek is not None else None
+        if known is not None and known.digest == digest:
+            _check_member(known, identity, peer_key, step, lane, digest=None)
+        session = Session(step, digest, identity.public_key, peer_key, lane, attempt)
         nonce, ephemeral = secrets.token_bytes(NONCE_BYTES), Ephemeral()
         nonces = peer_nonce + nonce + peer_ephemeral + ephemeral.public
         signature = identity.sign(_transcript(b"L", session, peer_key, identity.public_key, nonces))
@@ -275,6 +287,10 @@ async def accept_any(
         transcript = _transcript(b"D", session, peer_key, identity.public_key, nonces)
         if not verify(peer_key, _bytes_field(proof.header, "signature", 64), transcript):
             raise HandshakeError(f"{short_id(peer_key)} failed to prove its key")
+        admission = await resolve(step, peer_key)  # the key is proven now
+        if admission is None:
+            raise HandshakeError(f"step {step} is not a step this node is reducing")
+        _check_member(admission, identity, peer_key, step, lane, digest)
         base = _transcript(b"K", session, peer_key, identity.public_key, nonces)
         session = replace(session, keys=derive_keys(ephemeral.shared(peer_ephemeral), base, dialer=False))
     except (HandshakeError, FrameError) as exc:
@@ -292,6 +308,18 @@ async def accept_any(
     stream_transport(writer).pause_reading()  # the rest of this connection is read from its raw socket
     await write_frame(writer, {"kind": "ok"}, timeout=timeout)
     return session
+
+
+def _check_member(
+    admission: Admission, identity: NodeIdentity, peer: bytes, step: int, lane: int, digest: bytes | None
+) -> None:
+    """Raise HandshakeError unless `peer` may connect on `lane` (with `digest`, where given)."""
+    if peer not in admission.allowed or peer == identity.public_key:
+        raise HandshakeError(f"{short_id(peer)} is not a member of step {step}")
+    if lane >= admission.lanes:
+        raise HandshakeError(f"lane {lane} of {admission.lanes} (the two nodes differ in comm.connections)")
+    if digest is not None and digest != admission.digest:
+        raise ViewsDiffer("membership digest differs (the two nodes elected different members)")
 
 
 def _log_refusal(reason: str) -> None:
