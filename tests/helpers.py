@@ -106,6 +106,7 @@ class LocalSwarm:
         identity: str = "bootstrap",
         listen: str = LOOPBACK,
         prefix: tuple[str, ...] = (),
+        extra: tuple[str, ...] = (),
     ) -> str:
         address_file = self.root / f"{name}.addr"
         address_file.unlink(missing_ok=True)
@@ -123,6 +124,7 @@ class LocalSwarm:
                 str(self.root / identity),
                 "--address-file",
                 str(address_file),
+                *extra,
             ],
             self.root / f"{name}.log",
         )

@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 import time
+import urllib.request
 
 import msgpack
 import pytest
@@ -26,11 +27,13 @@ from p2ptrain.swarm.records import (
     key_id,
 )
 from p2ptrain.untrusted import ThrottledLog
-from tests.helpers import LocalSwarm, cli, read_address
+from tests.helpers import LocalSwarm, cli, free_port, read_address, wait_until
 from tests.test_drill import DRILL, assert_agreement, drill_args, drill_log, finish
 from tests.test_records import RUN, SOON
 
 LATER = time.time() + 86400
+RUN_ID = "p2ptrain-debug"
+"""The debug config's run."""
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +119,11 @@ def admit(swarm: LocalSwarm, name: str, authority_file: str) -> str:
     return result.stdout.strip()
 
 
+def page_nodes(port: int) -> set[str]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status", timeout=5) as response:
+        return {node["id"] for node in json.loads(response.read())["nodes"]}
+
+
 def test_a_closed_run_takes_its_ticketed_nodes_and_refuses_everyone_else(swarm: LocalSwarm):
     """Three admitted drill nodes take every step; a stranger storing 'ready' records under the
     run's key with a ticket copied from an admitted node's record is never a member; a node without
@@ -127,7 +135,8 @@ def test_a_closed_run_takes_its_ticketed_nodes_and_refuses_everyone_else(swarm: 
     closed = ["--set", f'run.authority="{authority}"']
     names = [f"node{i}" for i in range(3)]
     tickets = {name: admit(swarm, name, authority_file) for name in names}
-    swarm.start_bootstrap()
+    page = free_port()
+    swarm.start_bootstrap(extra=("--dashboard", str(page), "--run-id", RUN_ID, "--run-authority", authority))
     steps = 10
     for name in names:
         ticket = ["--set", f'node.ticket="{tickets[name]}"']
@@ -140,6 +149,9 @@ def test_a_closed_run_takes_its_ticketed_nodes_and_refuses_everyone_else(swarm: 
         swarm.root / "stranger.log",
     )
     stranger = read_address(key_file, timeout=60)
+    # the bootstrap peer's status page shows the closed run, with its admitted nodes only
+    wait_until(lambda: len(page_nodes(page)) == 3, timeout=60, what="the admitted nodes on the page")
+    assert stranger not in page_nodes(page)
     for ticket in ([], ["--set", f'node.ticket="{tickets["node0"]}"']):
         refused = cli(
             "join", "--peer", swarm.bootstrap_addr, "--work-dir", str(swarm.root / "late"), *closed, *ticket

@@ -96,15 +96,22 @@ def cmd_admit(args: argparse.Namespace) -> int:
 
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:
+    from p2ptrain.swarm.admission import TicketError, parse_public_key
     from p2ptrain.swarm.bootstrap import DEFAULT_LISTEN, serve_bootstrap, start_bootstrap_dht
 
     listen = validate_listen(args.listen or [DEFAULT_LISTEN])
     announce = validate_listen(args.announce)
     validate_dashboard(args.dashboard)
+    authority = None
+    if args.run_authority:
+        try:
+            authority = parse_public_key(args.run_authority, "--run-authority")
+        except TicketError as exc:
+            raise UserError(str(exc)) from None
     dht = start_bootstrap_dht(Path(args.identity).expanduser(), listen, announce)
     with dht:
         run_until_signal(
-            lambda stop: serve_bootstrap(dht, stop, sys.stdout, args.dashboard, args.run_id),
+            lambda stop: serve_bootstrap(dht, stop, sys.stdout, args.dashboard, args.run_id, authority),
             on_force=dht.shutdown,
             on_ready=address_file_writer(args.address_file, dht.visible_maddrs),
         )

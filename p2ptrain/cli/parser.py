@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     boot.add_argument(
         "--run-id", default="p2ptrain-debug", help="run shown by --dashboard (default %(default)s)"
     )
+    boot.add_argument(
+        "--run-authority", default="", metavar="KEY", help="run.authority of --run-id, if it is a closed run"
+    )
     boot.set_defaults(handler=cmd_bootstrap)
 
     join = commands.add_parser("join", help="join a swarm as a node")

@@ -45,7 +45,12 @@ def join_line(addresses: list[str]) -> str:
 
 
 async def serve_bootstrap(
-    dht: SwarmDHT, stop: asyncio.Event, out: TextIO, dashboard: str | None = None, run_id: str = ""
+    dht: SwarmDHT,
+    stop: asyncio.Event,
+    out: TextIO,
+    dashboard: str | None = None,
+    run_id: str = "",
+    authority: bytes | None = None,
 ) -> None:
     addresses = dht.visible_maddrs()
     print(f"bootstrap peer {dht.peer_id} is up; visible multiaddresses:", file=out)
@@ -62,7 +67,7 @@ async def serve_bootstrap(
         from p2ptrain.web.dashboard import serve_dashboard
 
         # the default timeout: the bootstrap peer serves every run and reads no run's config
-        view = SwarmView(dht, run_id, SwarmConfig().heartbeat_timeout)
+        view = SwarmView(dht, run_id, SwarmConfig().heartbeat_timeout, authority=authority)
         page = await serve_dashboard(dashboard, view.read, run_id, out)
     try:
         await stop.wait()
