@@ -367,3 +367,34 @@ def test_a_member_that_dials_before_we_decided_cuts_our_election_wait_short(tmp_
     woken_after, waited = asyncio.run(asyncio.wait_for(scenario(), 60))
     assert woken_after < 30.0, woken_after  # not the full 60 s
     assert waited >= 0.29, waited
+
+
+def test_a_hello_that_came_after_our_election_does_not_cut_the_next_one_short(tmp_path):
+    """A member's hello that arrives once our election is decided, but before we registered the
+    step, wakes no one; registering the step clears it, so our next election waits its full time."""
+    step = 7
+
+    async def scenario() -> float:
+        settings = RingSettings(failure_timeout=5.0, setup_timeout=30.0)
+        me, member = load_or_create_identity(tmp_path / "me"), load_or_create_identity(tmp_path / "m")
+        server = DataPlaneServer(me, settings)
+        host, port = await server.start()
+        server.at_step(step)  # no candidates: the member's hello waits in a stranger's slot
+        members = [RingMember(me.public_key, host, port), RingMember(member.public_key, "127.0.0.1", 1)]
+        digest = membership_digest(step, members)
+        dial = asyncio.create_task(dial_member(member, members[0], step, digest, settings))
+        deadline = asyncio.get_running_loop().time() + 10
+        while server.waiting.waiting_strangers == 0:  # the hello is in and waits for our step
+            assert asyncio.get_running_loop().time() < deadline, "the hello never came"
+            await asyncio.sleep(0.01)
+        registration = server.expect(step, [member.public_key], digest)
+        _, writer, _ = await asyncio.wait_for(dial, 10)
+        assert await asyncio.wait_for(registration.incoming[(member.public_key, 0)], 10) is not None
+        writer.close()
+        started = asyncio.get_running_loop().time()
+        await server.dialed(0.3)  # the next election: nothing new, the whole wait
+        waited = asyncio.get_running_loop().time() - started
+        await server.close()
+        return waited
+
+    assert asyncio.run(asyncio.wait_for(scenario(), 60)) >= 0.29

@@ -62,10 +62,9 @@ class AllReduceError(WireError):
     def __init__(self, message: str, unresponsive: bytes | None = None, views_differ: bool = False):
         super().__init__(message)
         self.unresponsive = unresponsive
+        """A member this node could not reach or that did not answer in time, where one is named."""
         self.views_differ = views_differ
         """A peer elected other members (another digest): elect again shortly, blaming no one."""
-        """A member that this node could not reach or that did not answer in time (frozen, cut
-        off, gone), where the failure names one."""
 
 
 @dataclass(frozen=True)
@@ -267,6 +266,7 @@ class DataPlaneServer:
         self._expected[step] = registration
         self.learn_attempt(step, attempt)
         self._latest_step = max(self._latest_step, step)
+        self._dialed.clear()  # a hello that came after our election is no news for the next one
         self._changed.set()
         self._changed = asyncio.Event()
         return registration
