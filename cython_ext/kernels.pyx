@@ -1,9 +1,11 @@
 # cython: language_level=3
-"""int8 (uint8 code) kernels for the pseudo-gradient all-reduce.
+"""int8 and int4 (uint8 / packed 4-bit code) kernels for the pseudo-gradient all-reduce.
 
 Scheme: the flat fp32 vector is cut into blocks of `block` values; each block keeps its own
-minimum and step (fp32), and each value becomes round((x - min) / step), a byte in [0, 255].
-Per-block parameters keep a rare outlier from wrecking more than its own block.
+minimum and step (fp32), and each value becomes round((x - min) / step): with `bits` = 8 a byte in
+[0, 255], with `bits` = 4 a nibble in [0, 15], two per byte (value 2k in the low nibble of byte k,
+value 2k + 1 in the high one; a block of an even number of values starts on a byte). Per-block
+parameters keep a rare outlier from wrecking more than its own block.
 
 All loops release the GIL and run over blocks in parallel (OpenMP prange where the extension was
 built with OpenMP, serially otherwise); `threads` caps the team of one call (0: all), for callers
@@ -99,6 +101,48 @@ cdef extern from *:
         }
     }
 
+    /* The 4-bit codes of x[0..n): round-half-up((x[i] * scale - low) * inv), at most 15, packed two
+       to a byte (an odd n leaves the last high nibble 0). The pair loop has no branch, so that it
+       vectorizes like the 8-bit one. */
+    static inline unsigned char p2p_code4(float x, float scale, float low, float inv) {
+        float q = (x * scale - low) * inv + 0.5f;
+        q = q < 15.0f ? q : 15.0f;
+        return (unsigned char)(int)q;
+    }
+
+    P2P_CLONES
+    static void p2p_quantize4(const float *x, Py_ssize_t n, float scale, float low, float inv,
+                              unsigned char *codes) {
+        Py_ssize_t pairs = n / 2;
+        for (Py_ssize_t k = 0; k < pairs; k++) {
+            unsigned char even = p2p_code4(x[2 * k], scale, low, inv);
+            unsigned char odd = p2p_code4(x[2 * k + 1], scale, low, inv);
+            codes[k] = (unsigned char)(even | (odd << 4));
+        }
+        if (n & 1) codes[pairs] = p2p_code4(x[n - 1], scale, low, inv);
+    }
+
+    /* out[i] = low + nibble(i) * step, or out[i] += that: a byte at a time, both its values. */
+    P2P_CLONES
+    static void p2p_decode4(const unsigned char *codes, Py_ssize_t n, float low, float step, float *out,
+                            int accumulate) {
+        Py_ssize_t pairs = n / 2;
+        if (accumulate) {
+            for (Py_ssize_t k = 0; k < pairs; k++) {
+                float even = low + (codes[k] & 15) * step, odd = low + (codes[k] >> 4) * step;
+                out[2 * k] = out[2 * k] + even;
+                out[2 * k + 1] = out[2 * k + 1] + odd;
+            }
+            if (n & 1) out[n - 1] = out[n - 1] + (low + (codes[pairs] & 15) * step);
+        } else {
+            for (Py_ssize_t k = 0; k < pairs; k++) {
+                out[2 * k] = low + (codes[k] & 15) * step;
+                out[2 * k + 1] = low + (codes[k] >> 4) * step;
+            }
+            if (n & 1) out[n - 1] = low + (codes[pairs] & 15) * step;
+        }
+    }
+
     /* out[i] = low + codes[i] * step, or out[i] += that. */
     P2P_CLONES
     static void p2p_decode(const unsigned char *codes, Py_ssize_t n, float low, float step, float *out,
@@ -131,6 +175,10 @@ cdef extern from *:
                     int accumulate) nogil
     void p2p_scaled_add(const float* own, float scale, const unsigned char* codes, float low, float step,
                         float* out, Py_ssize_t n) nogil
+    void p2p_quantize4(const float* x, Py_ssize_t n, float scale, float low, float inv,
+                       unsigned char* codes) nogil
+    void p2p_decode4(const unsigned char* codes, Py_ssize_t n, float low, float step, float* out,
+                     int accumulate) nogil
 
 
 def max_threads() -> int:
@@ -142,17 +190,26 @@ cdef inline Py_ssize_t _num_blocks(Py_ssize_t n, Py_ssize_t block) noexcept nogi
     return (n + block - 1) // block
 
 
-def _check(Py_ssize_t n, Py_ssize_t codes, Py_ssize_t params, Py_ssize_t block):
+def code_bytes(Py_ssize_t n, int bits):
+    """Bytes of the codes of n values: n at 8 bits, ceil(n / 2) at 4."""
+    return n if bits == 8 else (n + 1) // 2
+
+
+def _check(Py_ssize_t n, Py_ssize_t codes, Py_ssize_t params, Py_ssize_t block, int bits=8):
     if block <= 0:
         raise ValueError(f"block must be positive, got {block}")
-    if codes != n:
-        raise ValueError(f"codes hold {codes} bytes for {n} values")
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    if bits == 4 and block % 2:
+        raise ValueError(f"4-bit blocks must hold an even number of values, got {block}")
+    if codes != code_bytes(n, bits):
+        raise ValueError(f"codes hold {codes} bytes for {n} values of {bits} bits")
     if params < _num_blocks(n, block):
         raise ValueError(f"{params} block parameters for {_num_blocks(n, block)} blocks")
 
 
 cdef Py_ssize_t _encode_block(const float* x, Py_ssize_t n, float scale, unsigned char* codes,
-                              float* min_out, float* step_out) noexcept nogil:
+                              float* min_out, float* step_out, int bits) noexcept nogil:
     """Encode one block of x * scale (scale >= 0); returns its count of non-finite values (then the
     block is all zeros).
 
@@ -161,12 +218,13 @@ cdef Py_ssize_t _encode_block(const float* x, Py_ssize_t n, float scale, unsigne
     """
     cdef Py_ssize_t i, bad = 0
     cdef float low, high, nan_probe, step, inv
-    cdef float top = 255
+    cdef float top = 255 if bits == 8 else 15
     p2p_scan(x, n, &low, &high, &nan_probe)
     if nan_probe != 0:  # rare: count exactly, and emit a harmless all-zero block
         for i in range(n):
             if not (fabsf(x[i]) < INFINITY):
                 bad += 1
+        for i in range(n if bits == 8 else (n + 1) // 2):
             codes[i] = 0
         min_out[0] = 0
         step_out[0] = 0
@@ -179,18 +237,21 @@ cdef Py_ssize_t _encode_block(const float* x, Py_ssize_t n, float scale, unsigne
         inv = 1 / step
     min_out[0] = low
     step_out[0] = step
-    p2p_quantize(x, n, scale, low, inv, codes)
+    if bits == 8:
+        p2p_quantize(x, n, scale, low, inv, codes)
+    else:
+        p2p_quantize4(x, n, scale, low, inv, codes)
     return 0
 
 
 def quantize(const float[::1] values, unsigned char[::1] codes, float[::1] mins, float[::1] steps,
-             Py_ssize_t block, float scale=1, int threads=0):
+             Py_ssize_t block, float scale=1, int threads=0, int bits=8):
     """Encode `values` * `scale` (scale >= 0) into `codes` with one (min, step) pair per block.
 
     Returns the number of non-finite inputs; when it is not 0 the output must not be sent.
     """
     cdef Py_ssize_t n = values.shape[0]
-    _check(n, codes.shape[0], min(mins.shape[0], steps.shape[0]), block)
+    _check(n, codes.shape[0], min(mins.shape[0], steps.shape[0]), block, bits)
     if not scale >= 0:
         raise ValueError(f"scale must be >= 0, got {scale}")
     cdef Py_ssize_t b, start, length
@@ -205,13 +266,19 @@ def quantize(const float[::1] values, unsigned char[::1] codes, float[::1] mins,
     for b in prange(_num_blocks(n, block), nogil=True, schedule="static", num_threads=team):
         start = b * block
         length = block if start + block <= n else n - start
-        bad += _encode_block(source + start, length, scale, target + start, min_out + b, step_out + b)
+        bad += _encode_block(source + start, length, scale, target + _code_at(start, bits), min_out + b,
+                             step_out + b, bits)
     return bad
+
+
+cdef inline Py_ssize_t _code_at(Py_ssize_t value, int bits) noexcept nogil:
+    """The byte where the code of value number `value` (the first of a block) starts."""
+    return value if bits == 8 else value // 2
 
 
 def scaled_add_quantize(const float[::1] own, float scale, const unsigned char[::1] in_codes,
                         const float[::1] in_mins, const float[::1] in_steps, unsigned char[::1] codes,
-                        float[::1] mins, float[::1] steps, Py_ssize_t block, int threads=0):
+                        float[::1] mins, float[::1] steps, Py_ssize_t block, int threads=0, int bits=8):
     """Encode own * scale + decode(in) block by block: one ring hop in one pass over memory.
 
     The sum of a block is formed in a small per-thread scratch buffer (in cache) and encoded at once;
@@ -219,8 +286,8 @@ def scaled_add_quantize(const float[::1] own, float scale, const unsigned char[:
     Returns the number of non-finite sums (then the output must not be sent).
     """
     cdef Py_ssize_t n = own.shape[0]
-    _check(n, codes.shape[0], min(mins.shape[0], steps.shape[0]), block)
-    _check(n, in_codes.shape[0], min(in_mins.shape[0], in_steps.shape[0]), block)
+    _check(n, codes.shape[0], min(mins.shape[0], steps.shape[0]), block, bits)
+    _check(n, in_codes.shape[0], min(in_mins.shape[0], in_steps.shape[0]), block, bits)
     if not scale >= 0:
         raise ValueError(f"scale must be >= 0, got {scale}")
     if n == 0:
@@ -244,10 +311,24 @@ def scaled_add_quantize(const float[::1] own, float scale, const unsigned char[:
         for b in prange(_num_blocks(n, block), schedule="static"):
             start = b * block
             length = block if start + block <= n else n - start
-            p2p_scaled_add(mine + start, scale, received + start, received_min[b], received_step[b],
-                           local, length)
-            bad += _encode_block(local, length, 1, target + start, min_out + b, step_out + b)
+            if bits == 8:
+                p2p_scaled_add(mine + start, scale, received + start, received_min[b], received_step[b],
+                               local, length)
+            else:
+                p2p_decode4(received + start // 2, length, received_min[b], received_step[b], local, 0)
+                _scale_add(mine + start, scale, local, length)
+            bad += _encode_block(local, length, 1, target + _code_at(start, bits), min_out + b,
+                                 step_out + b, bits)
     return bad
+
+
+cdef inline void _scale_add(const float* own, float scale, float* acc, Py_ssize_t n) noexcept nogil:
+    """acc[i] = own[i] * scale + acc[i]: the 4-bit hop's sum, in the 8-bit hop's order of operations."""
+    cdef Py_ssize_t i
+    cdef float mine
+    for i in range(n):
+        mine = own[i] * scale
+        acc[i] = mine + acc[i]
 
 
 cdef inline int _team(int threads) noexcept nogil:
@@ -256,7 +337,7 @@ cdef inline int _team(int threads) noexcept nogil:
 
 
 cdef void _decode(const unsigned char[::1] codes, const float[::1] mins, const float[::1] steps,
-                  float[::1] out, Py_ssize_t block, bint accumulate, int threads) noexcept nogil:
+                  float[::1] out, Py_ssize_t block, bint accumulate, int threads, int bits) noexcept nogil:
     cdef Py_ssize_t n = out.shape[0], b, start
     if n == 0:
         return
@@ -265,21 +346,25 @@ cdef void _decode(const unsigned char[::1] codes, const float[::1] mins, const f
     cdef int team = _team(threads)
     for b in prange(_num_blocks(n, block), schedule="static", num_threads=team):
         start = b * block
-        p2p_decode(source + start, block if start + block <= n else n - start, mins[b], steps[b],
-                   target + start, accumulate)
+        if bits == 8:
+            p2p_decode(source + start, block if start + block <= n else n - start, mins[b], steps[b],
+                       target + start, accumulate)
+        else:
+            p2p_decode4(source + start // 2, block if start + block <= n else n - start, mins[b], steps[b],
+                        target + start, accumulate)
 
 
 def dequantize(const unsigned char[::1] codes, const float[::1] mins, const float[::1] steps,
-               float[::1] out, Py_ssize_t block, int threads=0):
+               float[::1] out, Py_ssize_t block, int threads=0, int bits=8):
     """out[i] = min[b] + code[i] * step[b]."""
-    _check(out.shape[0], codes.shape[0], min(mins.shape[0], steps.shape[0]), block)
+    _check(out.shape[0], codes.shape[0], min(mins.shape[0], steps.shape[0]), block, bits)
     with nogil:
-        _decode(codes, mins, steps, out, block, False, threads)
+        _decode(codes, mins, steps, out, block, False, threads, bits)
 
 
 def dequantize_add(const unsigned char[::1] codes, const float[::1] mins, const float[::1] steps,
-                   float[::1] acc, Py_ssize_t block, int threads=0):
+                   float[::1] acc, Py_ssize_t block, int threads=0, int bits=8):
     """acc[i] += min[b] + code[i] * step[b]: the fp32 accumulation of one ring hop."""
-    _check(acc.shape[0], codes.shape[0], min(mins.shape[0], steps.shape[0]), block)
+    _check(acc.shape[0], codes.shape[0], min(mins.shape[0], steps.shape[0]), block, bits)
     with nogil:
-        _decode(codes, mins, steps, acc, block, True, threads)
+        _decode(codes, mins, steps, acc, block, True, threads, bits)

@@ -1,6 +1,7 @@
-"""Types of the compiled int8 kernels (cython_ext/kernels.pyx); buffers are 1-D C-contiguous arrays.
+"""Types of the compiled int8/int4 kernels (cython_ext/kernels.pyx); buffers are 1-D C-contiguous arrays.
 
-Every function checks its buffers' lengths against `block` (ValueError) and works in place.
+Every function checks its buffers' lengths against `block` and `bits` (ValueError) and works in place;
+`bits` is 8 (a byte per code) or 4 (two codes per byte, low nibble first; even blocks only).
 """
 
 import numpy as np
@@ -10,8 +11,16 @@ _F32 = npt.NDArray[np.float32]
 _U8 = npt.NDArray[np.uint8]
 
 def max_threads() -> int: ...
+def code_bytes(n: int, bits: int) -> int: ...
 def quantize(
-    values: _F32, codes: _U8, mins: _F32, steps: _F32, block: int, scale: float = 1, threads: int = 0
+    values: _F32,
+    codes: _U8,
+    mins: _F32,
+    steps: _F32,
+    block: int,
+    scale: float = 1,
+    threads: int = 0,
+    bits: int = 8,
 ) -> int:
     """Encode values * scale into codes, one (min, step) per block; returns non-finite inputs."""
 
@@ -26,8 +35,13 @@ def scaled_add_quantize(
     steps: _F32,
     block: int,
     threads: int = 0,
+    bits: int = 8,
 ) -> int:
     """Encode own * scale + decode(in) block by block; returns non-finite sums."""
 
-def dequantize(codes: _U8, mins: _F32, steps: _F32, out: _F32, block: int, threads: int = 0) -> None: ...
-def dequantize_add(codes: _U8, mins: _F32, steps: _F32, acc: _F32, block: int, threads: int = 0) -> None: ...
+def dequantize(
+    codes: _U8, mins: _F32, steps: _F32, out: _F32, block: int, threads: int = 0, bits: int = 8
+) -> None: ...
+def dequantize_add(
+    codes: _U8, mins: _F32, steps: _F32, acc: _F32, block: int, threads: int = 0, bits: int = 8
+) -> None: ...

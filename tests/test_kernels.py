@@ -1,4 +1,4 @@
-"""The compiled int8 kernels against the NumPy reference implementation."""
+"""The compiled int8 and int4 kernels against the NumPy reference implementation."""
 
 from __future__ import annotations
 
@@ -22,40 +22,45 @@ from p2ptrain.comm.quant import (
     reference_quantize,
 )
 
+BITS = pytest.mark.parametrize("bits", [8, 4])
 
+
+@BITS
 @pytest.mark.parametrize("n", [1, 255, 256, 257, 10_007, 1 << 16])
 @pytest.mark.parametrize("block", [16, 256, 1000])
-def test_kernels_match_the_reference_bit_for_bit(n: int, block: int):
+def test_kernels_match_the_reference_bit_for_bit(n: int, block: int, bits: int):
     values = np.random.default_rng(n + block).standard_normal(n).astype(np.float32)
-    encoded, expected = quantize(values, block), reference_quantize(values, block)
+    encoded, expected = quantize(values, block, bits=bits), reference_quantize(values, block, bits)
     assert np.array_equal(encoded.codes, expected.codes)
     assert np.array_equal(encoded.mins, expected.mins) and np.array_equal(encoded.steps, expected.steps)
     assert np.array_equal(dequantize(encoded), reference_dequantize(expected))
 
 
+@BITS
 @pytest.mark.parametrize("n", [1, 257, 10_007])
 @pytest.mark.parametrize("scale", [0.0, 1 / 3, 0.7, 1.0])
-def test_scaled_encoding_equals_encoding_the_multiplied_vector(n: int, scale: float):
+def test_scaled_encoding_equals_encoding_the_multiplied_vector(n: int, scale: float, bits: int):
     """The ring encodes weight × values in one pass; the bytes must be those of the two steps."""
     values = np.random.default_rng(n).standard_normal(n).astype(np.float32)
-    expected = reference_quantize(np.multiply(values, np.float32(scale)), 256)
-    encoded = quantize(values, 256, scale=scale)
+    expected = reference_quantize(np.multiply(values, np.float32(scale)), 256, bits)
+    encoded = quantize(values, 256, scale=scale, bits=bits)
     assert np.array_equal(encoded.codes, expected.codes)
     assert np.array_equal(encoded.mins, expected.mins) and np.array_equal(encoded.steps, expected.steps)
 
 
+@BITS
 @pytest.mark.parametrize("n", [1, 300, 10_007])
 @pytest.mark.parametrize("block", [16, 256])
-def test_a_fused_ring_hop_equals_its_three_steps(n: int, block: int):
+def test_a_fused_ring_hop_equals_its_three_steps(n: int, block: int, bits: int):
     """add_encode_payload = multiply, dequantize_add, quantize — byte for byte, with the wire layout."""
     rng = np.random.default_rng(n)
     own, other = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
-    received = decode_payload(encode_payload(other, block), n, block)
+    received = decode_payload(encode_payload(other, block, bits=bits), n, block, bits)
     partial = np.multiply(own, np.float32(0.25))
     partial += reference_dequantize(received)
-    expected = reference_quantize(partial, block)
-    out = bytearray(len(encode_payload(own, block)))
-    fused = decode_payload(add_encode_payload(own, 0.25, received, threads=1, out=memoryview(out)), n, block)
+    expected = reference_quantize(partial, block, bits)
+    out = memoryview(bytearray(len(encode_payload(own, block, bits=bits))))
+    fused = decode_payload(add_encode_payload(own, 0.25, received, threads=1, out=out), n, block, bits)
     assert np.array_equal(fused.codes, expected.codes)
     assert np.array_equal(fused.mins, expected.mins) and np.array_equal(fused.steps, expected.steps)
     with pytest.raises(ValueError, match="output of"):
@@ -65,20 +70,22 @@ def test_a_fused_ring_hop_equals_its_three_steps(n: int, block: int):
         add_encode_payload(own, 0.25, received)
 
 
-def test_error_is_within_half_a_step():
+@pytest.mark.parametrize(("bits", "relative"), [(8, 0.01), (4, 0.12)])
+def test_error_is_within_half_a_step(bits: int, relative: float):
     values = np.random.default_rng(0).standard_normal(100_000).astype(np.float32)
-    encoded = quantize(values, 256)
+    encoded = quantize(values, 256, bits=bits)
     error = np.abs(dequantize(encoded) - values)
     step = np.repeat(encoded.steps, 256)[: values.size]
     assert np.all(error <= step * 0.5 + 1e-6)
-    assert np.linalg.norm(dequantize(encoded) - values) / np.linalg.norm(values) < 0.01
+    assert np.linalg.norm(dequantize(encoded) - values) / np.linalg.norm(values) < relative
 
 
-def test_dequantize_add_accumulates_in_place():
+@BITS
+def test_dequantize_add_accumulates_in_place(bits: int):
     rng = np.random.default_rng(1)
-    values, acc = rng.standard_normal(5000).astype(np.float32), rng.standard_normal(5000).astype(np.float32)
-    expected = acc + reference_dequantize(reference_quantize(values, 256))
-    result = dequantize_add(quantize(values, 256), acc)
+    values, acc = rng.standard_normal(5001).astype(np.float32), rng.standard_normal(5001).astype(np.float32)
+    expected = acc + reference_dequantize(reference_quantize(values, 256, bits))
+    result = dequantize_add(quantize(values, 256, bits=bits), acc)
     assert result is acc and np.array_equal(acc, expected)
 
 
@@ -108,13 +115,14 @@ def test_constant_blocks_are_exact():
     assert np.array_equal(dequantize(quantize(values, 256)), values)
 
 
+@BITS
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("position", [0, 256, 500, 997, 999])  # block starts, vector body, scalar tail
-def test_non_finite_values_are_refused(bad: float, position: int):
+def test_non_finite_values_are_refused(bad: float, position: int, bits: int):
     values = np.zeros(1000, np.float32)
     values[position] = bad
     with pytest.raises(NonFiniteError, match="1 non-finite"):
-        quantize(values, 256)
+        quantize(values, 256, bits=bits)
 
 
 def test_shape_errors_are_caught():
@@ -128,6 +136,12 @@ def test_shape_errors_are_caught():
         )
     with pytest.raises(TypeError):
         quantize(values.astype(np.float64), 16)
+    with pytest.raises(ValueError, match="even number"):
+        quantize(values, 15, bits=4)  # a 4-bit block must start on a byte
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        quantize(values, 16, bits=2)
+    with pytest.raises(ValueError, match="of 4 bits"):
+        _kernels.quantize(values, np.empty(100, np.uint8), out.mins, out.steps, 16, 1, 0, 4)
 
 
 def test_works_on_torch_tensors_without_copies():
