@@ -1,6 +1,7 @@
 """The int8 ring all-reduce against torch.distributed gloo (fp32), 3 member processes.
 
     python -m benchmarks.allreduce --json [--mib 64] [--rounds 5] [--bandwidth MBIT] [--connections M]
+                                   [--bits 4]
 
 Every member holds its own N(0,1) fp32 vector. A gloo barrier starts each round; a round's time is
 the slowest member's, and the figures are medians over the rounds (each round's own time is in
@@ -8,7 +9,8 @@ the slowest member's, and the figures are medians over the rounds (each round's 
 L2 error against the exact fp32 mean. Without --bandwidth the members talk over 127.0.0.1; with it,
 each runs in its own network namespace whose uplink tc limits to MBIT, and `link_util` = (ideal wire
 time of the int8 ring at that bandwidth) / (measured time). --connections M gives the ring M
-parallel TCP connections per neighbour (comm.connections).
+parallel TCP connections per neighbour (comm.connections); --bits 4 sends 4-bit codes (comm.bits;
+the `int8_ring_*` figures are then those of the 4-bit ring).
 """
 
 from __future__ import annotations
@@ -39,7 +41,14 @@ def _data(rank: int, length: int) -> np.ndarray:
 
 
 def worker(
-    rank: int, host: str, master: str, length: int, rounds: int, out: Path, connections: int = 1
+    rank: int,
+    host: str,
+    master: str,
+    length: int,
+    rounds: int,
+    out: Path,
+    connections: int = 1,
+    bits: int = 8,
 ) -> None:
     """One member: `rounds` ring all-reduces, then `rounds` gloo all-reduces, timings to `out`."""
     import torch
@@ -53,7 +62,9 @@ def worker(
 
     async def ring_rounds() -> tuple[list[float], np.ndarray]:
         identity = load_or_create_identity(out.parent / f"id{rank}")
-        settings = RingSettings(block=BLOCK, failure_timeout=120, setup_timeout=60, connections=connections)
+        settings = RingSettings(
+            block=BLOCK, failure_timeout=120, setup_timeout=60, connections=connections, bits=bits
+        )
         server = DataPlaneServer(identity, settings)
         listen_host, port = await server.start(host)
         everyone: list[Any] = [None] * WORLD
@@ -113,7 +124,9 @@ def _run_members(commands: list[list[str]], root: Path, timeout: float) -> list[
     return json.loads((root / "times.json").read_text())
 
 
-def run(mib: int, rounds: int, bandwidth: float | None, connections: int = 1) -> dict[str, Any]:
+def run(
+    mib: int, rounds: int, bandwidth: float | None, connections: int = 1, bits: int = 8
+) -> dict[str, Any]:
     length = (mib << 20) // 4
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -138,6 +151,8 @@ def run(mib: int, rounds: int, bandwidth: float | None, connections: int = 1) ->
                 str(out),
                 "--connections",
                 str(connections),
+                "--bits",
+                str(bits),
             ]
 
         timeout = 120 + rounds * (4 * length * 8 / (bandwidth * 1e6) * 2 if bandwidth else 5)
@@ -167,6 +182,7 @@ def run(mib: int, rounds: int, bandwidth: float | None, connections: int = 1) ->
         "members": WORLD,
         "mib": mib,
         "connections": connections,
+        "bits": bits,
         "rounds": rounds,
         "int8_ring_s": round(ring_s, 4),
         "gloo_fp32_s": round(gloo_s, 4),
@@ -176,7 +192,7 @@ def run(mib: int, rounds: int, bandwidth: float | None, connections: int = 1) ->
         "gloo_fp32_rounds_s": [round(seconds, 4) for seconds in gloo_rounds],
     }
     if bandwidth is not None:
-        wire_bytes = 2 * (WORLD - 1) / WORLD * length * (1 + 8 / BLOCK)
+        wire_bytes = 2 * (WORLD - 1) / WORLD * length * (bits / 8 + 8 / BLOCK)
         ideal_s = wire_bytes * 8 / (bandwidth * 1e6)
         summary.update(
             bandwidth_mbit=bandwidth,
@@ -197,6 +213,7 @@ def main() -> None:
     arguments.add_argument(
         "--connections", type=int, default=1, metavar="M", help="TCP connections per ring neighbour"
     )
+    arguments.add_argument("--bits", type=int, choices=[8, 4], default=8, help="code width (comm.bits)")
     arguments.add_argument("--worker", type=int, help=argparse_hidden())
     arguments.add_argument("--host", help=argparse_hidden())
     arguments.add_argument("--master", help=argparse_hidden())
@@ -207,7 +224,14 @@ def main() -> None:
         arguments.error("--connections must be within 1..16")
     if args.worker is not None:
         worker(
-            args.worker, args.host, args.master, args.length, args.rounds, Path(args.out), args.connections
+            args.worker,
+            args.host,
+            args.master,
+            args.length,
+            args.rounds,
+            Path(args.out),
+            args.connections,
+            args.bits,
         )
         return
     # SIGTERM unwinds like Ctrl+C, so the network namespaces are always deleted
@@ -216,7 +240,7 @@ def main() -> None:
         report({"skipped": True, "reason": "--bandwidth needs root for network namespaces and tc"}, args.json)
         return
     try:
-        summary = run(args.mib, args.rounds, args.bandwidth, args.connections)
+        summary = run(args.mib, args.rounds, args.bandwidth, args.connections, args.bits)
     except Exception as exc:
         from benchmarks.netns import NamespacesUnavailable
 

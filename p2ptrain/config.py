@@ -229,8 +229,10 @@ class OuterConfig(Section):
 
 
 class CommConfig(Section):
-    quant_block: int = Field(256, ge=16, le=1 << 20)
-    """Values per (min, step) pair of the int8 code."""
+    quant_block: int = Field(256, ge=16, le=1 << 20, multiple_of=2)
+    """Values per (min, step) pair of the code (even: a 4-bit block starts on a byte)."""
+    bits: Literal[4, 8] = 8
+    """Code width on the wire: 8, or 4 (about half the bytes, about 17× the error; quant.py)."""
     chunk_bytes: int = Field(4 << 20, ge=1 << 12)
     """Pipelining unit of the ring all-reduce, in fp32 bytes (a quarter of that on the wire)."""
     connections: int = Field(1, ge=1, le=16)
@@ -273,7 +275,7 @@ class Config(Section):
     """Training settings each node may choose for itself (its hardware's), outside the digest."""
 
     RING_FIELDS: ClassVar[frozenset[str]] = frozenset(
-        {"quant_block", "chunk_bytes", "connections", "zstd", "topology", "clip"}
+        {"quant_block", "bits", "chunk_bytes", "connections", "zstd", "topology", "clip"}
     )
     """Data-plane settings every member of a ring must agree on (frame sizes, lanes, encoding)."""
 

@@ -30,6 +30,7 @@ class Outcome:
     link_rates: dict[int, float] | None = None
     """Peer index → bytes/s this member measured sending to it (RingStats.link_rates)."""
     attempts: int = 1
+    bytes_sent: int = 0
 
 
 def member_data(index: int, length: int, outlier: bool) -> np.ndarray:
@@ -99,7 +100,10 @@ def _member(
         np.save(Path(root) / f"result{index}.npy", buffer)
         keys = [member.key for member in members]
         rates = {keys.index(key): rate for key, rate in stats.link_rates.items()}
-        outcome = Outcome(index, True, "", time.monotonic() - started, link_rates=rates, attempts=attempts)
+        outcome = Outcome(
+            index, True, "", time.monotonic() - started, link_rates=rates, attempts=attempts,
+            bytes_sent=stats.bytes_sent,
+        )  # fmt: skip
         outbox.put(("done", outcome))
 
     asyncio.run(main())

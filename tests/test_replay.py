@@ -44,6 +44,20 @@ def test_replay_gives_the_members_bytes_exactly(result: tuple[np.ndarray, bytes]
     assert buffer.tobytes() == decoded.tobytes()
 
 
+def test_a_four_bit_result_replays_exactly_and_only_as_four_bits() -> None:
+    values = np.random.default_rng(4).standard_normal(5_001).astype(np.float32)
+    chunks = [(a, b, quant.encode_payload(values[a:b], BLOCK, bits=4)) for a, b in [(0, 4096), (4096, 5_001)]]
+    decoded = np.empty_like(values)
+    for start, stop, payload in chunks:
+        quant.dequantize(quant.decode_payload(payload, stop - start, BLOCK, 4), decoded[start:stop])
+    packed = pack_result(3, values.size, BLOCK, chunks, bits=4)
+    buffer = np.zeros_like(values)
+    unpack_into(packed, 3, buffer, BLOCK, bits=4)
+    assert buffer.tobytes() == decoded.tobytes()
+    with pytest.raises(ReplayError, match="bits"):
+        unpack_into(packed, 3, np.zeros_like(values), BLOCK)  # a node of the 8-bit run refuses it
+
+
 @pytest.mark.parametrize(
     ("mutate", "needle"),
     [

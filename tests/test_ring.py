@@ -54,6 +54,27 @@ def test_weighted_mean_is_bit_identical_on_every_member(tmp_path: Path, n: int, 
     assert relative_error(first, weighted_mean(inputs, weights)) <= bound
 
 
+@pytest.mark.parametrize(("n", "topology"), [(3, "ring"), (4, "butterfly")])
+def test_four_bit_codes_give_one_result_on_every_member_in_about_half_the_bytes(
+    tmp_path: Path, n: int, topology: str
+):
+    weights = [float(i + 1) for i in range(n)]
+    runs = {}
+    for bits in (8, 4):
+        settings = RingSettings(chunk_bytes=1 << 18, topology=topology, bits=bits)
+        work = tmp_path / f"bits{bits}"
+        outcomes, results, inputs = run_ring(work, n, 200_003, weights=weights, settings=settings)
+        assert all(outcome.ok for outcome in outcomes.values()) and len(results) == n, outcomes
+        first = results[0]
+        assert all(np.array_equal(first.view(np.uint32), other.view(np.uint32)) for other in results.values())
+        runs[bits] = (relative_error(first, weighted_mean(inputs, weights)), outcomes[0].bytes_sent)
+    (error8, sent8), (error4, sent4) = runs[8], runs[4]
+    assert error4 < 0.25 and error4 > 5 * error8, runs  # each encoding loses about 7-11 %
+    assert 0.5 < sent4 / sent8 < 0.6, runs  # codes halve, block parameters stay
+    with pytest.raises(ValueError, match="bits"):
+        RingSettings(bits=4, block=255)
+
+
 @pytest.mark.parametrize(("n", "topology", "connections"), [(3, "ring", 2), (5, "butterfly", 3)])
 def test_parallel_connections_per_peer(tmp_path: Path, n: int, topology: str, connections: int):
     """Chunks take the lanes in turn; more lanes than some segments have chunks leaves lanes idle."""

@@ -1,6 +1,6 @@
 """Catching up by replay: the encoded results of recent all-reduces, for nodes a step or two behind.
 
-Every member of outer step N decodes the same int8 bytes into its averaged pseudo-gradient
+Every member of outer step N decodes the same int8 (or int4) bytes into its averaged pseudo-gradient
 (comm/ring.py), so those bytes — about a quarter of the fp32 vector — are an exact record of the
 step. A node that fell behind (a joiner whose checkpoint download took longer than an outer step, a
 straggler left out of a step) fetches them from a member that did the step and takes the same
@@ -11,7 +11,7 @@ node whose hash then differs from the majority's fetches a full checkpoint (Trai
 off-track check).
 
 Served by the checkpoint sidecar as GET /delta/{step}: a u32 header length, a msgpack header
-{"step", "numel", "block", "chunks": [[start, stop], …]}, then each chunk's payload (quant.py's wire
+{"step", "numel", "block", "bits", "chunks": [[start, stop], …]}, then each chunk's payload (quant.py's wire
 encoding) in that order.
 """
 
@@ -42,22 +42,23 @@ class ReplayError(ValueError):
     """A stored result is malformed or not the one asked for."""
 
 
-def pack_result(step: int, numel: int, block: int, chunks: Sequence[tuple[int, int, quant.Buffer]]) -> bytes:
+def pack_result(
+    step: int, numel: int, block: int, chunks: Sequence[tuple[int, int, quant.Buffer]], bits: int = 8
+) -> bytes:
     """Serialize the encoded chunks (start, stop, payload) of step `step`'s result."""
     ordered = sorted(chunks, key=lambda chunk: chunk[0])
-    header = msgpack.packb(
-        {"step": step, "numel": numel, "block": block, "chunks": [[a, b] for a, b, _ in ordered]}
-    )
+    spans = [[a, b] for a, b, _ in ordered]
+    header = msgpack.packb({"step": step, "numel": numel, "block": block, "bits": bits, "chunks": spans})
     return b"".join([_HEADER_LENGTH.pack(len(header)), header, *(payload for _, _, payload in ordered)])
 
 
-def max_result_bytes(numel: int, block: int, chunk_values: int) -> int:
+def max_result_bytes(numel: int, block: int, chunk_values: int, bits: int = 8) -> int:
     """Upper bound on a packed result of `numel` values (for bounded reads)."""
     chunks = numel // max(1, chunk_values) + 64
-    return _HEADER_LENGTH.size + MAX_HEADER + quant.payload_size(numel, block) + 8 * chunks
+    return _HEADER_LENGTH.size + MAX_HEADER + quant.payload_size(numel, block, bits) + 8 * chunks
 
 
-def unpack_into(data: bytes, step: int, buffer: np.ndarray, block: int) -> None:
+def unpack_into(data: bytes, step: int, buffer: np.ndarray, block: int, bits: int = 8) -> None:
     """Decode a packed result of `step` into `buffer` (fp32, the whole vector); ReplayError if the
     data is malformed, of another step, or does not cover the vector exactly once."""
     if len(data) < _HEADER_LENGTH.size:
@@ -69,19 +70,20 @@ def unpack_into(data: bytes, step: int, buffer: np.ndarray, block: int) -> None:
     try:
         header = unpack_untrusted(data[_HEADER_LENGTH.size : body_start], MAX_HEADER, MAX_HEADER)
         chunks = [(int(a), int(b)) for a, b in header["chunks"]]
-        got = (int(header["step"]), int(header["numel"]), int(header["block"]))
+        got = (int(header["step"]), int(header["numel"]), int(header["block"]), int(header["bits"]))
     except Exception as exc:
         raise ReplayError(f"malformed header ({exc})") from None
-    if got != (step, buffer.shape[0], block):
-        raise ReplayError(f"result of (step, values, block) {got}, wanted {(step, buffer.shape[0], block)}")
+    wanted = (step, buffer.shape[0], block, bits)
+    if got != wanted:
+        raise ReplayError(f"result of (step, values, block, bits) {got}, wanted {wanted}")
     offset, position = body_start, 0
     decoded: list[tuple[int, int, quant.Encoded]] = []
     for start, stop in chunks:
         if start != position or stop <= start:
             raise ReplayError(f"chunk [{start}, {stop}) does not continue at {position}")
-        length = quant.payload_size(stop - start, block)
+        length = quant.payload_size(stop - start, block, bits)
         try:
-            encoded = quant.decode_payload(data[offset : offset + length], stop - start, block)
+            encoded = quant.decode_payload(data[offset : offset + length], stop - start, block, bits)
         except quant.PayloadError as exc:
             raise ReplayError(str(exc)) from None
         decoded.append((start, stop, encoded))
@@ -99,6 +101,7 @@ class StepResult:
     numel: int
     block: int
     chunks: Sequence[tuple[int, int, quant.Buffer]]
+    bits: int = 8
 
 
 class RecentResults:
@@ -121,7 +124,9 @@ class RecentResults:
     def packed(self, step: int) -> bytes | None:
         """The result of `step` in the /delta format, or None when it is not kept."""
         result = self._results.get(step)
-        return None if result is None else pack_result(step, result.numel, result.block, result.chunks)
+        if result is None:
+            return None
+        return pack_result(step, result.numel, result.block, result.chunks, result.bits)
 
 
 async def fetch_result(urls: Sequence[str], step: int, limit: int, timeout: float) -> bytes | None:

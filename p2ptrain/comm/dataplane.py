@@ -94,10 +94,14 @@ class RingSettings:
     helps on long fat links, where one TCP connection's window cannot fill the pipe."""
     clip: float = 0.0
     """Robust aggregation (> 0): see ring.py; it takes the butterfly."""
+    bits: int = 8
+    """Code width on the wire: 8, or 4 (two codes a byte; quant.py)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.connections <= MAX_LANES:
             raise ValueError(f"connections must be within 1..{MAX_LANES}, got {self.connections}")
+        if self.bits not in (4, 8) or (self.bits == 4 and self.block % 2):
+            raise ValueError(f"bits must be 8, or 4 with an even block: {self.bits} bits, block {self.block}")
 
 
 @dataclass
@@ -132,24 +136,6 @@ def shares(members: Sequence[RingMember]) -> list[float]:
         raise ValueError("member weights must be finite and non-negative")
     total = sum(weights)
     return [weight / total for weight in weights] if total > 0 else [1.0 / len(weights)] * len(weights)
-
-
-def segment_bounds(length: int, parts: int, align: int = 1) -> list[int]:
-    """Start offsets of `parts` near-equal segments of `length`, plus the end.
-
-    Boundaries fall on multiples of `align` (the code block), so every block of the vector is the
-    same block on every member and in every chunk, whatever the member count.
-    """
-    units = -(-length // align)
-    base, extra = divmod(units, parts)
-    bounds = [0]
-    for index in range(parts):
-        bounds.append(min(length, bounds[-1] + (base + (1 if index < extra else 0)) * align))
-    return bounds
-
-
-def chunk_bounds(start: int, stop: int, chunk: int) -> list[tuple[int, int]]:
-    return [(offset, min(offset + chunk, stop)) for offset in range(start, stop, chunk)] or [(start, start)]
 
 
 @dataclass

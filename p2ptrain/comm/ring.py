@@ -1,4 +1,4 @@
-"""The int8 all-reduce of one outer step, over authenticated TCP between members.
+"""The int8 (or int4: `bits`) all-reduce of one outer step, over authenticated TCP between members.
 
 Every member of step N calls `ring_all_reduce` with the same ordered member list. The flat fp32
 vector is cut into one segment per member (member i owns segment i+1 mod n) and each segment into
@@ -59,12 +59,11 @@ from p2ptrain.comm.dataplane import (
     RingSettings,
     RingStats,
     membership_digest,
-    segment_bounds,
     shares,
 )
 from p2ptrain.comm.handshake import HandshakeError, ViewsDiffer
 from p2ptrain.comm.quant import Buffer
-from p2ptrain.comm.schedule import FrameSpec, Schedule, choose_topology
+from p2ptrain.comm.schedule import FrameSpec, Schedule, choose_topology, segment_bounds
 from p2ptrain.comm.transfer import Slots, Transfer
 from p2ptrain.comm.wire import FrameError, PeerClosed, WireError
 from p2ptrain.identity import short_id
@@ -79,16 +78,9 @@ Frames that go out at once only show that the link kept up (the socket buffers a
 MIN_MEASURED_BYTES = 1 << 20
 
 __all__ = [
-    "AllReduceError",
-    "DataPlaneServer",
-    "RingMember",
-    "RingSettings",
-    "RingStats",
-    "choose_topology",
-    "ring_all_reduce",
-    "segment_bounds",
-    "shares",
-]
+    "AllReduceError", "DataPlaneServer", "RingMember", "RingSettings", "RingStats",
+    "choose_topology", "ring_all_reduce", "segment_bounds", "shares",
+]  # fmt: skip
 
 
 class _AllReduce:
@@ -110,15 +102,15 @@ class _AllReduce:
         self.fractions = [float(np.float32(share)) for share in shares(members)]
         self.share = self.fractions[index]
         self.settings = settings
-        self.block = settings.block
+        self.block, self.bits = settings.block, settings.bits
         self.step = step
         self.progress = progress
         behind_nat = sum(not member.reachable for member in members)
         self.schedule = Schedule.of(index, self.n, own.shape[0], settings, behind_nat)
         largest = max(stop - start for chunks in self.schedule.chunks for start, stop in chunks)
-        self.largest_payload = quant.payload_size(largest, self.block)
+        self.largest_payload = self._size(largest)
         self.max_payload = self.largest_payload + 64  # zstd may grow a payload a little
-        self.result = np.empty(quant.payload_size(own.shape[0], self.block), np.uint8)
+        self.result = np.empty(self._size(own.shape[0]), np.uint8)
         """The encoded result, each chunk at its place: received or encoded straight into it, so
         the bulk of the data is never copied and lands in one allocation (huge pages where the
         system has them) instead of fresh pages for every frame."""
@@ -164,9 +156,9 @@ class _AllReduce:
             payload: Buffer
             spare = None
             if phase == "rs" and (rnd == 0 or self.schedule.topology == "butterfly"):
-                out = memoryview(scratch)[: quant.payload_size(stop - start, self.block)]
+                out = memoryview(scratch)[: self._size(stop - start)]
                 payload = quant.encode_payload(
-                    self.own[start:stop], self.block, self.share, self.threads, out
+                    self.own[start:stop], self.block, self.share, self.threads, out, self.bits
                 )
             else:
                 payload, spare = self.slots.take((phase, rnd, chunk))
@@ -220,7 +212,7 @@ class _AllReduce:
             if frame.header.get("zstd"):
                 payload = self._decompress(decompressor, payload, stop - start)
             try:
-                encoded = quant.decode_payload(payload, stop - start, self.block)
+                encoded = quant.decode_payload(payload, stop - start, self.block, self.bits)
             except quant.PayloadError as exc:
                 raise FrameError(str(exc)) from None
             self._absorb(peer, phase, rnd, chunk, start, stop, encoded, payload)
@@ -238,7 +230,7 @@ class _AllReduce:
         """The buffer an expected frame's payload is received into: its place in the result for
         the all-gather, `scratch` for the reduce-scatter (used up before the next frame)."""
         phase, _, _, start, stop = spec
-        size = quant.payload_size(stop - start, self.block)
+        size = self._size(stop - start)
         if _identity(header) != self._expected(spec) or length != size or header.get("zstd"):
             return None  # a fresh buffer; the checks after the read refuse what is wrong
         return self.placed(start, stop) if phase == "ag" else scratch[:size]
@@ -263,7 +255,7 @@ class _AllReduce:
             own = self.own[start:stop]
             if rnd < self.n - 2:
                 spare = self._spare()
-                out = memoryview(spare)[: quant.payload_size(stop - start, self.block)]
+                out = memoryview(spare)[: self._size(stop - start)]
                 partial = quant.add_encode_payload(own, self.share, encoded, self.threads, out)
                 self.slots.put(("rs", rnd + 1, chunk), partial, spare)
             else:  # the last hop: this member owns the reduced chunk, encoded once for everyone
@@ -280,9 +272,8 @@ class _AllReduce:
                 quant.dequantize_add(encoded, self.partial[chunk], self.threads)
                 self.arrived[chunk] = self.arrived.get(chunk, 0) + 1
                 if self.arrived[chunk] == self.n - 1:
-                    final = quant.encode_payload(
-                        self.partial.pop(chunk), self.block, 1.0, self.threads, self.placed(start, stop)
-                    )
+                    summed, placed = self.partial.pop(chunk), self.placed(start, stop)
+                    final = quant.encode_payload(summed, self.block, 1.0, self.threads, placed, self.bits)
                     self._finish_chunk(chunk, start, stop, final)
 
     def _absorb_clipped(self, peer: int, chunk: int, start: int, stop: int, encoded: quant.Encoded) -> None:
@@ -300,19 +291,23 @@ class _AllReduce:
         with self.lock:
             for key in (self.keys[member] for member in clipped):
                 self.stats.clipped[key] = self.stats.clipped.get(key, 0) + 1
-        final = quant.encode_payload(total, self.block, 1.0, self.threads, self.placed(start, stop))
+        placed = self.placed(start, stop)
+        final = quant.encode_payload(total, self.block, 1.0, self.threads, placed, self.bits)
         self._finish_chunk(chunk, start, stop, final)
 
     def placed(self, start: int, stop: int) -> memoryview:
         """Where the encoded chunk [start, stop) lies in `result` (chunks start on a block boundary)."""
-        offset = start + 8 * (start // self.block)
-        return self.result.data[offset : offset + quant.payload_size(stop - start, self.block)]
+        offset = quant.code_bytes(start, self.bits) + 8 * (start // self.block)
+        return self.result.data[offset : offset + self._size(stop - start)]
 
     def _spare(self) -> bytearray:
         with self.lock:
             if self.spares:
                 return self.spares.pop()
         return bytearray(self.largest_payload)
+
+    def _size(self, length: int) -> int:
+        return quant.payload_size(length, self.block, self.bits)
 
     def _finish_chunk(self, chunk: int, start: int, stop: int, payload: Buffer) -> None:
         with self.lock:
@@ -325,14 +320,14 @@ class _AllReduce:
         if decompressor is None:
             raise FrameError("zstd frame, but zstd is off for this all-reduce")
         try:
-            return decompressor.decompress(payload, max_output_size=quant.payload_size(length, self.block))
+            return decompressor.decompress(payload, max_output_size=self._size(length))
         except zstandard.ZstdError as exc:
             raise FrameError(f"bad zstd payload: {exc}") from None
 
     def write_result(self, buffer: np.ndarray) -> None:
         """Decode every final chunk into `buffer`: the same bytes on every member, so the same floats."""
         chunks = [
-            (start, stop, quant.decode_payload(payload, stop - start, self.block))
+            (start, stop, quant.decode_payload(payload, stop - start, self.block, self.bits))
             for start, stop, payload in self.finals
         ]
         quant.dequantize_chunks(chunks, buffer)

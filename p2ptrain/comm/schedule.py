@@ -9,13 +9,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from p2ptrain.comm.dataplane import RingSettings, chunk_bounds, segment_bounds
+from p2ptrain.comm.dataplane import RingSettings
 
 Stream = list[tuple[str, int, int]]
 """What travels from one member to another, in order: (phase, round, segment) for every chunk of
 the segment. Phases: "rs" (reduce-scatter), "ag" (all-gather)."""
 FrameSpec = tuple[str, int, int, int, int]
 """One frame of a stream: (phase, round, chunk, start, stop)."""
+
+
+def segment_bounds(length: int, parts: int, align: int = 1) -> list[int]:
+    """Start offsets of `parts` near-equal segments of `length`, plus the end.
+
+    Boundaries fall on multiples of `align` (the code block), so every block of the vector is the
+    same block on every member and in every chunk, whatever the member count.
+    """
+    units = -(-length // align)
+    base, extra = divmod(units, parts)
+    bounds = [0]
+    for index in range(parts):
+        bounds.append(min(length, bounds[-1] + (base + (1 if index < extra else 0)) * align))
+    return bounds
+
+
+def chunk_bounds(start: int, stop: int, chunk: int) -> list[tuple[int, int]]:
+    return [(offset, min(offset + chunk, stop)) for offset in range(start, stop, chunk)] or [(start, start)]
+
 
 AUTO_RING_MAX_MEMBERS = 3
 

@@ -78,6 +78,7 @@ def ring_settings(config: Config) -> RingSettings:
         topology=comm.topology,
         connections=comm.connections,
         clip=comm.clip,
+        bits=comm.bits,
         setup_timeout=max(comm.failure_timeout, config.swarm.heartbeat_timeout),
     )
 

@@ -212,7 +212,8 @@ class SwarmLink(SoloSwarm):
                 await self._until_swarm_past(step)  # then the agent replays the others' result
             return Averaged(step, 0), f"given up: {exc}"
         seconds = time.monotonic() - started
-        self.results.add(step, StepResult(vector.shape[0], self.config.comm.quant_block, result.stats.result))
+        comm = self.config.comm
+        self.results.add(step, StepResult(vector.shape[0], comm.quant_block, result.stats.result, comm.bits))
         ring = [short_key(member.key) for member in result.election.members]
         averaged = Averaged(step, len(ring), ring, seconds, result.stats.bytes_sent)
         return averaged, f"sync {seconds:.2f} s, {result.stats.bytes_sent / 1e6:.2f} MB sent"
@@ -256,12 +257,12 @@ class SwarmLink(SoloSwarm):
         await self.training(step + 1)
         urls = [b.ckpt_addr.rstrip("/") for b in peers if b.outer_step > step and checkpoint_source(b)]
         comm = self.config.comm
-        limit = max_result_bytes(vector.shape[0], comm.quant_block, comm.chunk_bytes // 4)
+        limit = max_result_bytes(vector.shape[0], comm.quant_block, comm.chunk_bytes // 4, comm.bits)
         packed = await fetch_result(urls, step, limit, self.config.checkpoint.fetch_timeout)
         if packed is None:
             return False
         try:
-            await asyncio.to_thread(unpack_into, packed, step, vector, comm.quant_block)
+            await asyncio.to_thread(unpack_into, packed, step, vector, comm.quant_block, comm.bits)
         except ReplayError as exc:
             log.warning("result of step %d refused: %s", step, exc)
             return False
