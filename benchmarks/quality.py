@@ -8,7 +8,9 @@ servers on 127.0.0.1 in this process), (a') the same 2 nodes averaging in exact 
 alone (DiLoCo's outer step with itself). The loss that counts is measured on held-out batches
 (another shard of the corpus) with the outer parameters every node agrees on.
 
-Reports int8_vs_fp32_loss_ratio (target within 2 % of 1) and diloco_vs_single_loss_ratio (< 1).
+Reports int8_vs_fp32_loss_ratio (target within 2 % of 1) and diloco_vs_single_loss_ratio (< 1);
+and, (a'') the same 2 nodes with 4-bit codes (comm.bits = 4), bits4_vs_int8_loss_ratio (target
+within 1 % of 1).
 
 Robust aggregation, 3 nodes through the int8 all-reduce: (c) the plain weighted mean, (d) with
 `comm.clip` (2 unless set; butterfly, shares clipped at the owners), (e) the same with node 2
@@ -168,11 +170,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, (out / "quality.csv").open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["run", "outer_step", "inner_step", "train_loss", "eval_loss"])
-        int8 = fp32 = single = math.nan
+        int8 = int4 = fp32 = single = math.nan
         if not args.robust_only:
             ring = Int8Ring(2, Path(tmp))
             try:
                 int8 = run("2 nodes int8", config, 2, ring, Path(tmp), writer)
+            finally:
+                ring.close()
+            ring = Int8Ring(2, Path(tmp) / "int4", RingSettings(bits=4))
+            try:
+                int4 = run("2 nodes int4", config, 2, ring, Path(tmp), writer)
             finally:
                 ring.close()
             fp32 = run("2 nodes fp32", config, 2, exact_mean, Path(tmp), writer)
@@ -200,6 +207,8 @@ def main() -> None:
             "loss_single": rounded(single),
             "int8_vs_fp32_loss_ratio": rounded(int8 / fp32),
             "diloco_vs_single_loss_ratio": rounded(int8 / single),
+            "loss_int4": rounded(int4),
+            "bits4_vs_int8_loss_ratio": rounded(int4 / int8),
             "loss_3_mean": round(robust["3 nodes mean"], 4),
             "loss_3_clipped": round(robust["3 nodes clipped"], 4),
             "loss_poisoned_clipped": round(robust["3 nodes clipped, one poisoner x100"], 4),
