@@ -1,6 +1,6 @@
 """Does DiLoCo with int8 sync train as well as fp32 sync, and better than one node alone?
 
-    python -m benchmarks.quality --json [--steps 300] [--out DIR] [--set comm.clip=1.5] [--robust-only]
+    python -m benchmarks.quality --json [--steps 300] [--out DIR] [--set comm.clip=1.5] [--only robust|bits]
 
 On the `debug` config over the embedded corpus, three runs of the same number of inner steps per
 node: (a) 2 nodes averaging pseudo-gradients through the real int8 all-reduce (two data-plane
@@ -13,7 +13,7 @@ and, (a'') the same 2 nodes with 4-bit codes (comm.bits = 4), bits4_vs_int8_loss
 within 1 % of 1).
 
 Robust aggregation, 3 nodes through the int8 all-reduce: (c) the plain weighted mean, (d) with
-`comm.clip` (2 unless set; butterfly, shares clipped at the owners), (e) the same with node 2
+`comm.clip` (1 unless set; butterfly, shares clipped at the owners), (e) the same with node 2
 sending 100 × its pseudo-gradient from the first outer step, (f) that poisoner against the plain mean. Reports
 clipped_vs_mean_loss_ratio = d / c (target within 0.5 % of 1) and poisoned_vs_honest_loss_ratio =
 e / d (target ≤ 1.03), with loss_poisoned_unclipped for scale.
@@ -149,7 +149,7 @@ def plot(csv_path: Path, png_path: Path) -> bool:
 
 
 def rounded(value: float) -> float | None:
-    """None for a run left out (--robust-only): JSON has no NaN."""
+    """None for a run left out (--only): JSON has no NaN."""
     return None if math.isnan(value) else round(value, 4)
 
 
@@ -158,12 +158,14 @@ def main() -> None:
     cli.add_argument("--steps", type=int, default=300, help="inner steps per node (default %(default)s)")
     cli.add_argument("--out", default=".bench/quality", help="folder for quality.csv and quality.png")
     cli.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
-    cli.add_argument("--robust-only", action="store_true", help="only the 3-node robust aggregation runs")
+    cli.add_argument(
+        "--only", choices=["robust", "bits"], help="only the 3-node robust runs, or the int8 and int4 ones"
+    )
     args = cli.parse_args()
     torch.set_num_threads(2)
     overrides = [f"train.max_steps={args.steps}", "checkpoint.interval=0", 'checkpoint.staging=""', *args.set]
     config = load_config("debug", overrides=overrides)
-    clip = config.comm.clip or 2.0
+    clip = config.comm.clip or 1.0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -171,7 +173,7 @@ def main() -> None:
         writer = csv.writer(handle)
         writer.writerow(["run", "outer_step", "inner_step", "train_loss", "eval_loss"])
         int8 = int4 = fp32 = single = math.nan
-        if not args.robust_only:
+        if args.only != "robust":
             ring = Int8Ring(2, Path(tmp))
             try:
                 int8 = run("2 nodes int8", config, 2, ring, Path(tmp), writer)
@@ -182,16 +184,17 @@ def main() -> None:
                 int4 = run("2 nodes int4", config, 2, ring, Path(tmp), writer)
             finally:
                 ring.close()
+        if args.only is None:
             fp32 = run("2 nodes fp32", config, 2, exact_mean, Path(tmp), writer)
             single = run("1 node", config, 1, lambda buffers, weights, step: None, Path(tmp), writer)
-        robust = {}
         cases = {
             "3 nodes mean": (None, 1.0),
             "3 nodes clipped": (RingSettings(clip=clip), 1.0),
             "3 nodes clipped, one poisoner x100": (RingSettings(clip=clip), 100.0),
             "3 nodes mean, one poisoner x100": (None, 100.0),
         }
-        for name, (settings, poison) in cases.items():
+        robust = dict.fromkeys(cases, math.nan)
+        for name, (settings, poison) in cases.items() if args.only != "bits" else ():
             ring = Int8Ring(3, Path(tmp) / name.replace(" ", "-"), settings, poison)
             try:
                 robust[name] = run(name, config, 3, ring, Path(tmp), writer)
@@ -209,13 +212,13 @@ def main() -> None:
             "diloco_vs_single_loss_ratio": rounded(int8 / single),
             "loss_int4": rounded(int4),
             "bits4_vs_int8_loss_ratio": rounded(int4 / int8),
-            "loss_3_mean": round(robust["3 nodes mean"], 4),
-            "loss_3_clipped": round(robust["3 nodes clipped"], 4),
-            "loss_poisoned_clipped": round(robust["3 nodes clipped, one poisoner x100"], 4),
-            "loss_poisoned_unclipped": round(robust["3 nodes mean, one poisoner x100"], 4),
-            "clipped_vs_mean_loss_ratio": round(robust["3 nodes clipped"] / robust["3 nodes mean"], 4),
-            "poisoned_vs_honest_loss_ratio": round(
-                robust["3 nodes clipped, one poisoner x100"] / robust["3 nodes clipped"], 4
+            "loss_3_mean": rounded(robust["3 nodes mean"]),
+            "loss_3_clipped": rounded(robust["3 nodes clipped"]),
+            "loss_poisoned_clipped": rounded(robust["3 nodes clipped, one poisoner x100"]),
+            "loss_poisoned_unclipped": rounded(robust["3 nodes mean, one poisoner x100"]),
+            "clipped_vs_mean_loss_ratio": rounded(robust["3 nodes clipped"] / robust["3 nodes mean"]),
+            "poisoned_vs_honest_loss_ratio": rounded(
+                robust["3 nodes clipped, one poisoner x100"] / robust["3 nodes clipped"]
             ),
             "csv": str(out / "quality.csv"),
             "png": str(out / "quality.png") if plotted else None,
