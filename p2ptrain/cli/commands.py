@@ -59,13 +59,23 @@ def cmd_identity(args: argparse.Namespace) -> int:
 MAX_TICKET_DAYS = 3650
 
 
+def public_key_argument(text: str, what: str) -> bytes:
+    """An Ed25519 public key given on the command line, or a one-line UserError."""
+    from p2ptrain.swarm.admission import TicketError, parse_public_key
+
+    try:
+        return parse_public_key(text, what)
+    except TicketError as exc:
+        raise UserError(str(exc)) from None
+
+
 def cmd_admit(args: argparse.Namespace) -> int:
     """Create a run authority's key (`--new`), or print a ticket that admits NODE_KEY to its run."""
     import datetime
     import time
 
     from p2ptrain.identity import create_key_file, load_key_file
-    from p2ptrain.swarm.admission import TicketError, issue_ticket, parse_public_key
+    from p2ptrain.swarm.admission import issue_ticket
 
     path = Path(args.authority_key).expanduser()
     if args.new:
@@ -80,10 +90,7 @@ def cmd_admit(args: argparse.Namespace) -> int:
         raise UserError("admit needs the NODE_KEY to admit (as 'p2ptrain identity' prints it), or --new")
     if not 0 < args.days <= MAX_TICKET_DAYS:
         raise UserError(f"--days must be above 0 and at most {MAX_TICKET_DAYS}")
-    try:
-        node_key = parse_public_key(args.node_key, "NODE_KEY")
-    except TicketError as exc:
-        raise UserError(str(exc)) from None
+    node_key = public_key_argument(args.node_key, "NODE_KEY")
     authority = load_key_file(path)
     expires = time.time() + args.days * 86400
     until = datetime.datetime.fromtimestamp(expires, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -96,18 +103,12 @@ def cmd_admit(args: argparse.Namespace) -> int:
 
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:
-    from p2ptrain.swarm.admission import TicketError, parse_public_key
     from p2ptrain.swarm.bootstrap import DEFAULT_LISTEN, serve_bootstrap, start_bootstrap_dht
 
     listen = validate_listen(args.listen or [DEFAULT_LISTEN])
     announce = validate_listen(args.announce)
     validate_dashboard(args.dashboard)
-    authority = None
-    if args.run_authority:
-        try:
-            authority = parse_public_key(args.run_authority, "--run-authority")
-        except TicketError as exc:
-            raise UserError(str(exc)) from None
+    authority = public_key_argument(args.run_authority, "--run-authority") if args.run_authority else None
     dht = start_bootstrap_dht(Path(args.identity).expanduser(), listen, announce)
     with dht:
         run_until_signal(

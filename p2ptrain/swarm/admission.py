@@ -13,7 +13,7 @@ from __future__ import annotations
 import base64
 import binascii
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgpack
 
@@ -54,11 +54,19 @@ class Ticket:
 
 def issue_ticket(authority: NodeIdentity, node_key: bytes, expires: float) -> Ticket:
     unsigned = Ticket(authority.public_key, node_key, float(expires))
-    return Ticket(unsigned.authority, node_key, unsigned.expires, authority.sign(unsigned.message()))
+    return replace(unsigned, signature=authority.sign(unsigned.message()))
 
 
 def decode_ticket(data: bytes) -> Ticket:
     """Parse `data` and verify the authority's signature (not whom or until when it admits)."""
+    ticket = read_ticket(data)
+    if not verify(ticket.authority, ticket.signature, ticket.message()):
+        raise TicketError(f"ticket not signed by the authority it names ({short_id(ticket.authority)})")
+    return ticket
+
+
+def read_ticket(data: bytes) -> Ticket:
+    """Parse `data` without verifying the signature: for a ticket decode_ticket verified already."""
     if len(data) > MAX_TICKET_BYTES:
         raise TicketError(f"ticket of {len(data)} bytes exceeds {MAX_TICKET_BYTES}")
     try:
@@ -74,10 +82,7 @@ def decode_ticket(data: bytes) -> Ticket:
             raise TicketError("ticket with a malformed key or signature")
     if not isinstance(expires, float) or expires != expires:
         raise TicketError("ticket with a malformed expiry")
-    ticket = Ticket(authority, node_key, expires, signature)
-    if not verify(authority, signature, ticket.message()):
-        raise TicketError(f"ticket not signed by the authority it names ({short_id(authority)})")
-    return ticket
+    return Ticket(authority, node_key, expires, signature)
 
 
 def parse_ticket_text(text: str) -> Ticket:

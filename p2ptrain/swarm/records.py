@@ -10,6 +10,7 @@ can re-store an old record with a longer life.
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import logging
 from collections import OrderedDict
@@ -23,7 +24,7 @@ from hivemind.utils import get_dht_time
 
 import p2ptrain.swarm.quiet  # noqa: F401  (hivemind keeps quiet)
 from p2ptrain.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, NodeIdentity, short_id, verify
-from p2ptrain.swarm.admission import Ticket, TicketError, check_admits, decode_ticket
+from p2ptrain.swarm.admission import Ticket, TicketError, check_admits, decode_ticket, read_ticket
 from p2ptrain.untrusted import ThrottledLog, UndecodableError, unpack_untrusted
 
 log = logging.getLogger(__name__)
@@ -117,10 +118,10 @@ class Heartbeat:
     def digest(self) -> bytes:
         return hashlib.sha256(self.body()).digest()
 
-    @property
+    @functools.cached_property
     def admission(self) -> Ticket | None:
-        """The ticket, already verified by decode_heartbeat; None in an open run."""
-        return decode_ticket(self.ticket) if self.ticket else None
+        """The ticket (decode_heartbeat verified its signature), parsed once; None in an open run."""
+        return read_ticket(self.ticket) if self.ticket else None
 
     @property
     def key(self) -> str:
