@@ -35,7 +35,8 @@ import torch
 
 from benchmarks.common import parser, report
 from p2ptrain.channel import Averaged
-from p2ptrain.comm.dataplane import DataPlaneServer, RingMember, RingSettings
+from p2ptrain.comm.dataplane import DataPlaneServer, RingSettings
+from p2ptrain.comm.members import RingMember
 from p2ptrain.comm.ring import ring_all_reduce
 from p2ptrain.config import Config, load_config
 from p2ptrain.identity import load_or_create_identity

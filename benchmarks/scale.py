@@ -41,7 +41,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from benchmarks.common import parser, report
 from benchmarks.scale_drill import exponents, plot, run_swarm
 from p2ptrain.comm.connect import LanePlan
-from p2ptrain.comm.dataplane import RingSettings, membership_digest
+from p2ptrain.comm.dataplane import RingSettings
+from p2ptrain.comm.members import membership_digest
 from p2ptrain.comm.schedule import Schedule
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.swarm.dht import SwarmDHT

@@ -29,7 +29,9 @@ With --nat K (and --bandwidth) the first K nodes sit behind NAT routers of their
 masquerade, inbound dropped; --nodes defaults to 2K so the ring has room to keep them apart): the
 swarm runs twice, all public, then with the K behind NAT, and the result gives both runs' figures
 side by side ("public" and "nat"), with the fraction of outer steps in which the nodes behind NAT
-were members, and the ratio of the two outer overheads. Relays do not exist yet (relay_bytes 0).
+were members, the bytes the public nodes relayed between two of them (relay_bytes: an edge between
+two nodes behind NAT goes through a reachable member, comm/relay.py), and the ratio of the two
+outer overheads. At least one node must be public (--nodes ≥ K + 1).
 """
 
 from __future__ import annotations
@@ -151,7 +153,8 @@ def run(
         # outer records of the nodes behind NAT: `members` > 1 means they took part with the others
         with_others = [outer for outer in hidden if outer.get("members", 0) > 1]
         result["nat_member_fraction"] = round(len(with_others) / max(1, result["outer_steps"] * nat), 3)
-        result["relay_bytes"] = 0
+        relayed = [max((r.get("relayed_bytes", 0) for r in records[name]), default=0) for name in records]
+        result["relay_bytes"] = sum(relayed)
     if mbit:
         parameters = parameter_count(debug.model)
         ideal = ideal_wire_s(parameters, nodes, debug.comm.quant_block, mbit)
@@ -179,10 +182,8 @@ def main() -> None:
     if args.nat < 0 or (args.nat and not args.bandwidth):
         cli.error("--nat K needs K ≥ 0 and --bandwidth (the NAT routers are network namespaces)")
     nodes = args.nodes if args.nodes is not None else max(3, 2 * args.nat)
-    if args.nat and nodes < 2 * args.nat:
-        cli.error(
-            f"--nat {args.nat} needs --nodes ≥ {2 * args.nat} (one reachable node between two behind NAT)"
-        )
+    if args.nat and nodes < args.nat + 1:
+        cli.error(f"--nat {args.nat} needs --nodes ≥ {args.nat + 1} (a reachable node to relay through)")
     # SIGTERM unwinds like Ctrl+C, so the demo's processes stop and the namespaces are deleted
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.bandwidth and os.geteuid() != 0:

@@ -94,6 +94,8 @@ class Averaged:
     """The buffer holds the result of an all-reduce the swarm did without this node (ckpt/replay.py).
     The swarm is then already in its next inner phase: the node takes that step without inner steps,
     with weight 0, so it is in time to be a member of it."""
+    relayed_bytes: int = 0
+    """Bytes this node has relayed so far between members behind NAT (comm/relay.py)."""
     kind: ClassVar[str] = "averaged"
 
 

@@ -70,6 +70,8 @@ class NodeConfig(Section):
     """URL others fetch checkpoints from; default: http://<data-plane host>:<ckpt_port>."""
     dashboard: str = ""
     """Serve the status page at PORT (127.0.0.1) or HOST:PORT; empty: no page."""
+    relay_mbps: float = Field(100.0, gt=0, le=100000)
+    """Cap on the bytes this node relays between members behind NAT, in Mbit/s (both ways)."""
     ticket: str = ""
     """This node's admission ticket for a closed run (`p2ptrain admit` prints it)."""
     nproc: int = Field(0, ge=0, le=64)

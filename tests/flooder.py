@@ -1,6 +1,6 @@
 """A flooding client against one node's data port, run as its own process by the tests.
 
-    python -m tests.flooder --target HOST:PORT --mode idle|hellos|reaches|forged [--count N]
+    python -m tests.flooder --target HOST:PORT --mode idle|hellos|reaches|forged|relays [--count N]
                             [--source 127.0.0.2] [--claim KEY]
 
 - `idle`: keeps `count` TCP connections open that never send a byte, opening a new one whenever
@@ -13,6 +13,9 @@
   key, which it cannot sign for), `count` connections at a time, each held open as long as the node
   lets it: hellos from a member that dials early wait for the node to reach the step. It learns the
   node's step from the node's own refusal of a hello for step 10⁹.
+- `relays`: keeps asking the node (whose key `--claim` gives) to relay an edge of its current or
+  next outer step, each request validly signed by a fresh key, for a membership nobody has: a
+  stranger trying to hold the slots where members behind NAT wait for their relay.
 
 Connections come from `--source` (another loopback address than the honest nodes' 127.0.0.1, as a
 stranger's would come from another host). It runs until SIGTERM and prints one line per second:
@@ -29,8 +32,13 @@ import re
 import secrets
 import signal
 import sys
+from pathlib import Path
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from p2ptrain.comm.relay import RelayRequest
 from p2ptrain.comm.wire import encode_frame
+from p2ptrain.identity import NodeIdentity
 
 FAR_STEP = 10**9
 
@@ -47,6 +55,14 @@ def hello(step: int = FAR_STEP, key: bytes | None = None) -> bytes:
         "ephemeral": secrets.token_bytes(32),
     }
     return b"".join(bytes(part) for part in encode_frame(header))
+
+
+def relay_request(step: int, relay: bytes) -> bytes:
+    stranger = NodeIdentity(Ed25519PrivateKey.generate(), Path("stranger"))
+    request = RelayRequest(
+        step, 0, secrets.token_bytes(32), stranger.public_key, secrets.token_bytes(32), 0, "send", relay
+    )
+    return b"".join(bytes(part) for part in encode_frame(request.header(stranger)))
 
 
 def reach_request() -> bytes:
@@ -93,6 +109,8 @@ class Flood:
                 writer.write(hello(self.step + 1, bytes.fromhex(self.args.claim)))
             elif self.args.mode == "reaches":
                 writer.write(reach_request())
+            elif self.args.mode == "relays":
+                writer.write(relay_request(self.step + secrets.randbelow(2), bytes.fromhex(self.args.claim)))
             with contextlib.suppress(OSError):
                 await reader.read()  # until the node closes it
             self.held -= 1
@@ -104,7 +122,7 @@ class Flood:
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         tasks = [asyncio.create_task(self.one()) for _ in range(self.args.count)]
-        if self.args.mode == "forged":
+        if self.args.mode in ("forged", "relays"):
             tasks.append(asyncio.create_task(self.learn_step()))
         while not stop.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
@@ -118,8 +136,10 @@ class Flood:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", required=True)
-    parser.add_argument("--mode", choices=["idle", "hellos", "reaches", "forged"], default="idle")
-    parser.add_argument("--claim", default="", metavar="KEY", help="forged: the member key to claim")
+    parser.add_argument("--mode", choices=["idle", "hellos", "reaches", "forged", "relays"], default="idle")
+    parser.add_argument(
+        "--claim", default="", metavar="KEY", help="forged: the member key to claim; relays: the node's"
+    )
     parser.add_argument("--count", type=int, default=500)
     parser.add_argument("--source", default="127.0.0.2")
     args = parser.parse_args()

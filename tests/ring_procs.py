@@ -31,6 +31,8 @@ class Outcome:
     """Peer index → bytes/s this member measured sending to it (RingStats.link_rates)."""
     attempts: int = 1
     bytes_sent: int = 0
+    relayed: int = 0
+    """Bytes this member copied for edges between two others behind NAT (relay.py)."""
 
 
 def member_data(index: int, length: int, outlier: bool) -> np.ndarray:
@@ -102,7 +104,7 @@ def _member(
         rates = {keys.index(key): rate for key, rate in stats.link_rates.items()}
         outcome = Outcome(
             index, True, "", time.monotonic() - started, link_rates=rates, attempts=attempts,
-            bytes_sent=stats.bytes_sent,
+            bytes_sent=stats.bytes_sent, relayed=server.relay.bytes_relayed,
         )  # fmt: skip
         outbox.put(("done", outcome))
 

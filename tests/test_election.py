@@ -11,7 +11,8 @@ from dataclasses import replace
 import pytest
 
 from p2ptrain.comm.connect import dial_member
-from p2ptrain.comm.dataplane import DataPlaneServer, RingMember, RingSettings, membership_digest
+from p2ptrain.comm.dataplane import DataPlaneServer, RingSettings
+from p2ptrain.comm.members import RingMember, membership_digest
 from p2ptrain.identity import load_or_create_identity
 from p2ptrain.swarm.election import (
     LINKS_FIELD,

@@ -3,11 +3,14 @@ out, nobody dials in, and they are members of every step all the same."""
 
 from __future__ import annotations
 
+import re
+import sys
 from collections.abc import Iterator
 
 import pytest
 
-from tests.helpers import LocalSwarm
+from p2ptrain.identity import load_or_create_identity
+from tests.helpers import LocalSwarm, wait_until
 from tests.netlab import NetLab, leftover_namespaces, missing
 from tests.test_drill import assert_agreement, drill_args, finish
 from tests.test_train_node import outer_records
@@ -30,12 +33,12 @@ def lab() -> Iterator[NetLab]:
     assert leftover_namespaces(network.tag) == []
 
 
-def start_drill_swarm(lab: NetLab, swarm: LocalSwarm, steps: int, homes: int) -> list[str]:
-    """A bootstrap peer and two public drill nodes in the public network, `homes` behind NAT."""
+def start_drill_swarm(lab: NetLab, swarm: LocalSwarm, steps: int, homes: int, public: int = 2) -> list[str]:
+    """A bootstrap peer and `public` drill nodes in the public network, `homes` behind NAT."""
     swarm.start_bootstrap(listen=f"/ip4/{lab.public_ip}/tcp/0", prefix=lab.run_in(lab.public))
-    nodes = 2 + homes
+    nodes = public + homes
     drill = [*drill_args(steps, nodes), "--drill-size", "50000"]
-    placed = [("node0", lab.public), ("node1", lab.public)]
+    placed = [(f"node{index}", lab.public) for index in range(public)]
     placed += [(f"home{index}", lab.homes[index]) for index in range(homes)]
     for name, namespace in placed:
         swarm.start_node(name, None, *drill, prefix=lab.run_in(namespace), listen=ANYWHERE)
@@ -45,9 +48,9 @@ def start_drill_swarm(lab: NetLab, swarm: LocalSwarm, steps: int, homes: int) ->
 def test_volunteers_behind_nat_are_members_of_every_drill_step(lab: NetLab, swarm: LocalSwarm):
     """Two public nodes, two behind different NAT routers. Each of those learns from a dial-back
     probe that it cannot be reached, says so in its record, and dials its own connections
-    (connection reversal); as they cannot reach each other, the ring keeps them apart. Every step
-    has every member. The public nodes announce the address the others see (not 127.0.0.1), and
-    status shows who is where."""
+    (connection reversal) and goes on as a DHT client; as they cannot reach each other, the ring
+    keeps them apart. Every step has every member. The public nodes announce the address the
+    others see (not 127.0.0.1), and status shows who is where."""
     homes = 2
     names = start_drill_swarm(lab, swarm, 6, homes=homes)
     logs = finish(swarm, names)
@@ -56,10 +59,52 @@ def test_volunteers_behind_nat_are_members_of_every_drill_step(lab: NetLab, swar
     members = [entry["members"] for entry in logs["node0"]]
     assert all(len(entry) == 2 + homes for entry in members), members
     assert all("not reachable from outside" in swarm.log(f"home{index}") for index in range(homes))
+    # nobody can dial their DHT peers either: they go on as DHT clients, publishing through the others
+    assert all("DHT goes on as a client" in swarm.log(f"home{index}") for index in range(homes))
+    assert not any("DHT goes on as a client" in swarm.log(f"node{index}") for index in range(2))
     nodes = swarm.status(prefix=lab.run_in(lab.public))["nodes"]  # their last records
     assert sorted(node["reach"] for node in nodes) == ["closed"] * homes + ["open", "open"], nodes
     public = [node for node in nodes if node["reach"] == "open"]
     assert all(node["data_addr"].startswith(f"{lab.public_ip}:") for node in public), nodes
+
+
+def test_two_volunteers_behind_nat_reach_each_other_through_a_relay(lab: NetLab, swarm: LocalSwarm):
+    """One public node, two behind different NAT routers: in a ring of three the two are neighbours,
+    and neither can dial the other, so their edge goes through the public node (relay.py). Every
+    step has all three members and one hash, and the public node counts the bytes it relayed."""
+    names = start_drill_swarm(lab, swarm, 6, homes=2, public=1)
+    logs = finish(swarm, names)
+    assert all(len(log) == 6 for log in logs.values()), {name: len(log) for name, log in logs.items()}
+    assert_agreement(logs, range(6))
+    assert all(len(entry["members"]) == 3 for entry in logs["node0"]), logs["node0"]
+    relayed = [entry["relayed_bytes"] for entry in logs["node0"]]
+    assert relayed == sorted(relayed) and relayed[-1] >= 6 * 50_000 // 3 // 4, relayed  # ≥ ¼ B/value
+    assert all(entry["relayed_bytes"] == 0 for name in ("home0", "home1") for entry in logs[name])
+
+
+def test_a_flood_of_relay_requests_does_not_keep_the_relayed_edge_down(lab: NetLab, swarm: LocalSwarm):
+    """The same three, and a stranger in the public network asking the relay, 300 connections at a
+    time, to relay edges of its current or next step (valid signatures of fresh keys, memberships
+    nobody has): each request is refused or waits bounded in the strangers' share, and the two
+    volunteers' edge goes through the relay in every step the flood covers."""
+    names = start_drill_swarm(lab, swarm, 8, homes=2, public=1)
+    wait_until(lambda: "data plane on port" in swarm.log("node0"), timeout=60, what="node0's data plane")
+    port = re.search(r"data plane on port (\d+)", swarm.log("node0"))
+    assert port is not None
+    relay = load_or_create_identity(swarm.root / "node0").public_key.hex()
+    flood = ["--mode", "relays", "--claim", relay, "--count", "300", "--source", lab.public_ip]
+    flood += ["--target", f"{lab.public_ip}:{port.group(1)}"]
+    swarm.children.spawn(
+        "flooder",
+        [*lab.run_in(lab.public), sys.executable, "-m", "tests.flooder", *flood],
+        swarm.root / "flooder.log",
+    )
+    wait_until(lambda: re.search(r"step [1-9]", swarm.log("flooder")), timeout=60, what="the flood's step")
+    logs = finish(swarm, names)
+    assert_agreement(logs, range(8))
+    assert all(len(entry["members"]) == 3 for entry in logs["node0"]), logs["node0"]
+    refusals = [line for line in swarm.log("node0").splitlines() if "relay request from" in line]
+    assert 0 < len(refusals) < 30, "refusals are logged, a few lines per 10 s"
 
 
 def test_a_training_node_behind_nat_contributes_to_every_outer_step(lab: NetLab, swarm: LocalSwarm):

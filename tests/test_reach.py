@@ -14,7 +14,7 @@ from p2ptrain.comm.reach import NONCE_BYTES, Reach
 from p2ptrain.comm.wire import read_frame, write_frame
 from p2ptrain.identity import load_or_create_identity
 from p2ptrain.procs import free_port
-from p2ptrain.swarm.election import NO_ROOM_BEHIND_NAT, decide, keep_apart
+from p2ptrain.swarm.election import decide, keep_apart
 from p2ptrain.swarm.records import Heartbeat, NodeState
 
 
@@ -137,15 +137,15 @@ KEYS = [bytes([index]) * 32 for index in range(6)]
 
 def test_keep_apart_spreads_members_behind_nat_between_reachable_ones():
     order = [KEYS[0], KEYS[1], KEYS[2], KEYS[3]]
-    assert keep_apart(order, {KEYS[2]}) == (order, [])  # one alone never sits next to another
-    assert keep_apart(order, {KEYS[0], KEYS[2]}) == (order, [])  # apart already, wrap included
-    spread, no_room = keep_apart(order, {KEYS[0], KEYS[1]})
-    assert no_room == [] and spread == [KEYS[2], KEYS[0], KEYS[3], KEYS[1]]
-    spread, no_room = keep_apart(order, {KEYS[0], KEYS[1], KEYS[2]})
-    assert spread == [KEYS[3], KEYS[0]] and no_room == [KEYS[1], KEYS[2]]
-    # every pair connects (butterfly): one behind NAT at most
-    assert keep_apart(order, {KEYS[0], KEYS[2]}, pairwise=True) == ([KEYS[1], KEYS[0], KEYS[3]], [KEYS[2]])
-    assert keep_apart(order, set(order)) == (order, [])  # no reachable member: nothing to do here
+    assert keep_apart(order, {KEYS[2]}) == order  # one alone never sits next to another
+    assert keep_apart(order, {KEYS[0], KEYS[2]}) == order  # apart already, wrap included
+    assert keep_apart(order, {KEYS[0], KEYS[1]}) == [KEYS[2], KEYS[0], KEYS[3], KEYS[1]]
+    # more behind NAT than reachable members: all stay, as few relayed edges as can be (2 here)
+    assert keep_apart(order, {KEYS[0], KEYS[1], KEYS[2]}) == [KEYS[3], KEYS[0], KEYS[1], KEYS[2]]
+    five = [*order, KEYS[4]]
+    spread = keep_apart(five, {KEYS[0], KEYS[1], KEYS[2]})
+    assert spread == [KEYS[3], KEYS[0], KEYS[2], KEYS[4], KEYS[1]]  # one relayed edge: 0 → 2
+    assert keep_apart(order, set(order)) == order  # no reachable member: nothing to do here
 
 
 def beat(index: int, reach: str) -> Heartbeat:
@@ -163,14 +163,12 @@ def beat(index: int, reach: str) -> Heartbeat:
     )
 
 
-def test_the_election_marks_members_behind_nat_and_leaves_out_those_without_room():
+def test_the_election_marks_members_behind_nat_and_leaves_none_out_for_it():
     beats = [beat(0, "open"), beat(1, "closed"), beat(2, "closed"), beat(3, "closed")]
     election = decide(beats, 3, deadline_passed=True)
-    assert election is not None
-    by_key = {member.key: member for member in election.members}
-    assert len(by_key) == 2 and by_key[KEYS[0]].reachable
-    assert [key for key, member in by_key.items() if not member.reachable] != []
-    assert sorted(reason for reason in election.left_out.values()) == [NO_ROOM_BEHIND_NAT] * 2
+    assert election is not None and election.left_out == {}
+    assert next(member.key for member in election.members) == KEYS[0]  # then the three behind NAT
+    assert [member.reachable for member in election.members] == [True, False, False, False]
     # "" (not probed yet) and values a newer node may write count as reachable
     mixed = decide([beat(0, ""), beat(1, "someday"), beat(2, "closed")], 3, deadline_passed=True)
     assert mixed is not None and [member.reachable for member in mixed.members].count(False) == 1

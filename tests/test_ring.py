@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 
@@ -166,13 +167,19 @@ def test_a_member_gone_before_it_connects_is_not_waited_for(tmp_path: Path, n: i
         (3, "ring", 2, {0}),
         (5, "butterfly", 1, {3}),
         (4, "ring", 1, {0, 2}),
+        # two behind NAT next to each other: their edge goes through a relay
+        (3, "ring", 1, {0, 1}),
+        (4, "ring", 2, {1, 2, 3}),
+        (4, "butterfly", 1, {0, 1, 3}),
+        (5, "butterfly", 2, {1, 2}),
     ],
 )
 def test_members_behind_nat_dial_out_and_the_result_is_the_same(
     tmp_path: Path, n: int, topology: str, connections: int, behind_nat: set[int]
 ):
     """Connection reversal: nobody can dial a member behind NAT (its listed port has no listener),
-    so it dials the reachable ends of its edges itself and receives its frames on them too."""
+    so it dials the reachable ends of its edges itself and receives its frames on them too; an edge
+    between two of them goes through a reachable member, which both ends dial (relay.py)."""
     settings = RingSettings(chunk_bytes=1 << 14, topology=topology, connections=connections)
     outcomes, results, inputs = run_ring(
         tmp_path, n, 20_000, settings=settings, behind_nat=frozenset(behind_nat)
@@ -180,6 +187,14 @@ def test_members_behind_nat_dial_out_and_the_result_is_the_same(
     assert all(outcome.ok for outcome in outcomes.values()) and len(results) == n, outcomes
     assert all(np.array_equal(results[0], other) for other in results.values())
     assert relative_error(results[0], weighted_mean(inputs, [1.0] * n)) <= RING_AT_5
+    pairs = (
+        [(i, (i + 1) % n) for i in range(n)] if topology == "ring" else itertools.permutations(range(n), 2)
+    )
+    relayed_edges = sum(a in behind_nat and b in behind_nat for a, b in pairs)
+    relayed = {i: outcome.relayed for i, outcome in outcomes.items() if outcome.relayed}
+    assert bool(relayed) == bool(relayed_edges) and not set(relayed) & behind_nat, relayed
+    # each relayed edge carries its stream (≥ a quarter byte per value of its segment) through
+    assert sum(relayed.values()) >= relayed_edges * 20_000 // n // 4, relayed
 
 
 def test_stalled_member_times_out(tmp_path: Path):

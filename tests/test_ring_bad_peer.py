@@ -14,8 +14,8 @@ import pytest
 from p2ptrain.comm import quant
 from p2ptrain.comm.budget import MAX_PENDING_HANDSHAKES, MAX_PENDING_PER_SOURCE
 from p2ptrain.comm.connect import dial_member
-from p2ptrain.comm.dataplane import membership_digest
 from p2ptrain.comm.handshake import HandshakeError
+from p2ptrain.comm.members import membership_digest
 from p2ptrain.comm.ring import AllReduceError, DataPlaneServer, RingMember, RingSettings, ring_all_reduce
 from p2ptrain.comm.seal import TAG_BYTES, FrameSeal
 from p2ptrain.comm.wire import MAGIC, PREFIX, VERSION, encode_frame, encode_head

@@ -15,8 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2ptrain.comm.connect import dial_member
-from p2ptrain.comm.dataplane import DataPlaneServer, RingMember, RingSettings
+from p2ptrain.comm.dataplane import DataPlaneServer, RingSettings
 from p2ptrain.comm.handshake import AttemptBehind, HandshakeError, accept, dial
+from p2ptrain.comm.members import RingMember
 from p2ptrain.comm.wire import (
     MAGIC,
     PREFIX,

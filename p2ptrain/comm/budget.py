@@ -19,14 +19,17 @@ flood cannot fill the disk either.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from collections import Counter, OrderedDict
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 MAX_PENDING_HANDSHAKES = 64
 """Connections that have not sent their hello yet, in all."""
-MAX_PENDING_PER_SOURCE = 16
-"""…and from one source address."""
+MAX_PENDING_PER_SOURCE = 32
+"""…and from one source address: half the pool (members behind one carrier-grade NAT share an
+address, and a relay takes two connections per relayed edge and lane)."""
 MAX_WAITING_STRANGERS = 32
 """Connections of non-candidates waiting for this node to reach their step."""
 
@@ -84,3 +87,17 @@ class WaitingBudget:
 
     def may_wait(self, key: bytes) -> bool:
         return key in self.candidates or self.waiting_strangers < self.strangers
+
+
+async def wait_until(
+    condition: Callable[[], bool], changed: Callable[[], asyncio.Event], deadline: float
+) -> bool:
+    """Whether `condition` came true by `deadline` (time.monotonic()); it is looked at again each
+    time the event `changed()` returns (the current one: its owner replaces it at each change) is set."""
+    while not condition():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(changed().wait(), remaining)
+    return True

@@ -17,10 +17,11 @@ from p2ptrain.comm.dataplane import (
     DataPlaneServer,
     LaneKey,
     Registration,
-    RingMember,
     RingSettings,
 )
 from p2ptrain.comm.handshake import AttemptBehind, PeerBusy, dial
+from p2ptrain.comm.members import RingMember
+from p2ptrain.comm.relay import RelayRefused, Role, Route, needs_relay, open_relayed, route
 from p2ptrain.comm.schedule import Schedule
 from p2ptrain.comm.wire import PeerTimeout, WireError, expect, read_frame, stream_transport, write_frame
 from p2ptrain.identity import NodeIdentity, short_id
@@ -50,6 +51,23 @@ async def refuses_connections(host: str, port: int, timeout: float = 1.0) -> boo
     return False
 
 
+async def _open(
+    identity: NodeIdentity, member: RingMember, settings: RingSettings, via: Route | None
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A TCP stream to `member`: direct, or through the relay of `via` (relay.py)."""
+    if via is None:
+        return await asyncio.wait_for(
+            asyncio.open_connection(member.host, member.port), settings.failure_timeout
+        )
+    relay, request = via
+    try:
+        return await open_relayed(identity, relay, request, settings.setup_timeout)
+    except RelayRefused as exc:
+        raise AllReduceError(str(exc), exc.absent, exc.views_differ) from None
+    except WireError as exc:
+        raise AllReduceError(str(exc), relay.key) from None
+
+
 async def dial_member(
     identity: NodeIdentity,
     member: RingMember,
@@ -58,8 +76,10 @@ async def dial_member(
     settings: RingSettings,
     lane: int = 0,
     attempt: int = 0,
+    via: Route | None = None,
 ) -> Connection:
-    """Connect and authenticate lane `lane` of attempt `attempt` to `member`.
+    """Connect and authenticate lane `lane` of attempt `attempt` to `member` (through the relay of
+    `via`, where neither of us can be dialed).
 
     A member publishes its address only once its server listens, so a refused connection means
     it is gone: that is retried only briefly (REFUSED_GRACE), not for the whole setup deadline. A
@@ -71,9 +91,7 @@ async def dial_member(
     refused_delay, busy_delay = 0.05, 0.02
     while True:
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(member.host, member.port), settings.failure_timeout
-            )
+            reader, writer = await _open(identity, member, settings, via)
         except (OSError, asyncio.TimeoutError) as exc:
             if time.monotonic() + refused_delay > refused_deadline:
                 raise AllReduceError(
@@ -157,11 +175,22 @@ async def connect_lanes(
     `connections`. Returns the ones we send on and the ones we receive on, by (peer, lane)."""
     settings = server.settings
     lanes = settings.connections
+    me = next(member for member in members if member.key == server.identity.public_key)
+
+    def relayed(sender: RingMember, receiver: RingMember, lane: int, role: Role) -> Route | None:
+        """The relay of an edge neither end of which can be dialed; None for every other edge."""
+        if not needs_relay(sender, receiver):
+            return None
+        try:
+            return route(step, registration.attempt, digest, members, sender.key, receiver.key, lane, role)
+        except WireError as exc:
+            raise AllReduceError(str(exc)) from None
 
     async def dial_one(peer: int, lane: int) -> tuple[Slot, Connection]:
+        via = relayed(me, members[peer], lane, "send")
         try:
             connection = await dial_member(
-                server.identity, members[peer], step, digest, settings, lane, registration.attempt
+                server.identity, members[peer], step, digest, settings, lane, registration.attempt, via
             )
         except AttemptBehind as exc:
             server.learn_attempt(step, exc.attempt)
@@ -197,6 +226,26 @@ async def connect_lanes(
             views_differ=heard,
         )
 
+    async def open_door(peer: int, lane: int, via: Route) -> None:
+        """A relayed edge into us: keep a stream open at its relay for the peer's handshake, which
+        our server answers, until the lane is ours (or the attempt ends)."""
+        future = registration.incoming[(members[peer].key, lane)]
+        pause = 0.05
+        while not future.done():
+            try:
+                reader, writer = await open_relayed(server.identity, *via, settings.setup_timeout)
+            except RelayRefused as exc:
+                error = AllReduceError(str(exc), exc.absent, exc.views_differ)
+            except WireError as exc:
+                error = AllReduceError(str(exc), via[0].key)
+            else:
+                await server.serve_relayed(reader, writer)
+                await asyncio.sleep(pause)  # the handshake failed: the peer dials again (bounded)
+                pause = min(2 * pause, 1.0)
+                continue
+            if not future.done():
+                future.set_exception(error)
+
     async def connect_all() -> tuple[dict[Slot, Connection], dict[Slot, Connection]]:
         dialed = await asyncio.gather(*sending_dials, *receiving_dials)
         sending = dict(dialed[: len(sending_dials)])
@@ -211,6 +260,10 @@ async def connect_lanes(
             sending[slot] = connection
         return sending, receiving
 
+    routes = [
+        (peer, lane, relayed(members[peer], me, lane, "accept")) for peer, lane in plan.await_to_receive
+    ]
+    doors = [asyncio.create_task(open_door(peer, lane, via)) for peer, lane, via in routes if via is not None]
     sending_dials = [asyncio.create_task(dial_one(peer, lane)) for peer, lane in plan.dial_to_send]
     receiving_dials = [
         asyncio.create_task(dial_one(peer, lanes + lane)) for peer, lane in plan.dial_to_receive
@@ -218,7 +271,7 @@ async def connect_lanes(
     try:
         return await registration.unless_abandoned(connect_all())
     finally:
-        for task in sending_dials + receiving_dials:
+        for task in sending_dials + receiving_dials + doors:
             task.cancel()
 
 

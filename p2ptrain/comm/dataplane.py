@@ -16,16 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
-import numpy as np
-
-from p2ptrain.comm.budget import PendingBudget, WaitingBudget
+from p2ptrain.comm.budget import PendingBudget, WaitingBudget, wait_until
 from p2ptrain.comm.handshake import (
     MAX_HANDSHAKE_FRAME,
     MAX_LANES,
@@ -35,8 +32,11 @@ from p2ptrain.comm.handshake import (
     Session,
     accept_any,
 )
+from p2ptrain.comm.members import RingMember
 from p2ptrain.comm.quant import Buffer
 from p2ptrain.comm.reach import REACH_KINDS, ReachService
+from p2ptrain.comm.relay import RELAY_KINDS
+from p2ptrain.comm.relay_service import RelayService
 from p2ptrain.comm.wire import ClosedBetweenFrames, WireError, read_frame
 from p2ptrain.identity import NodeIdentity, short_id
 from p2ptrain.untrusted import ThrottledLog
@@ -65,16 +65,6 @@ class AllReduceError(WireError):
         """A member this node could not reach or that did not answer in time, where one is named."""
         self.views_differ = views_differ
         """A peer elected other members (another digest): elect again shortly, blaming no one."""
-
-
-@dataclass(frozen=True)
-class RingMember:
-    key: bytes
-    host: str
-    port: int
-    weight: float = 1.0
-    reachable: bool = True
-    """False for a member behind NAT: its connections are dialed by it (connect.sender_dials)."""
 
 
 @dataclass(frozen=True)
@@ -117,25 +107,6 @@ class RingStats:
     peer that took our frames as fast as we produced them (its link was not our bottleneck)."""
     clipped: dict[bytes, int] = field(default_factory=dict)
     """Robust aggregation: member → chunks of ours (we own them) in which its share was clipped."""
-
-
-def membership_digest(step: int, members: Sequence[RingMember]) -> bytes:
-    """sha256 over the step and the ordered members (keys, addresses, weights, reachability)."""
-    digest = hashlib.sha256(b"p2ptrain/ring/v2\0" + step.to_bytes(8, "big"))
-    for member in members:
-        digest.update(
-            member.key + f"{member.host}:{member.port}:{member.weight!r}:{member.reachable:d}\0".encode()
-        )
-    return digest.digest()
-
-
-def shares(members: Sequence[RingMember]) -> list[float]:
-    """Each member's share of the average: weight / total, or equal shares when all weights are 0."""
-    weights = [float(member.weight) for member in members]
-    if any(not np.isfinite(weight) or weight < 0 for weight in weights):
-        raise ValueError("member weights must be finite and non-negative")
-    total = sum(weights)
-    return [weight / total for weight in weights] if total > 0 else [1.0 / len(weights)] * len(weights)
 
 
 @dataclass
@@ -181,7 +152,7 @@ class Registration:
 class DataPlaneServer:
     """A node's listening socket; hands each incoming ring connection to the step that expects it."""
 
-    def __init__(self, identity: NodeIdentity, settings: RingSettings):
+    def __init__(self, identity: NodeIdentity, settings: RingSettings, relay_mbps: float = 100.0):
         self.identity = identity
         self.settings = settings
         self._server: asyncio.Server | None = None
@@ -197,6 +168,8 @@ class DataPlaneServer:
         self.address: tuple[str, int] = ("", 0)
         self.reach = ReachService()
         """Dial-back probes (reach.py): answered here, and our own proofs collected here."""
+        self.relay = RelayService(identity, relay_mbps, settings.setup_timeout, self._wake)
+        """Edges between members behind NAT that this node splices (relay.py)."""
         self._dialed = asyncio.Event()
         self._woken_for = -1
         self.lanes_accepted = 0
@@ -212,11 +185,24 @@ class DataPlaneServer:
         """Incoming connections that have not sent their hello yet."""
         return len(self.pending)
 
-    def at_step(self, step: int, candidates: Collection[bytes] = ()) -> None:
+    def at_step(
+        self, step: int, candidates: Collection[bytes] = (), known: Collection[bytes] | None = None
+    ) -> None:
         """This node works on `step` now, with these nodes ready for it as far as it knows: their
-        hellos may wait for us, and hellos for steps beyond it are refused at once."""
+        hellos may wait for us, and hellos for steps beyond it are refused at once. `known`: the
+        live nodes of the run we know of (relay requests of theirs may wait for us too)."""
         self._latest_step = max(self._latest_step, step)
         self.waiting.candidates = frozenset(candidates)
+        if known is not None:
+            self.relay.known = frozenset(known)
+
+    def _wake(self, step: int) -> None:
+        """A member dials us for our step before we registered it: it has decided its election,
+        so ours should read the records again now (`dialed`). Once per step: a crowd of hellos,
+        or a stranger's, wakes it once."""
+        if step == self._latest_step and step != self._woken_for:
+            self._woken_for = step
+            self._dialed.set()
 
     async def dialed(self, timeout: float) -> None:
         """Return when the first hello for our step arrived before we registered the step (a
@@ -227,6 +213,7 @@ class DataPlaneServer:
         self._dialed.clear()
 
     async def close(self) -> None:
+        await self.relay.drained(self.settings.failure_timeout)
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
@@ -236,11 +223,17 @@ class DataPlaneServer:
                     future.cancel()
 
     def expect(
-        self, step: int, peers: Collection[bytes], digest: bytes, lanes: Collection[LaneKey] | None = None
+        self,
+        step: int,
+        peers: Collection[bytes],
+        digest: bytes,
+        lanes: Collection[LaneKey] | None = None,
+        members: Sequence[RingMember] = (),
     ) -> Registration:
         """Register an attempt of step `step`: one future per expected (peer, lane) — by default
         every lane of every peer in `peers` — resolved with its authenticated connection. Lanes
-        count up to twice comm.connections: the upper half are reversed (connect.LanePlan)."""
+        count up to twice comm.connections: the upper half are reversed (connect.LanePlan).
+        `members` (all of the attempt's): the edges between those behind NAT this node relays."""
         loop = asyncio.get_running_loop()
         count = self.settings.connections
         if lanes is None:
@@ -250,6 +243,8 @@ class DataPlaneServer:
         allowed = {key for key, _ in futures}
         registration = Registration(attempt, Admission(allowed, digest, 2 * count), futures)
         self._expected[step] = registration
+        if members:
+            self.relay.allow(step, digest, members)
         self.learn_attempt(step, attempt)
         self._latest_step = max(self._latest_step, step)
         self._dialed.clear()  # a hello that came after our election is no news for the next one
@@ -293,17 +288,11 @@ class DataPlaneServer:
             raise HandshakeError(f"{self.waiting.strangers} connections already wait for step {step}")
         stranger = key not in self.waiting.candidates
         self.waiting.waiting_strangers += stranger
-        if step == self._latest_step and step != self._woken_for:
-            self._woken_for = step  # once per step: a crowd of hellos, or a stranger's, wakes it once
-            self._dialed.set()
+        self._wake(step)
         try:
             deadline = time.monotonic() + self.settings.setup_timeout
-            while step not in self._expected:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return None
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), remaining)
+            if not await wait_until(lambda: step in self._expected, lambda: self._changed, deadline):
+                return None
         finally:
             self.waiting.waiting_strangers -= stranger
         return self._heard(step, key)
@@ -352,22 +341,41 @@ class DataPlaneServer:
             )
             writer.transport.abort()
             return
+        try:
+            await self._answer(reader, writer, source, ticket)
+        finally:
+            self.pending.leave(ticket)
+
+    async def serve_relayed(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Our end of a relayed edge that carries a peer's frames to us (relay.py): its handshake
+        comes in through the relay and is answered as if it had been dialed here directly."""
+        await self._answer(reader, writer, "relay", None)
+
+    async def _answer(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, source: str, ticket: int | None
+    ) -> None:
+        """Read the first frame and serve what it asks: a probe, a relay, or a ring lane's handshake."""
+
+        def idle_no_more() -> None:
+            if ticket is not None:
+                self.pending.leave(ticket)
 
         def peek(step: int) -> Admission | None:
             known = self._known(step)
             if known is not None:
-                self.pending.leave(ticket)  # a hello for a step under way: no longer an idle connection
+                idle_no_more()  # a hello for a step under way: no longer an idle connection
             return known
 
         async def resolve(step: int, key: bytes) -> Admission | None:
-            self.pending.leave(ticket)  # proven (an early dialer holds its slot for one round trip)
+            idle_no_more()  # proven (an early dialer holds its slot for one round trip)
             return await self._admission(step, key)
 
         try:
             first = await read_frame(reader, self.settings.failure_timeout, MAX_HANDSHAKE_FRAME)
-            if first.kind in REACH_KINDS:
-                self.pending.leave(ticket)
-                await self.reach.handle(first, reader, writer, source)
+            if first.kind in REACH_KINDS or first.kind in RELAY_KINDS:
+                idle_no_more()
+                service = self.reach if first.kind in REACH_KINDS else self.relay
+                await service.handle(first, reader, writer, source)
                 return
             session = await accept_any(
                 reader,
@@ -393,8 +401,7 @@ class DataPlaneServer:
             self._drops.warning("data-plane connection from %s dropped in its handshake: %s", source, exc)
             writer.close()
             return
-        finally:
-            self.pending.leave(ticket)
+        idle_no_more()
         registration = self._expected.get(session.step)
         future = None
         if registration is not None and registration.attempt == session.attempt:

@@ -51,17 +51,9 @@ import zstandard
 
 from p2ptrain.comm import lanes, quant, robust
 from p2ptrain.comm.connect import LanePlan, connect_lanes
-from p2ptrain.comm.dataplane import (
-    AllReduceError,
-    Connection,
-    DataPlaneServer,
-    RingMember,
-    RingSettings,
-    RingStats,
-    membership_digest,
-    shares,
-)
+from p2ptrain.comm.dataplane import AllReduceError, Connection, DataPlaneServer, RingSettings, RingStats
 from p2ptrain.comm.handshake import HandshakeError, ViewsDiffer
+from p2ptrain.comm.members import RingMember, membership_digest, shares
 from p2ptrain.comm.quant import Buffer
 from p2ptrain.comm.schedule import FrameSpec, Schedule, choose_topology, segment_bounds
 from p2ptrain.comm.transfer import Slots, Transfer
@@ -366,7 +358,9 @@ async def ring_all_reduce(
     plan = _AllReduce(keys.index(identity.public_key), members, buffer, settings, step, progress)
     digest = membership_digest(step, members)
     lanes = LanePlan.of(members, plan.schedule)
-    registration = server.expect(step, (), digest, lanes.incoming_lanes(members, settings.connections))
+    registration = server.expect(
+        step, (), digest, lanes.incoming_lanes(members, settings.connections), members
+    )
     incoming = registration.incoming
     connections: list[Connection] = []
     transfer = Transfer(plan, loop)

@@ -40,14 +40,14 @@ AUTO_RING_MAX_MEMBERS = 3
 
 
 def choose_topology(settings: RingSettings, members: int, behind_nat: int = 0) -> str:
-    """`behind_nat`: members nobody can dial. Two of them cannot connect to each other (no relays
-    yet), and the butterfly connects every pair: then the ring, whose order keeps them apart."""
+    """`behind_nat`: members nobody can dial. Two of them connect through a relay (relay.py), and
+    the butterfly connects every pair: "auto" then takes the ring, whose order keeps them apart."""
     if settings.clip > 0:
         return "butterfly"  # the ring re-encodes partial sums: no member's share is seen alone
-    if behind_nat >= 2:
-        return "ring"
     if settings.topology != "auto":
         return settings.topology
+    if behind_nat >= 2:
+        return "ring"
     return "ring" if members <= AUTO_RING_MAX_MEMBERS else "butterfly"
 
 

@@ -42,7 +42,7 @@ async def run_drill(
     log_path: Path,
     min_nodes: int = 1,
 ) -> None:
-    server = DataPlaneServer(identity, ring_settings(config))
+    server = DataPlaneServer(identity, ring_settings(config), config.node.relay_mbps)
     _, port = await server.start(config.node.data_host, config.node.data_port)
     publisher = HeartbeatPublisher.for_run(dht, identity, config, data_addr=data_address(config, port))
     await publisher.publish(state=NodeState.TRAINING, outer_step=0)
@@ -51,7 +51,7 @@ async def run_drill(
     rng = random.Random(identity.public_key)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     print(f"drill: {steps} outer steps of {size} values, data plane on port {port}", file=out, flush=True)
-    reachability = Reachability(config, server, publisher, sync.view)
+    reachability = Reachability(config, server, publisher, sync.view, dht)
     rechecks: asyncio.Task[None] | None = None
     try:
         await wait_for_nodes(config, sync.view, stop, out, min_nodes)
@@ -96,6 +96,7 @@ async def run_drill(
                     "allreduce_s": round(result.stats.seconds, 3),
                     "bytes_sent": result.stats.bytes_sent,
                     "lanes_accepted": server.lanes_accepted,
+                    "relayed_bytes": server.relay.bytes_relayed,
                     "dht": [dht.traffic.stored, dht.traffic.read, dht.traffic.calls],
                     "time": round(time.time(), 3),
                 }

@@ -116,7 +116,8 @@ class OuterSync:
             key=lambda beat: beat.node_key,
         )
         self._seen = {beat.node_key: beat for beat in beats}
-        self.server.at_step(step, [beat.node_key for beat in ready_for(beats, step)])
+        ready = [beat.node_key for beat in ready_for(beats, step)]
+        self.server.at_step(step, ready, known=[beat.node_key for beat in beats])
         transit = self._in_transit(step)
         self.crashes.watch(
             b
@@ -241,7 +242,6 @@ class OuterSync:
                     finished=self.view.finished,
                     in_transit=self._in_transit(step),
                     max_tokens=self.config.max_tokens(),
-                    pairwise=self.config.comm.clip > 0,
                     pause=self._pause,
                 )
             except LeftOut as exc:

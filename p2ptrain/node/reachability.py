@@ -20,6 +20,7 @@ from typing import Any
 from p2ptrain.comm.dataplane import DataPlaneServer
 from p2ptrain.comm.reach import ProbeResult, Reach, can_be_dialed
 from p2ptrain.config import Config
+from p2ptrain.swarm.dht import SwarmDHT
 from p2ptrain.swarm.election import parse_address
 from p2ptrain.swarm.membership import HeartbeatPublisher, SwarmView, live
 from p2ptrain.swarm.records import NodeState
@@ -72,9 +73,15 @@ class Reachability:
     """Probes this node's data port with the help of live peers and publishes what it learned."""
 
     def __init__(
-        self, config: Config, server: DataPlaneServer, publisher: HeartbeatPublisher, view: SwarmView
+        self,
+        config: Config,
+        server: DataPlaneServer,
+        publisher: HeartbeatPublisher,
+        view: SwarmView,
+        dht: SwarmDHT,
     ):
         self.config = config
+        self.dht = dht
         self.server = server
         self.publisher = publisher
         self.view = view
@@ -101,6 +108,12 @@ class Reachability:
             changes["data_reach"] = result.reach.value
             level = logging.INFO if result.reach is Reach.OPEN else logging.WARNING
             log.log(level, "data port %s: %s", self.publisher.current.data_addr, _said(result.reach))
+        if (
+            result.reach is Reach.CLOSED
+            and not self.dht.settings.client_mode
+            and await self.dht.become_client()
+        ):
+            changes["peer_id"] = self.dht.peer_id  # nobody can dial it: no one's routing table holds it
         announced = self._observed_address(result)
         if announced and announced != self.publisher.current.data_addr:
             log.info("announcing data plane at %s (the address peers see)", announced)

@@ -129,7 +129,7 @@ class SwarmLink(SoloSwarm):
         self.config = config
         self.identity = identity
         self.dht = dht
-        self.server = DataPlaneServer(identity, ring_settings(config))
+        self.server = DataPlaneServer(identity, ring_settings(config), config.node.relay_mbps)
         self.results = RecentResults(config.checkpoint.replay_steps)
         self.sidecar = CheckpointSidecar(checkpoint_dir, config.shared(), self.results)
         self.publisher: HeartbeatPublisher | None = None
@@ -160,7 +160,7 @@ class SwarmLink(SoloSwarm):
                 node.dashboard, self.sync.view.read, self.config.run.id, out
             )
         await wait_for_nodes(self.config, self.sync.view, stop, out, self.config.swarm.wait_nodes)
-        reachability = Reachability(self.config, self.server, self.publisher, self.sync.view)
+        reachability = Reachability(self.config, self.server, self.publisher, self.sync.view, self.dht)
         with contextlib.suppress(Interrupted):
             await unless(reachability.probe_once(), stop.wait())
         self._rechecks = asyncio.create_task(reachability.run(stop))
@@ -216,6 +216,7 @@ class SwarmLink(SoloSwarm):
         self.results.add(step, StepResult(vector.shape[0], comm.quant_block, result.stats.result, comm.bits))
         ring = [short_key(member.key) for member in result.election.members]
         averaged = Averaged(step, len(ring), ring, seconds, result.stats.bytes_sent)
+        averaged.relayed_bytes = self.server.relay.bytes_relayed
         return averaged, f"sync {seconds:.2f} s, {result.stats.bytes_sent / 1e6:.2f} MB sent"
 
     async def _until_swarm_past(self, step: int) -> None:

@@ -16,7 +16,7 @@ import signal
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +101,9 @@ class SwarmDHT:
         self._pid = dht.pid
         self._closed = False
         self.traffic = DHTTraffic()
+        self._retired: list[tuple[ManagedDHT, int | None]] = []
+        """Full peers replaced by a client (become_client), until they are stopped."""
+        self._retiring: asyncio.Task[None] | None = None
 
     @classmethod
     def start(cls, settings: DHTSettings) -> SwarmDHT:
@@ -169,6 +172,9 @@ class SwarmDHT:
             future.cancel()
             log.warning("DHT store of %s timed out after %.1f s", key, timeout)
             return False
+        except Exception as exc:  # e.g. the full peer stopped under it (become_client)
+            log.warning("DHT store of %s failed: %s", key, _first_line(str(exc)) or type(exc).__name__)
+            return False
 
     async def get(self, key: str) -> dict[bytes, ValueWithExpiration] | None:
         """The latest subkey dictionary under `key`, or None when absent or on timeout."""
@@ -179,6 +185,9 @@ class SwarmDHT:
             future.cancel()
             log.warning("DHT get of %s timed out after %.1f s", key, self.settings.timeout)
             return None
+        except Exception as exc:  # e.g. the full peer stopped under it (become_client)
+            log.warning("DHT get of %s failed: %s", key, _first_line(str(exc)) or type(exc).__name__)
+            return None
         self.traffic.calls += 1
         if found is None or not isinstance(found.value, dict):
             return None
@@ -188,21 +197,66 @@ class SwarmDHT:
         self.traffic.read += sum(len(subkey) + _size(item.value) for subkey, item in items.items())
         return items
 
+    async def become_client(self) -> bool:
+        """Go on as a DHT client: a node nobody can dial (behind NAT) must not sit in the others'
+        routing tables, where every store and lookup that picks it waits for a timeout. The client
+        still stores and reads through its peers. A client needs no stable peer ID and no fixed
+        port, so it starts beside the full peer (a fresh libp2p key, any port) from the peers that
+        one is connected to, and takes its place only once it is up. True once a client."""
+        if self.settings.client_mode:
+            return True
+        try:
+            found = self._dht.run_coroutine(_connected_peers, return_future=True)
+            connected = await asyncio.wait_for(_awaitable(found), self.settings.timeout)
+        except Exception as exc:  # the peer list is a hint: the bootstrap peers may do
+            log.debug("no connected peers from the DHT: %s", exc)
+            connected = []
+        settings = replace(
+            self.settings,
+            peers=[*self.settings.peers, *connected],
+            listen=("/ip4/0.0.0.0/tcp/0",),
+            announce=(),
+            p2p_key=None,
+            client_mode=True,
+        )
+        try:
+            client = await asyncio.to_thread(_start_once, settings)
+        except (P2PDaemonError, UserError) as exc:
+            log.warning("the DHT stays a full peer: its client could not start (%s)", _first_line(str(exc)))
+            return False
+        self._retired.append((self._dht, self._pid))
+        self._dht, self._pid, self.settings = client, client.pid, settings
+        self._retiring = asyncio.create_task(self._retire_later())
+        log.warning("DHT goes on as a client (nobody can dial this node): peer %s", self.peer_id)
+        return True
+
     def shutdown(self) -> None:
         """Stop the DHT child and p2pd; anything still alive after the timeout is killed by PID."""
         if self._closed:
             return
         self._closed = True
-        tree = procs.descendants(self._pid) if self._pid else []
+        while self._retired:
+            self._stop(*self._retired.pop())
+        self._stop(self._dht, self._pid)
+
+    async def _retire_later(self) -> None:
+        """Stop the full peer once the calls it still runs have ended (each is bounded by the
+        timeout): stopped under them, they would hang until it."""
+        await asyncio.sleep(self.settings.timeout)
+        while self._retired:
+            await asyncio.to_thread(self._stop, *self._retired.pop())
+
+    def _stop(self, dht: ManagedDHT, pid: int | None) -> None:
+        tree = procs.descendants(pid) if pid else []
         with contextlib.suppress(Exception):
-            self._dht.shutdown()
-        leftovers = [pid for pid in [self._pid, *tree] if pid and procs.is_alive(pid)]
+            dht.shutdown()
+        leftovers = [process for process in [pid, *tree] if process and procs.is_alive(process)]
         if leftovers:
             stubborn = procs.terminate(leftovers, timeout=self.settings.shutdown_timeout)
             if stubborn:
                 log.warning("killed DHT processes that ignored SIGTERM: %s", stubborn)
-        for pid in tree:
-            for path in p2pd_sockets(pid):
+        for child in tree:
+            for path in p2pd_sockets(child):
                 with contextlib.suppress(OSError):
                     os.remove(path)
 
@@ -269,6 +323,12 @@ def _remove_dead_sockets(paths: set[Path], settle: float = 3.0) -> None:
         if not remaining or time.monotonic() >= deadline:
             return
         time.sleep(0.05)
+
+
+async def _connected_peers(_dht: DHT, node: Any) -> list[str]:
+    """Multiaddresses of the peers this DHT node is connected to (runs in the DHT's process)."""
+    infos = await node.p2p.list_peers()
+    return [f"{address}/p2p/{info.peer_id.to_base58()}" for info in infos for address in info.addrs]
 
 
 def _size(value: Any) -> int:

@@ -33,7 +33,7 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from p2ptrain.comm.dataplane import RingMember, membership_digest
+from p2ptrain.comm.members import RingMember, membership_digest
 from p2ptrain.comm.reach import can_be_dialed
 from p2ptrain.swarm.evidence import left_out
 from p2ptrain.swarm.records import Heartbeat, NodeState, record_number
@@ -238,15 +238,13 @@ def decide(
     in_transit: Collection[bytes] = (),
     max_tokens: int | None = None,
     excluded: Mapping[bytes, str] | None = None,
-    pairwise: bool = False,
 ) -> Election | None:
     """The members of `step` if this view allows a decision now, else None (keep waiting).
 
     Each member's weight is the tokens its record claims, at most `max_tokens` (what the run's
     settings allow one node in one outer step): a member cannot buy itself the average.
     `excluded`: what `left_out` says of this view's ready records, where the caller has it.
-    Members behind NAT are kept apart in the ring (`keep_apart`; `pairwise`: the all-reduce
-    connects every pair, as robust aggregation's butterfly does)."""
+    Members behind NAT are kept apart in the ring where they can be (`keep_apart`)."""
     ready, expected = ready_for(heartbeats, step), expected_for(heartbeats, step, in_transit)
     if excluded is None:
         excluded = left_out(ready, step)
@@ -262,7 +260,7 @@ def decide(
     if throughput is None:
         throughput = measured_links(ready)
     behind_nat = {key for key, beat in by_key.items() if not can_be_dialed(beat.data_reach)}
-    order, no_room = keep_apart(ring_order(list(by_key), step, throughput), behind_nat, pairwise)
+    order = keep_apart(ring_order(list(by_key), step, throughput), behind_nat)
     members = []
     for key in order:
         address = parse_address(by_key[key].data_addr)
@@ -270,39 +268,28 @@ def decide(
         host, port = address
         tokens = by_key[key].tokens if max_tokens is None else min(by_key[key].tokens, max_tokens)
         members.append(RingMember(key, host, port, float(tokens), key not in behind_nat))
-    left = dict(excluded) | {key: NO_ROOM_BEHIND_NAT for key in no_room}
-    return Election(step, members, left)
+    return Election(step, members, dict(excluded))
 
 
-NO_ROOM_BEHIND_NAT = "behind NAT, and every reachable member already sits between two such nodes"
+def keep_apart(order: list[bytes], behind_nat: Collection[bytes]) -> list[bytes]:
+    """The ring order with as few members behind NAT next to each other as can be: neither end of
+    such an edge can dial the other, so it goes through a relay (relay.py), which costs a reachable
+    member the edge's bandwidth.
 
-
-def keep_apart(
-    order: list[bytes], behind_nat: Collection[bytes], pairwise: bool = False
-) -> tuple[list[bytes], list[bytes]]:
-    """The ring order with no two members behind NAT next to each other (neither can dial the
-    other; relays do not exist yet), and those left out for want of room.
-
-    Where the order already keeps them apart it stands; otherwise they are spread between the
-    reachable members, each after one, in order. Beyond one per reachable member (beyond one in
-    all when `pairwise`: the butterfly connects every pair) they wait for a later step. With no
-    reachable member at all nothing can be done here: the order stands (and its attempt fails)."""
+    Where the order already keeps them apart it stands; otherwise they are spread over the gaps
+    after the reachable members, in order, as evenly as the counts allow. With no reachable member
+    at all nothing can be done: the order stands (and its attempt fails)."""
     hidden = [key for key in order if key in behind_nat]
     reachable = [key for key in order if key not in behind_nat]
-    if not hidden or not reachable:
-        return order, []
-    room = 1 if pairwise else len(reachable)
-    kept, no_room = hidden[:room], hidden[room:]
     n = len(order)
     adjacent = any(order[i] in behind_nat and order[(i + 1) % n] in behind_nat for i in range(n))
-    if not no_room and not adjacent:
-        return order, []
+    if not hidden or not reachable or (not adjacent and len(hidden) <= len(reachable)) or n < 3:
+        return order
     spread = []
     for index, key in enumerate(reachable):
         spread.append(key)
-        if index < len(kept):
-            spread.append(kept[index])
-    return spread, no_room
+        spread.extend(hidden[index :: len(reachable)])
+    return spread
 
 
 class SwarmAhead(Exception):
@@ -345,7 +332,6 @@ async def elect(
     finished: Mapping[bytes, int] | None = None,
     in_transit: Collection[bytes] = (),
     max_tokens: int | None = None,
-    pairwise: bool = False,
     pause: Callable[[float], Awaitable[None]] = asyncio.sleep,
 ) -> Election:
     """Poll the heartbeats (via `read`) until `decide` gives the members of `step`.
@@ -379,7 +365,6 @@ async def elect(
             in_transit=in_transit,
             max_tokens=max_tokens,
             excluded=excluded,
-            pairwise=pairwise,
         )
         if election is not None:
             return election

@@ -262,6 +262,7 @@ class Trainer:
                 sync_s=round(averaged.sync_s, 3) if averaged else 0.0,
                 replayed=averaged.replayed if averaged else False,
                 bytes_sent=averaged.bytes_sent if averaged else 0,
+                relayed_bytes=averaged.relayed_bytes if averaged else 0,
                 finite=ready.finite if ready else True,
                 params_hash=params_hash,
                 seconds=round(seconds, 3),

@@ -1,0 +1,280 @@
+"""The relay's side of relay.py's protocol, in a reachable member's data-plane server: it checks
+each request against the step it takes part in, pairs the two ends of an edge, and copies bytes
+between them, capped and counted. Everything here faces the network: bounded in number and time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+
+from p2ptrain.comm.budget import wait_until
+from p2ptrain.comm.members import RingMember
+from p2ptrain.comm.relay import RelayRequest, Stream, needs_relay, relay_for
+from p2ptrain.comm.wire import Frame, WireError, write_frame
+from p2ptrain.identity import NodeIdentity, short_id
+from p2ptrain.untrusted import ThrottledLog
+
+log = logging.getLogger(__name__)
+
+MAX_WAITING = 64
+"""Requests waiting for their partner, in all."""
+MAX_EARLY_STRANGERS = 8
+"""Requests of nodes we know nothing of waiting for this node's attempt (anyone can sign one)."""
+EARLY_LIMIT = (MAX_WAITING, MAX_EARLY_STRANGERS)
+ABSENT = "did not ask for this edge in time"
+MAX_SPLICES = 64
+"""Edges relayed at once."""
+IDLE_TIMEOUT = 120.0
+"""A splice that carried no byte either way for this long is closed (its ends have long given up)."""
+COPY_BYTES = 256 << 10
+KEPT_MEMBERSHIPS = 8
+"""Memberships (step, digest) remembered for requests that arrive after this node's own attempt
+ended: a fast relay may be done with the step while its edges still carry the last frames."""
+
+
+class RateCap:
+    """A token bucket over every splice of this node: at most `bytes_per_s`, bursts of 50 ms."""
+
+    BURST_S = 0.05
+
+    def __init__(self, bytes_per_s: float):
+        self.bytes_per_s = bytes_per_s
+        self._free_at = 0.0
+
+    async def take(self, count: int) -> None:
+        now = time.monotonic()
+        self._free_at = max(now - self.BURST_S, self._free_at) + count / self.bytes_per_s
+        if self._free_at > now:
+            await asyncio.sleep(self._free_at - now)
+
+
+@dataclass(frozen=True)
+class RelayRefusal:
+    """Why the relay will not pair an end; `absent`: its partner never asked in time (it is to
+    blame), `views_differ`: it asked under another attempt or membership (no one is)."""
+
+    reason: str
+    absent: bool = False
+    views_differ: bool = False
+
+    def header(self, request: RelayRequest | None) -> dict:
+        header: dict = {"kind": "refuse", "reason": self.reason, "views_differ": self.views_differ}
+        if request is not None:
+            header["absent"] = request.partner
+        return header
+
+
+class RelayService:
+    """The relay side, in a reachable member's data-plane server: pairs requests, splices the pairs."""
+
+    def __init__(
+        self,
+        identity: NodeIdentity,
+        mbps: float,
+        partner_timeout: float,
+        wake: Callable[[int], None] = lambda step: None,
+    ):
+        self.identity = identity
+        self.known: Collection[bytes] = frozenset()
+        """The live nodes of the run this node knows of (set by its sync at every read of the records)."""
+        self.wake = wake
+        """Called with the step of an early request from a known node: our election should look again."""
+        self._early = [0, 0]
+        """Requests waiting for this node's attempt: [known nodes', strangers']."""
+        self.cap = RateCap(mbps * 1e6 / 8)
+        self.partner_timeout = partner_timeout
+        self._memberships: OrderedDict[tuple[int, bytes], tuple[RingMember, ...]] = OrderedDict()
+        self._changed = asyncio.Event()
+        self._waiting: dict[tuple, tuple[RelayRequest, Stream, asyncio.Future[RelayRefusal | None]]] = {}
+        self._splices = 0
+        self._none_spliced = asyncio.Event()
+        self._none_spliced.set()
+        self.bytes_relayed = 0
+        """Bytes copied between the ends of relayed edges so far (both directions)."""
+        self.edges_relayed = 0
+        self._refusals = ThrottledLog(log)
+
+    @property
+    def active(self) -> int:
+        """Edges relayed now."""
+        return self._splices
+
+    @property
+    def waiting_ends(self) -> int:
+        """Ends of edges waiting here for their partner now."""
+        return len(self._waiting)
+
+    async def drained(self, timeout: float) -> None:
+        """Return once no edge is relayed here (or after `timeout`): a node that leaves lets the
+        edges it carries finish first, else their step fails for the members at both ends."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._none_spliced.wait(), timeout)
+
+    def allow(self, step: int, digest: bytes, members: Sequence[RingMember]) -> None:
+        """This node takes part in `step` under `digest`: relay its NAT'd members' edges."""
+        self._memberships[(step, digest)] = tuple(members)
+        while len(self._memberships) > KEPT_MEMBERSHIPS:
+            self._memberships.popitem(last=False)
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _membership(self, request: RelayRequest, deadline: float) -> tuple[RingMember, ...] | None:
+        """The members of the request's (step, digest). An end may ask before this node registered
+        that attempt: it waits (bounded), the live nodes we know of (`known`) up to MAX_WAITING in
+        all, anyone else in MAX_EARLY_STRANGERS slots of its own, so a flood of such requests holds
+        neither the members' slots nor those of early hellos. Older steps and steps further ahead
+        are refused at once."""
+        key = (request.step, request.digest)
+        if key in self._memberships:
+            return self._memberships[key]
+        newest = max((step for step, _ in self._memberships), default=request.step)
+        stranger = request.signer not in self.known
+        if not newest <= request.step <= newest + 1 or self._early[stranger] >= EARLY_LIMIT[stranger]:
+            return None
+        if not stranger:
+            self.wake(request.step)
+        self._early[stranger] += 1
+        try:
+            if not await wait_until(lambda: key in self._memberships, lambda: self._changed, deadline):
+                return None
+        finally:
+            self._early[stranger] -= 1
+        return self._memberships[key]
+
+    def _check(self, request: RelayRequest, members: Sequence[RingMember] | None) -> str | None:
+        """Why this node will not relay `request`, or None."""
+        if members is None:
+            return f"this node is in no attempt of step {request.step} with that membership"
+        by_key = {member.key: member for member in members}
+        sender, receiver = by_key.get(request.sender), by_key.get(request.receiver)
+        if sender is None or receiver is None or sender == receiver:
+            return "sender and receiver must be two members of the step"
+        if not needs_relay(sender, receiver):
+            return "one end of that edge can be dialed: it needs no relay"
+        chosen = relay_for(request.step, members, request.sender, request.receiver)
+        if chosen is None or chosen.key != self.identity.public_key:
+            return "this node is not that edge's relay"
+        return None
+
+    async def handle(
+        self, first: Frame, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, source: str
+    ) -> None:
+        """One end's connection, its first frame a relay request: refuse it, or pair and splice it."""
+        try:
+            request = RelayRequest.parse(first.header)
+            if request.relay != self.identity.public_key:
+                raise WireError("the request names another relay")
+            self._views_differ(request)
+            refusal = await self._pair(request, (reader, writer))
+            if refusal is None:
+                return
+        except WireError as exc:
+            refusal = RelayRefusal(str(exc))
+        self._refusals.warning("relay request from %s refused: %s", source, refusal.reason)
+        with contextlib.suppress(WireError):
+            await write_frame(writer, refusal.header(request if refusal.absent else None), timeout=5.0)
+        writer.close()
+
+    def _views_differ(self, request: RelayRequest) -> None:
+        """The other end of the same edge waits under another attempt or membership: neither can
+        succeed, and it is no one's fault (the two elected differently). Tell it now, blaming no one."""
+        for edge, (theirs, _, future) in list(self._waiting.items()):
+            same_pair = edge[0] == request.step and edge[3:] == request.edge[3:]
+            if same_pair and theirs.role != request.role and edge != request.edge and not future.done():
+                del self._waiting[edge]
+                reason = f"{short_id(request.signer)} asked under another attempt or membership"
+                future.set_result(RelayRefusal(reason, views_differ=True))
+
+    async def _pair(self, request: RelayRequest, mine: Stream) -> RelayRefusal | None:
+        """None once this end is spliced to its partner (by whichever arrived second), else why not."""
+        deadline = time.monotonic() + self.partner_timeout
+        reason = self._check(request, await self._membership(request, deadline))
+        if reason is not None:
+            return RelayRefusal(reason)
+        entry = self._waiting.get(request.edge)
+        if entry is not None:
+            if entry[0].role == request.role:
+                return RelayRefusal("that end of the edge has asked already")
+            del self._waiting[request.edge]
+            _, theirs, partner = entry
+            if self._splices >= MAX_SPLICES:
+                partner.set_result(RelayRefusal(f"{MAX_SPLICES} edges are relayed already"))
+                return RelayRefusal(f"{MAX_SPLICES} edges are relayed already")
+            partner.set_result(None)
+            await self._splice(request, theirs, mine)
+            return None
+        if len(self._waiting) >= MAX_WAITING:
+            return RelayRefusal(f"{MAX_WAITING} relay requests wait for their partner already")
+        future: asyncio.Future[RelayRefusal | None] = asyncio.get_running_loop().create_future()
+        entry = self._waiting[request.edge] = (request, mine, future)
+        try:
+            # the partner's task runs the splice; this one only hands its stream over
+            return await asyncio.wait_for(asyncio.shield(future), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            return RelayRefusal(f"{short_id(request.partner)} {ABSENT}", absent=True)
+        finally:
+            if self._waiting.get(request.edge) is entry:
+                del self._waiting[request.edge]
+
+    async def _splice(self, request: RelayRequest, a: Stream, b: Stream) -> None:
+        """Copy bytes both ways until both ends have closed, one fails, or the edge goes idle."""
+        self._splices += 1
+        self._none_spliced.clear()
+        self.edges_relayed += 1
+        last_byte = [time.monotonic()]
+        tasks: list[asyncio.Task] = []
+        try:
+            for _, writer in (a, b):
+                await write_frame(writer, {"kind": "relay-ok"}, timeout=5.0)
+            pumps = [
+                asyncio.create_task(self._pump(a[0], b[1], last_byte)),
+                asyncio.create_task(self._pump(b[0], a[1], last_byte)),
+            ]
+            watch = asyncio.create_task(_idle(last_byte))
+            tasks = [*pumps, watch]
+            pending: set[asyncio.Task] = set(tasks)
+            while not all(pump.done() for pump in pumps):
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if watch in done or any(task.exception() for task in done if not task.cancelled()):
+                    log.info(
+                        "relayed edge %s → %s closed: %s",
+                        short_id(request.sender),
+                        short_id(request.receiver),
+                        "idle" if watch in done else "a connection failed",
+                    )
+                    break
+        except WireError:
+            pass
+        finally:
+            self._splices -= 1
+            if not self._splices:
+                self._none_spliced.set()
+            for task in tasks:
+                task.cancel()
+            for _, writer in (a, b):
+                writer.transport.abort()
+
+    async def _pump(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, last_byte: list[float]
+    ) -> None:
+        """Copy one direction until its end closes, then close the other end's writing side."""
+        while data := await reader.read(COPY_BYTES):
+            await self.cap.take(len(data))
+            writer.write(data)
+            await writer.drain()
+            self.bytes_relayed += len(data)
+            last_byte[0] = time.monotonic()
+        if writer.can_write_eof():
+            writer.write_eof()
+
+
+async def _idle(last_byte: list[float]) -> None:
+    """Return once no byte has moved for IDLE_TIMEOUT."""
+    while (idle := time.monotonic() - last_byte[0]) < IDLE_TIMEOUT:
+        await asyncio.sleep(IDLE_TIMEOUT - idle)
