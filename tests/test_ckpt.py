@@ -151,6 +151,12 @@ def test_a_holder_behind_nat_votes_but_is_no_source(tmp_path: Path) -> None:
     assert digest == "D1" and [h.ckpt_addr for h in holders] == ["u1"]
     found = majority_checkpoint([behind], bytes([9]) * 32, "c")
     assert found is not None and found[1] == []
+    # the sidecar's own probe decides where there was one: a forwarded sidecar port behind NAT is a
+    # source, a blocked sidecar beside an open data port is not
+    forwarded = dataclasses.replace(behind, ckpt_reach="open")
+    blocked = dataclasses.replace(heartbeat(3, "u3", "D1"), ckpt_reach="closed")
+    digest, holders = majority_checkpoint([forwarded, blocked], bytes([9]) * 32, "c")
+    assert [h.ckpt_addr for h in holders] == ["u2"]
     with pytest.raises(RecoveryError, match="nobody can reach"):
         asyncio.run(fetch_checkpoint("D1", [], tmp_path / "joiner", timeout=5))
 

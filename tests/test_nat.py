@@ -109,7 +109,8 @@ def test_a_flood_of_relay_requests_does_not_keep_the_relayed_edge_down(lab: NetL
 
 def test_a_training_node_behind_nat_contributes_to_every_outer_step(lab: NetLab, swarm: LocalSwarm):
     """Real trainers (debug config): two public nodes and one behind NAT train 3 outer steps
-    together; every step has all three members and one params hash."""
+    together; every step has all three members and one params hash. The sidecars are probed with
+    the data ports: the home node's says closed, the public ones' open."""
     swarm.start_bootstrap(listen=f"/ip4/{lab.public_ip}/tcp/0", prefix=lab.run_in(lab.public))
     run = ["--set", "train.max_steps=30", "--set", "swarm.wait_nodes=3"]
     placed = {"a": lab.public, "b": lab.public, "home": lab.homes[0]}
@@ -125,3 +126,7 @@ def test_a_training_node_behind_nat_contributes_to_every_outer_step(lab: NetLab,
         assert {r["members"] for r in at_step} == {3}, at_step
         assert len({r["params_hash"] for r in at_step}) == 1, at_step
     assert "not reachable from outside" in swarm.log("home")
+    # its checkpoint sidecar was probed too: nobody could reach it, so it is nobody's source
+    assert "checkpoint sidecar http" in swarm.log("home")
+    nodes = swarm.status(prefix=lab.run_in(lab.public))["nodes"]
+    assert sorted(node["ckpt_reach"] for node in nodes) == ["closed", "open", "open"], nodes

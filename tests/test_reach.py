@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from p2ptrain.ckpt.sidecar import CheckpointSidecar
 from p2ptrain.comm.dataplane import DataPlaneServer, RingSettings
 from p2ptrain.comm.reach import NONCE_BYTES, Reach
 from p2ptrain.comm.wire import read_frame, write_frame
@@ -35,6 +36,29 @@ def test_a_reachable_port_is_proven_open_and_its_address_observed(tmp_path: Path
             assert closed.reach is Reach.CLOSED and closed.observed is None
             assert (await asker.reach.probe([], asker.address[1])).reach is Reach.UNKNOWN
         finally:
+            await asker.close()
+            await prober.close()
+
+    asyncio.run(main())
+
+
+def test_a_sidecar_is_probed_with_the_data_port(tmp_path: Path):
+    """The prober GETs the asker's sidecar with a second nonce: open where the real sidecar
+    answers, closed where nothing listens on the port it names; not probed, unknown."""
+
+    async def main() -> None:
+        asker, prober = await started(tmp_path, "a"), await started(tmp_path, "b")
+        sidecar = CheckpointSidecar(tmp_path / "ckpt", reach_proof=asker.reach.proof_arrived)
+        ckpt_port = await sidecar.start("127.0.0.1", 0)
+        try:
+            result = await asker.reach.probe([prober.address], asker.address[1], ckpt_port)
+            assert result.reach is Reach.OPEN and result.ckpt is Reach.OPEN
+            closed = await asker.reach.probe([prober.address], asker.address[1], free_port())
+            assert closed.reach is Reach.OPEN and closed.ckpt is Reach.CLOSED
+            alone = await asker.reach.probe([prober.address], asker.address[1])
+            assert alone.ckpt is Reach.UNKNOWN
+        finally:
+            await sidecar.close()
             await asker.close()
             await prober.close()
 

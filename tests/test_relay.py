@@ -186,6 +186,30 @@ def test_an_end_whose_partner_never_asks_is_told_who_did_not_come(tmp_path: Path
             with pytest.raises(RelayRefused, match="another attempt or membership") as refused:
                 await asyncio.wait_for(waiting, 0.5)  # at once, not after the partner's timeout
             assert refused.value.views_differ and refused.value.absent is None
+            assert refused.value.attempt is None  # another membership: no attempt to take over
+            # the same membership, attempts apart: the end behind learns the other's attempt at
+            # once, whichever of the two came first
+            ahead = asyncio.create_task(
+                swarm.ask(swarm.ids["home0"], replace(swarm.request("send"), attempt=2))
+            )
+            await settle(lambda: swarm.server.relay.waiting_ends == 1, "the end ahead waits")
+            with pytest.raises(RelayRefused, match="is at attempt 2") as refused:
+                await swarm.ask(swarm.ids["home1"], swarm.request("accept"))
+            assert refused.value.views_differ and refused.value.attempt == 2
+            assert swarm.server.relay.waiting_ends == 1  # the one ahead still waits for its partner
+            (_, w0), (_, w1) = await asyncio.gather(
+                ahead, swarm.ask(swarm.ids["home1"], replace(swarm.request("accept"), attempt=2))
+            )
+            w0.close()
+            w1.close()
+            behind = asyncio.create_task(swarm.ask(swarm.ids["home0"], swarm.request("send")))
+            await settle(lambda: swarm.server.relay.waiting_ends == 1, "the end behind waits")
+            newer = replace(swarm.request("accept"), attempt=3)
+            later = asyncio.create_task(swarm.ask(swarm.ids["home1"], newer))
+            with pytest.raises(RelayRefused, match="another attempt") as refused:
+                await asyncio.wait_for(behind, 5)
+            assert refused.value.attempt == 3
+            later.cancel()
         finally:
             await swarm.server.close()
 

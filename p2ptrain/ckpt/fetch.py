@@ -29,7 +29,7 @@ from p2ptrain.ckpt.manifest import (
     file_sha256,
     parse_manifest,
 )
-from p2ptrain.comm.reach import can_be_dialed
+from p2ptrain.comm.reach import sidecar_can_be_reached
 from p2ptrain.errors import NetworkError
 from p2ptrain.swarm.records import Heartbeat, NodeState
 
@@ -49,8 +49,8 @@ def majority_checkpoint(
     heartbeats: Sequence[Heartbeat], me: bytes, config_digest: str
 ) -> tuple[str, list[Heartbeat]] | None:
     """(digest, the peers announcing it that can be reached) when more than half of the live
-    members announce one digest. A node that says it cannot be dialed (behind NAT) counts in the
-    vote but is no source: its sidecar is as unreachable as its data port, as far as we know."""
+    members announce one digest. A node whose sidecar cannot be reached (behind NAT) counts in the
+    vote but is no source."""
     members = [
         b for b in heartbeats if b.node_key != me and b.state in ACTIVE and b.config_digest == config_digest
     ]
@@ -65,8 +65,8 @@ def majority_checkpoint(
 
 def checkpoint_source(beat: Heartbeat) -> bool:
     """The node serves its checkpoints and results where others can fetch them: it announces a
-    sidecar and does not say it is behind NAT (its sidecar would be as unreachable as its data port)."""
-    return bool(beat.ckpt_addr) and can_be_dialed(beat.data_reach)
+    sidecar that peers could reach when they probed it (or, never probed, a data port they could)."""
+    return bool(beat.ckpt_addr) and sidecar_can_be_reached(beat.ckpt_reach, beat.data_reach)
 
 
 def stall_timeout(seconds: float) -> aiohttp.ClientTimeout:

@@ -8,6 +8,7 @@
                                can resume and be split across peers
     GET /delta/{step}          the encoded all-reduce result of outer step N, while kept in RAM
                                (ckpt/replay.py)
+    GET /reach/{nonce}         a peer's dial-back probe of this sidecar (comm/reach.py): 204
 
 Only files listed in that checkpoint's own manifest.json are served, and only from inside its
 folder: a request for anything else (`../`, another name) gets 404 and a log line.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ from aiohttp import web
 from p2ptrain.ckpt.format import MANIFEST_FILE, STAGED_KEEP, checkpoint_name
 from p2ptrain.ckpt.manifest import Manifest, ManifestError, parse_manifest
 from p2ptrain.ckpt.replay import RecentResults
+from p2ptrain.comm.reach import NONCE_BYTES
 from p2ptrain.untrusted import decimal
 from p2ptrain.web.server import Served, start_app
 
@@ -38,8 +41,11 @@ class CheckpointSidecar:
         checkpoint_dir: Path,
         shared_config: dict[str, Any] | None = None,
         results: RecentResults | None = None,
+        reach_proof: Callable[[bytes], None] | None = None,
     ):
         self.checkpoint_dir = checkpoint_dir
+        self.reach_proof = reach_proof
+        """Called with the nonce of a peer's dial-back GET (comm/reach.py): our sidecar can be reached."""
         self.shared_config = shared_config or {}
         self.results = results or RecentResults(0)
         self.latest: Manifest | None = None
@@ -51,6 +57,7 @@ class CheckpointSidecar:
         app.router.add_get("/config", self._config)
         app.router.add_get("/ckpt/{step}/{name}", self._file)
         app.router.add_get("/delta/{step}", self._delta)
+        app.router.add_get("/reach/{nonce}", self._reach)
         self._app = app
 
     async def start(self, host: str, port: int) -> int:
@@ -67,6 +74,15 @@ class CheckpointSidecar:
         self._kept[manifest.digest] = manifest
         while len(self._kept) > STAGED_KEEP:
             self._kept.popitem(last=False)
+
+    async def _reach(self, request: web.Request) -> web.Response:
+        """A prober's GET with the nonce we gave it: proof that others can reach this sidecar."""
+        text = request.match_info["nonce"]
+        if len(text) != 2 * NONCE_BYTES or not all(c in "0123456789abcdef" for c in text):
+            return self._refuse(request, "a reachability nonce is 32 hex digits")
+        if self.reach_proof is not None:
+            self.reach_proof(bytes.fromhex(text))
+        return web.Response(status=204)
 
     async def _config(self, request: web.Request) -> web.Response:
         return web.json_response(self.shared_config)

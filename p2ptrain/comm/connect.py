@@ -63,6 +63,8 @@ async def _open(
     try:
         return await open_relayed(identity, relay, request, settings.setup_timeout)
     except RelayRefused as exc:
+        if exc.attempt is not None:
+            raise AttemptBehind(str(exc), exc.attempt) from None
         raise AllReduceError(str(exc), exc.absent, exc.views_differ) from None
     except WireError as exc:
         raise AllReduceError(str(exc), relay.key) from None
@@ -235,6 +237,8 @@ async def connect_lanes(
             try:
                 reader, writer = await open_relayed(server.identity, *via, settings.setup_timeout)
             except RelayRefused as exc:
+                if exc.attempt is not None:
+                    server.learn_attempt(step, exc.attempt)
                 error = AllReduceError(str(exc), exc.absent, exc.views_differ)
             except WireError as exc:
                 error = AllReduceError(str(exc), via[0].key)

@@ -3,13 +3,15 @@
 A node behind a home router or carrier-grade NAT can dial out, but nobody can dial in. It learns
 which it is by asking live peers to dial it back:
 
-    asker  → prober  {kind: "reach", port, nonce}      on a fresh connection to the prober's data port
+    asker  → prober  {kind: "reach", port, nonce[, ckpt_port, ckpt_nonce]}   to the prober's data port
     prober → asker   {kind: "reach-proof", nonce}      on a new connection to <the asker's source IP>:port
-    prober → asker   {kind: "reach-result", observed, dialed}   on the first connection
+    prober → asker   GET /reach/<ckpt_nonce hex>       to <the asker's source IP>:ckpt_port (its sidecar)
+    prober → asker   {kind: "reach-result", observed, dialed, ckpt_dialed}   on the first connection
 
 The asker believes only what it sees itself: its port can be reached when a proof carrying its own
-nonce arrives at its own listener. A prober's word ("dialed", "observed") decides nothing alone; the
-address others observe is taken only from probers whose proof did arrive (that address reached us).
+nonce arrives at its own listener (its sidecar's, when the GET reaches it). A prober's word
+("dialed", "observed") decides nothing alone; the address others observe is taken only from
+probers whose proof did arrive (that address reached us).
 
 A prober dials only the IP the request came from, so it cannot be sent at a third party; it runs at
 most one probe per source IP and MAX_PROBES_IN_FLIGHT in all, each bounded by DIAL_TIMEOUT, and a
@@ -19,6 +21,7 @@ refused request gets a one-line reason. Every field is checked as untrusted inpu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import secrets
@@ -61,11 +64,20 @@ def can_be_dialed(reach: str) -> bool:
     return Reach.parse(reach) is not Reach.CLOSED
 
 
+def sidecar_can_be_reached(ckpt_reach: str, data_reach: str) -> bool:
+    """What a node's record says of its sidecar: its own probe where it made one, else its data
+    port's (a node whose sidecar was never probed is as reachable as its data port, we assume)."""
+    ckpt = Reach.parse(ckpt_reach)
+    return ckpt is Reach.OPEN if ckpt is not Reach.UNKNOWN else can_be_dialed(data_reach)
+
+
 @dataclass(frozen=True)
 class ProbeResult:
     reach: Reach
     observed: str | None = None
     """The IP peers see this node at, where a proof confirmed it; None otherwise."""
+    ckpt: Reach = Reach.UNKNOWN
+    """The sidecar's reachability, where it was probed too."""
 
 
 class ReachService:
@@ -98,16 +110,22 @@ class ReachService:
 
     def _proved(self, frame: Frame) -> None:
         nonce = frame.header.get("nonce")
-        event = self._proofs.get(nonce) if isinstance(nonce, bytes) else None
+        if isinstance(nonce, bytes):
+            self.proof_arrived(nonce)
+
+    def proof_arrived(self, nonce: bytes) -> None:
+        """A proof with `nonce` reached one of our ports (the data port's, or the sidecar's GET)."""
+        event = self._proofs.get(nonce)
         if event is not None:
             event.set()
 
     async def _probe_for(self, frame: Frame, writer: asyncio.StreamWriter, source: str) -> None:
         port, nonce = frame.header.get("port"), frame.header.get("nonce")
+        ckpt_port, ckpt_nonce = frame.header.get("ckpt_port"), frame.header.get("ckpt_nonce")
         reason = None
-        if not (isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536):
+        if not (_is_port(port) and (ckpt_port is None or _is_port(ckpt_port))):
             reason = "port must be an integer in 1..65535"
-        elif not (isinstance(nonce, bytes) and len(nonce) == NONCE_BYTES):
+        elif not (_is_nonce(nonce) and (ckpt_port is None or _is_nonce(ckpt_nonce))):
             reason = f"nonce must be {NONCE_BYTES} bytes"
         elif source in self._probing:
             reason = "a probe for this address is running already"
@@ -121,49 +139,92 @@ class ReachService:
         self._probing.add(source)
         try:
             dialed = await _send_proof(source, port, nonce)
+            ckpt_dialed = False
+            if isinstance(ckpt_port, int) and isinstance(ckpt_nonce, bytes):
+                ckpt_dialed = await _get_proof(source, ckpt_port, ckpt_nonce)
         finally:
             self._probing.discard(source)
-        answer = {"kind": "reach-result", "observed": source, "dialed": dialed}
+        answer = {"kind": "reach-result", "observed": source, "dialed": dialed, "ckpt_dialed": ckpt_dialed}
         await write_frame(writer, answer, timeout=DIAL_TIMEOUT)
 
-    async def ask(self, prober: tuple[str, int], port: int) -> tuple[bool, str | None, bool]:
-        """Ask `prober` to dial us back on `port`: (proof arrived, the IP it saw us at, it answered)."""
-        nonce = secrets.token_bytes(NONCE_BYTES)
+    async def ask(
+        self, prober: tuple[str, int], port: int, ckpt_port: int | None = None
+    ) -> tuple[bool, str | None, bool, bool]:
+        """Ask `prober` to dial us back on `port` (and GET our sidecar on `ckpt_port`): (proof
+        arrived, the IP it saw us at, it answered, the sidecar's proof arrived)."""
+        nonce, ckpt_nonce = secrets.token_bytes(NONCE_BYTES), secrets.token_bytes(NONCE_BYTES)
         proof = self._proofs[nonce] = asyncio.Event()
+        ckpt_proof = self._proofs[ckpt_nonce] = asyncio.Event()
+        request: dict = {"kind": "reach", "port": port, "nonce": nonce}
+        if ckpt_port is not None:
+            request |= {"ckpt_port": ckpt_port, "ckpt_nonce": ckpt_nonce}
         writer = None
         answer: Frame | None = None
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(*prober), DIAL_TIMEOUT)
-            await write_frame(writer, {"kind": "reach", "port": port, "nonce": nonce}, timeout=DIAL_TIMEOUT)
-            answer = await read_frame(reader, ASK_TIMEOUT, 0)
-            if not proof.is_set():  # the proof's connection may land just after the answer
-                await asyncio.wait_for(proof.wait(), 0.5)
+            await write_frame(writer, request, timeout=DIAL_TIMEOUT)
+            answer = await read_frame(reader, ASK_TIMEOUT + DIAL_TIMEOUT, 0)
+            for event, asked in ((proof, True), (ckpt_proof, ckpt_port is not None)):
+                if asked and not event.is_set():  # a proof may land just after the answer
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(event.wait(), 0.5)
         except (OSError, asyncio.TimeoutError, WireError):
             pass
         finally:
             self._proofs.pop(nonce, None)
+            self._proofs.pop(ckpt_nonce, None)
             if writer is not None:
                 writer.close()
         answered = answer is not None and answer.kind == "reach-result"
         observed = answer.header.get("observed") if answered and answer is not None else None
         if not isinstance(observed, str) or len(observed) > 64:
             observed = None
-        return proof.is_set(), observed, answered
+        return proof.is_set(), observed, answered, ckpt_proof.is_set()
 
-    async def probe(self, probers: Sequence[tuple[str, int]], port: int) -> ProbeResult:
+    async def probe(
+        self, probers: Sequence[tuple[str, int]], port: int, ckpt_port: int | None = None
+    ) -> ProbeResult:
         """Ask every prober at once. OPEN when any proof arrived, CLOSED when a prober answered and
-        none did, UNKNOWN when nobody answered (no peers yet, or all of them unreachable too)."""
+        none did, UNKNOWN when nobody answered (no peers yet, or all of them unreachable too). The
+        sidecar's the same way, where `ckpt_port` is given."""
         if not probers:
             return ProbeResult(Reach.UNKNOWN)
-        answers = await asyncio.gather(*(self.ask(prober, port) for prober in probers))
-        confirmed = Counter(observed for proved, observed, _ in answers if proved and observed)
-        if any(proved for proved, _, _ in answers):
+        answers = await asyncio.gather(*(self.ask(prober, port, ckpt_port) for prober in probers))
+        answered = any(answer[2] for answer in answers)
+
+        def verdict(proved: bool) -> Reach:
+            return Reach.OPEN if proved else Reach.CLOSED if answered else Reach.UNKNOWN
+
+        ckpt = verdict(any(answer[3] for answer in answers)) if ckpt_port is not None else Reach.UNKNOWN
+        confirmed = Counter(observed for proved, observed, _, _ in answers if proved and observed)
+        if any(answer[0] for answer in answers):
             # where confirming probers disagree, the majority; ties to the smallest address
             best = min(confirmed.items(), key=lambda item: (-item[1], item[0]))[0] if confirmed else None
-            return ProbeResult(Reach.OPEN, best)
-        if any(answered for _, _, answered in answers):
-            return ProbeResult(Reach.CLOSED)
-        return ProbeResult(Reach.UNKNOWN)
+            return ProbeResult(Reach.OPEN, best, ckpt)
+        return ProbeResult(verdict(False), None, ckpt)
+
+
+def _is_port(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value < 65536
+
+
+def _is_nonce(value: object) -> bool:
+    return isinstance(value, bytes) and len(value) == NONCE_BYTES
+
+
+async def _get_proof(host: str, port: int, nonce: bytes) -> bool:
+    """GET the asker's sidecar at host:port with the nonce; True when an HTTP answer came back."""
+    writer = None
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), DIAL_TIMEOUT)
+        writer.write(f"GET /reach/{nonce.hex()} HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
+        status = await asyncio.wait_for(reader.readline(), DIAL_TIMEOUT)
+        return status.startswith(b"HTTP/1.")
+    except (OSError, asyncio.TimeoutError, ValueError):
+        return False
+    finally:
+        if writer is not None:
+            writer.close()
 
 
 async def _send_proof(host: str, port: int, nonce: bytes) -> bool:

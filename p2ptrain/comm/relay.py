@@ -6,10 +6,12 @@ signed request for that step, attempt, pair and lane:
 
     end   → relay   {kind: "relay", step, attempt, digest, sender, receiver, lane, role, relay, signature}
     relay → end     {kind: "relay-ok"}        once the other end's matching request is there
-                    {kind: "refuse", reason, views_differ[, absent]}   otherwise
+                    {kind: "refuse", reason, views_differ[, absent][, attempt]}   otherwise
 
 A refusal names the other end (`absent`) only when it never asked in time, and says `views_differ`
-when it asked under another attempt or membership (the two elected differently: no one's fault).
+when it asked under another attempt or membership (the two elected differently: no one's fault),
+with the other's `attempt` where only the attempts differ: the end behind takes that number next,
+as after a handshake's refusal, so two ends whose only link is relayed still converge.
 
 `role` is "send" for the end whose frames the edge carries (it dials the end-to-end handshake
 through the relay, as it would dial the receiver) and "accept" for the other (its data-plane server
@@ -171,12 +173,20 @@ def route(
 
 class RelayRefused(WireError):
     """The relay would not (or could not) pair this end: `absent`, the other end where it never
-    came; `views_differ`, where it came under another attempt or membership."""
+    came; `views_differ`, where it came under another attempt or membership (`attempt`: the
+    other's, where only the attempts differ)."""
 
-    def __init__(self, message: str, absent: bytes | None = None, views_differ: bool = False):
+    def __init__(
+        self,
+        message: str,
+        absent: bytes | None = None,
+        views_differ: bool = False,
+        attempt: int | None = None,
+    ):
         super().__init__(message)
         self.absent = absent
         self.views_differ = views_differ
+        self.attempt = attempt
 
 
 async def open_relayed(
@@ -198,7 +208,10 @@ async def open_relayed(
             reason = str(answer.header.get("reason", "no reason given"))[:200]
             absent = request.partner if answer.header.get("absent") == request.partner else None
             differ = answer.header.get("views_differ") is True
-            raise RelayRefused(f"relay {short_id(relay.key)} refused: {reason}", absent, differ)
+            attempt = answer.header.get("attempt")
+            if not (isinstance(attempt, int) and not isinstance(attempt, bool) and 0 <= attempt < 1 << 31):
+                attempt = None
+            raise RelayRefused(f"relay {short_id(relay.key)} refused: {reason}", absent, differ, attempt)
         expect(answer, "relay-ok")
     except BaseException:
         writer.close()

@@ -56,17 +56,21 @@ class RateCap:
 
 @dataclass(frozen=True)
 class RelayRefusal:
-    """Why the relay will not pair an end; `absent`: its partner never asked in time (it is to
-    blame), `views_differ`: it asked under another attempt or membership (no one is)."""
+    """Why the relay will not pair an end; `views_differ`: its partner asked under another attempt
+    or membership (no one is to blame); `absent`: its partner never asked in time (it is)."""
 
     reason: str
-    absent: bool = False
     views_differ: bool = False
+    attempt: int | None = None
+    """The partner's attempt, where only the attempts differ."""
+    absent: bool = False
 
     def header(self, request: RelayRequest | None) -> dict:
         header: dict = {"kind": "refuse", "reason": self.reason, "views_differ": self.views_differ}
         if request is not None:
             header["absent"] = request.partner
+        if self.attempt is not None:
+            header["attempt"] = self.attempt
         return header
 
 
@@ -170,8 +174,7 @@ class RelayService:
             request = RelayRequest.parse(first.header)
             if request.relay != self.identity.public_key:
                 raise WireError("the request names another relay")
-            self._views_differ(request)
-            refusal = await self._pair(request, (reader, writer))
+            refusal = self._views_differ(request) or await self._pair(request, (reader, writer))
             if refusal is None:
                 return
         except WireError as exc:
@@ -181,15 +184,24 @@ class RelayService:
             await write_frame(writer, refusal.header(request if refusal.absent else None), timeout=5.0)
         writer.close()
 
-    def _views_differ(self, request: RelayRequest) -> None:
-        """The other end of the same edge waits under another attempt or membership: neither can
-        succeed, and it is no one's fault (the two elected differently). Tell it now, blaming no one."""
+    def _views_differ(self, request: RelayRequest) -> RelayRefusal | None:
+        """The other end of the same edge waits under another attempt or membership: the two
+        elected differently, no one's fault, and they cannot meet. The one behind is told at once,
+        with the other's attempt where only the attempts differ (it takes that number next, as
+        after a handshake's refusal); the refusal for `request`, where it is the one behind."""
         for edge, (theirs, _, future) in list(self._waiting.items()):
             same_pair = edge[0] == request.step and edge[3:] == request.edge[3:]
-            if same_pair and theirs.role != request.role and edge != request.edge and not future.done():
-                del self._waiting[edge]
-                reason = f"{short_id(request.signer)} asked under another attempt or membership"
-                future.set_result(RelayRefusal(reason, views_differ=True))
+            if not same_pair or theirs.role == request.role or edge == request.edge or future.done():
+                continue
+            same_members = theirs.digest == request.digest
+            if same_members and theirs.attempt > request.attempt:
+                return RelayRefusal(
+                    f"{short_id(theirs.signer)} is at attempt {theirs.attempt}", True, theirs.attempt
+                )
+            del self._waiting[edge]
+            reason = f"{short_id(request.signer)} asked under another attempt or membership"
+            future.set_result(RelayRefusal(reason, True, request.attempt if same_members else None))
+        return None
 
     async def _pair(self, request: RelayRequest, mine: Stream) -> RelayRefusal | None:
         """None once this end is spliced to its partner (by whichever arrived second), else why not."""

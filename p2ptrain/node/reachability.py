@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import logging
 import socket
+import urllib.parse
 from typing import Any
 
 from p2ptrain.comm.dataplane import DataPlaneServer
@@ -102,12 +103,18 @@ class Reachability:
         # a different handful per asker, the same on every try: spreads the probing load
         beats.sort(key=lambda beat: hashlib.sha256(me + beat.node_key).digest())
         probers = [address for beat in beats[:PROBERS] if (address := parse_address(beat.data_addr))]
-        result = await self.server.reach.probe(probers, self.port)
+        ckpt_addr = self.publisher.current.ckpt_addr
+        result = await self.server.reach.probe(probers, self.port, _port_of(ckpt_addr))
         changes: dict[str, Any] = {}
         if result.reach is not Reach.UNKNOWN and result.reach.value != self.publisher.current.data_reach:
             changes["data_reach"] = result.reach.value
             level = logging.INFO if result.reach is Reach.OPEN else logging.WARNING
             log.log(level, "data port %s: %s", self.publisher.current.data_addr, _said(result.reach))
+        if result.ckpt is not Reach.UNKNOWN and result.ckpt.value != self.publisher.current.ckpt_reach:
+            changes["ckpt_reach"] = result.ckpt.value
+            level = logging.INFO if result.ckpt is Reach.OPEN else logging.WARNING
+            said = "reachable from outside" if result.ckpt is Reach.OPEN else "not reachable from outside"
+            log.log(level, "checkpoint sidecar %s: %s", ckpt_addr, said)
         if (
             result.reach is Reach.CLOSED
             and not self.dht.settings.client_mode
@@ -142,6 +149,14 @@ class Reachability:
                     await self.probe_once()
                 except Exception as exc:  # a probe is advice: never let it end the node
                     log.warning("reachability probe failed: %s", exc)
+
+
+def _port_of(url: str) -> int | None:
+    """The TCP port of a sidecar URL (http://host:port), None where there is none."""
+    try:
+        return urllib.parse.urlsplit(url).port if url else None
+    except ValueError:
+        return None
 
 
 def _said(reach: Reach) -> str:

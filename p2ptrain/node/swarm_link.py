@@ -131,7 +131,9 @@ class SwarmLink(SoloSwarm):
         self.dht = dht
         self.server = DataPlaneServer(identity, ring_settings(config), config.node.relay_mbps)
         self.results = RecentResults(config.checkpoint.replay_steps)
-        self.sidecar = CheckpointSidecar(checkpoint_dir, config.shared(), self.results)
+        self.sidecar = CheckpointSidecar(
+            checkpoint_dir, config.shared(), self.results, reach_proof=self.server.reach.proof_arrived
+        )
         self.publisher: HeartbeatPublisher | None = None
         self.sync: OuterSync | None = None
         self._keeper: asyncio.Task[None] | None = None

@@ -95,6 +95,8 @@ class Heartbeat:
     config_digest: str = ""
     data_reach: str = ""
     """Whether others can dial data_addr (comm.reach.Reach: "", "open", "closed")."""
+    ckpt_reach: str = ""
+    """The same of the sidecar at ckpt_addr ("" where it was not probed)."""
     ticket: bytes = b""
     """The admission ticket of a closed run (admission.Ticket.to_bytes); empty in an open run."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -146,6 +148,7 @@ _FIELDS = {
     "tokens": int,
     "config_digest": str,
     "data_reach": str,
+    "ckpt_reach": str,
     "ticket": bytes,
     "extra": dict,
 }

@@ -64,10 +64,17 @@ def status_json(
                 "data_addr": beat.data_addr,
                 # "open": peers dialed it back; "closed": behind NAT (it dials out); "": not probed
                 "reach": Reach.parse(beat.data_reach).value,
+                "ckpt_reach": Reach.parse(beat.ckpt_reach).value,  # its sidecar's, the same way
             }
             for beat in heartbeats
         ],
     }
+
+
+def _reach(row: dict[str, Any]) -> str:
+    """The data port's reachability, and the sidecar's after a slash where it was probed and differs."""
+    data, ckpt = row["reach"] or "?", row["ckpt_reach"]
+    return f"{data}/{ckpt}" if ckpt and ckpt != data else data
 
 
 def format_table(
@@ -78,7 +85,7 @@ def format_table(
     rows = status["nodes"]
     header = (
         f"{'node':<14}{'state':<10}{'step':>6}{'tokens':>12}{'loss':>8}{'Mbit/s':>9}{'seen':>8}"
-        f"  {'reach':<8}{'params':<13}{'ckpt':<13}peer"
+        f"  {'reach':<14}{'params':<13}{'ckpt':<13}peer"
     )
     lines = [header, "-" * len(header)]
     for row in rows:
@@ -86,7 +93,7 @@ def format_table(
         rate = f"{row['allreduce_mbps']:.0f}" if row["allreduce_mbps"] is not None else "-"
         lines.append(
             f"{short_id(bytes.fromhex(row['id'])):<14}{row['state']:<10}{row['outer_step']:>6}"
-            f"{row['tokens']:>12}{loss:>8}{rate:>9}{row['last_seen_s']:>7.1f}s  {row['reach'] or '?':<8}"
+            f"{row['tokens']:>12}{loss:>8}{rate:>9}{row['last_seen_s']:>7.1f}s  {_reach(row):<14}"
             f"{row['params_hash'][:12] or '-':<13}{row['ckpt_digest'][:12] or '-':<13}{row['peer_id']}"
         )
     lines.append(f"{len(rows)} node(s)")
