@@ -128,7 +128,10 @@ def test_sidecar_serves_ranges_and_only_manifest_files(
 
     with caplog.at_level(logging.WARNING, logger="p2ptrain.ckpt.sidecar"):
         run(scenario())
-    assert sum("refused" in record.message for record in caplog.records) >= 4
+    # each refusal is logged, but a burst of them in one line (untrusted.ThrottledLog): a flood of
+    # bad requests cannot fill the disk
+    refused = [record for record in caplog.records if "refused" in record.getMessage()]
+    assert len(refused) == 1, [record.getMessage() for record in refused]
 
 
 def test_majority_of_live_members_decides() -> None:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from p2ptrain.comm.dataplane import DataPlaneServer, RingSettings
+from p2ptrain.comm.dataplane import MAX_ATTEMPT_JUMP, DataPlaneServer, RingSettings
 from p2ptrain.comm.members import RingMember, membership_digest
 from p2ptrain.comm.relay import RelayRefused, RelayRequest, open_relayed, relay_for, route
-from p2ptrain.comm.relay_service import RateCap
+from p2ptrain.comm.relay_service import MAX_PER_SIGNER, RateCap
 from p2ptrain.comm.wire import WireError, read_frame, write_frame
 from p2ptrain.identity import NodeIdentity, load_or_create_identity
 from tests.test_ring_bad_peer import settle
@@ -29,7 +29,7 @@ class Swarm:
     def __init__(self, root: Path, reachable: int = 0, **server: float):
         names = ["relay", *(f"public{i}" for i in range(reachable)), "home0", "home1"]
         self.ids = {name: load_or_create_identity(root / name) for name in names}
-        self.settings = RingSettings(setup_timeout=server.pop("setup_timeout", 5.0))
+        self.settings = RingSettings(setup_timeout=server.pop("setup_timeout", 2.0))
         self.server = DataPlaneServer(self.ids["relay"], self.settings, **server)
         self.members: list[RingMember] = []
         self.step = STEP
@@ -111,6 +111,7 @@ async def refusal(swarm: Swarm, header: dict) -> str:
         ("an older step", "no attempt of step"),
         ("another membership", "no attempt of step"),
         ("junk fields", "malformed relay request"),
+        ("a lane beyond comm.connections", "lane 1 of 1"),
     ],
 )
 def test_a_relay_request_that_does_not_hold_is_refused_with_its_reason(
@@ -147,6 +148,8 @@ def test_a_relay_request_that_does_not_hold_is_refused_with_its_reason(
                 request = replace(request, digest=bytes(32))
             elif case == "another membership":
                 request = replace(request, digest=bytes(32))
+            elif case == "a lane beyond comm.connections":
+                request = replace(request, lane=1)
             elif case == "junk fields":
                 header = {**request.header(identity), "lane": -1, "step": "7"}
             started = time.monotonic()
@@ -222,14 +225,17 @@ def test_what_a_relay_copies_is_capped(tmp_path: Path):
     async def main() -> None:
         swarm = await Swarm(tmp_path, relay_mbps=8.0).start()
         try:
-            (_, w0), (r1, _) = await asyncio.gather(
+            (_, w0), (r1, w1) = await asyncio.gather(
                 swarm.ask(swarm.ids["home0"], swarm.request("send")),
                 swarm.ask(swarm.ids["home1"], swarm.request("accept")),
             )
             started = time.monotonic()
             w0.write(bytes(3_000_000))
             await r1.readexactly(3_000_000)
-            assert time.monotonic() - started >= 3.0 - 2 * RateCap.BURST_S - 0.3
+            elapsed = time.monotonic() - started
+            w0.close()
+            w1.close()
+            assert elapsed >= 3.0 - RateCap.BURST_S - 0.05, elapsed
         finally:
             await swarm.server.close()
 
@@ -245,3 +251,47 @@ def test_an_edges_relay_is_one_reachable_member_that_every_member_computes_alike
     assert relay_for(3, members[3:], keys[5], keys[6]) is None
     with pytest.raises(WireError, match="none can relay"):
         route(3, 0, bytes(32), members[3:], keys[5], keys[6], 0, "send")
+
+
+def test_one_member_cannot_fill_the_relays_waiting_room(tmp_path: Path):
+    """A member behind NAT asking for edges nobody pairs (every attempt number it likes) holds at
+    most its share of the requests waiting for a partner; the others' still wait."""
+
+    async def main() -> None:
+        swarm = await Swarm(tmp_path, setup_timeout=20.0).start()
+        try:
+            asks = [
+                asyncio.create_task(swarm.ask(swarm.ids["home0"], replace(swarm.request("send"), attempt=n)))
+                for n in range(MAX_PER_SIGNER)
+            ]
+            await settle(lambda: swarm.server.relay.waiting_ends == MAX_PER_SIGNER, "its requests wait")
+            with pytest.raises(RelayRefused, match="of that node wait already"):
+                await swarm.ask(swarm.ids["home0"], replace(swarm.request("send"), attempt=99))
+            other = asyncio.create_task(
+                swarm.ask(swarm.ids["home1"], replace(swarm.request("accept"), lane=0))
+            )
+            await settle(lambda: swarm.server.relay.waiting_ends == MAX_PER_SIGNER, "home1 pairs at once")
+            _, w1 = await other  # home1's accept for attempt 0 met home0's waiting send
+            _, w0 = await asks[0]
+            w0.close()
+            w1.close()
+            for task in asks:
+                task.cancel()
+        finally:
+            await swarm.server.close()
+
+    asyncio.run(main())
+
+
+def test_a_learned_attempt_number_moves_ours_a_bounded_step_at_a_time(tmp_path: Path):
+    """A peer or a relay claiming attempt 2³¹ − 1 cannot send the step where no hello can follow."""
+
+    async def main() -> None:
+        server = DataPlaneServer(load_or_create_identity(tmp_path / "n"), RingSettings())
+        server.learn_attempt(3, 2**31 - 1)
+        assert server.expect(3, (), bytes(32)).attempt == MAX_ATTEMPT_JUMP
+        server.forget(3)
+        server.learn_attempt(3, 2**31 - 1)
+        assert server.expect(3, (), bytes(32)).attempt == 2 * MAX_ATTEMPT_JUMP + 1  # one past, then 8 on
+
+    asyncio.run(main())

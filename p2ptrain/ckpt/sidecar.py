@@ -29,7 +29,7 @@ from p2ptrain.ckpt.format import MANIFEST_FILE, STAGED_KEEP, checkpoint_name
 from p2ptrain.ckpt.manifest import Manifest, ManifestError, parse_manifest
 from p2ptrain.ckpt.replay import RecentResults
 from p2ptrain.comm.reach import NONCE_BYTES
-from p2ptrain.untrusted import decimal
+from p2ptrain.untrusted import ThrottledLog, decimal
 from p2ptrain.web.server import Served, start_app
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ class CheckpointSidecar:
         self._kept: OrderedDict[str, Manifest] = OrderedDict()
         """Manifests of the checkpoints still in RAM, by digest, oldest first."""
         self._served: Served | None = None
+        self._refusals = ThrottledLog(log)
         app = web.Application()
         app.router.add_get("/manifest", self._manifest)
         app.router.add_get("/config", self._config)
@@ -116,5 +117,7 @@ class CheckpointSidecar:
         return web.Response(body=packed, content_type="application/octet-stream")
 
     def _refuse(self, request: web.Request, reason: str) -> web.Response:
-        log.warning("checkpoint sidecar: refused %s from %s: %s", request.path, request.remote, reason)
+        self._refusals.warning(
+            "checkpoint sidecar: refused %s from %s: %s", request.path[:200], request.remote, reason
+        )
         return web.Response(status=404, text=reason)

@@ -65,7 +65,9 @@ async def _open(
     except RelayRefused as exc:
         if exc.attempt is not None:
             raise AttemptBehind(str(exc), exc.attempt) from None
-        raise AllReduceError(str(exc), exc.absent, exc.views_differ) from None
+        # "absent" is the relay's word alone: it names no one (a partner that really died goes by
+        # its heartbeat); a relay that cannot be reached or does not answer is named
+        raise AllReduceError(str(exc), None, exc.views_differ) from None
     except WireError as exc:
         raise AllReduceError(str(exc), relay.key) from None
 
@@ -109,8 +111,10 @@ async def dial_member(
             )
         except PeerTimeout as exc:
             writer.close()
+            # through a relay: the partner had just asked for the edge, so the relay let it down
+            silent = member.key if via is None else via[0].key
             raise AllReduceError(
-                f"{short_id(member.key)} did not answer the handshake: {exc}", member.key
+                f"{short_id(member.key)} did not answer the handshake: {exc}", silent
             ) from None
         except PeerBusy as exc:
             writer.close()
@@ -178,6 +182,8 @@ async def connect_lanes(
     settings = server.settings
     lanes = settings.connections
     me = next(member for member in members if member.key == server.identity.public_key)
+    paired: dict[LaneKey, bytes] = {}
+    """Relayed lanes into us that the relay paired: a hello that never came then names the relay."""
 
     def relayed(sender: RingMember, receiver: RingMember, lane: int, role: Role) -> Route | None:
         """The relay of an edge neither end of which can be dialed; None for every other edge."""
@@ -222,9 +228,12 @@ async def connect_lanes(
                 )
         # one that dialed and was refused elected other members: alive, not to be blamed
         heard = member.key in registration.heard
+        blamed = None if heard else member.key
+        if needs_relay(member, me):  # the relay paired us (it had the peer's request) or said why not
+            blamed = paired.get((member.key, lane))
         raise AllReduceError(
             f"{short_id(member.key)} did not connect within {settings.setup_timeout:.0f} s",
-            None if heard else member.key,
+            blamed,
             views_differ=heard,
         )
 
@@ -239,10 +248,11 @@ async def connect_lanes(
             except RelayRefused as exc:
                 if exc.attempt is not None:
                     server.learn_attempt(step, exc.attempt)
-                error = AllReduceError(str(exc), exc.absent, exc.views_differ)
+                error = AllReduceError(str(exc), None, exc.views_differ)  # see _open
             except WireError as exc:
                 error = AllReduceError(str(exc), via[0].key)
             else:
+                paired[(members[peer].key, lane)] = via[0].key
                 await server.serve_relayed(reader, writer)
                 await asyncio.sleep(pause)  # the handshake failed: the peer dials again (bounded)
                 pause = min(2 * pause, 1.0)

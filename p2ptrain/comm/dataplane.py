@@ -51,6 +51,8 @@ LaneKey = tuple[bytes, int]
 
 KEPT_STEPS = 4
 """Steps whose next attempt number the server remembers (older ones cannot come back)."""
+MAX_ATTEMPT_JUMP = 8
+"""How far ahead of ours a learned attempt number may take us at once (members converge in steps)."""
 MAX_STEPS_AHEAD = 1
 """A hello for a step further ahead of this node's own is refused at once (a member dials only once
 this node published ready for that step; one step of slack for a dialer that registered first)."""
@@ -168,7 +170,7 @@ class DataPlaneServer:
         self.address: tuple[str, int] = ("", 0)
         self.reach = ReachService()
         """Dial-back probes (reach.py): answered here, and our own proofs collected here."""
-        self.relay = RelayService(identity, relay_mbps, settings.setup_timeout, self._wake)
+        self.relay = RelayService(identity, relay_mbps, settings, self._wake)
         """Edges between members behind NAT that this node splices (relay.py)."""
         self._dialed = asyncio.Event()
         self._woken_for = -1
@@ -214,6 +216,7 @@ class DataPlaneServer:
 
     async def close(self) -> None:
         await self.relay.drained(self.settings.failure_timeout)
+        self.relay.abort()
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
@@ -258,8 +261,10 @@ class DataPlaneServer:
             self.learn_attempt(step, registration.attempt + 1)
 
     def learn_attempt(self, step: int, attempt: int) -> None:
-        """The next attempt of `step` here takes at least number `attempt`."""
-        self._next_attempt[step] = max(self._next_attempt.get(step, 0), attempt)
+        """The next attempt of `step` here takes at least number `attempt` — at most MAX_ATTEMPT_JUMP
+        past ours: a number a peer (or a relay) claims cannot send the step where no one can follow."""
+        current = self._next_attempt.get(step, 0)
+        self._next_attempt[step] = max(current, min(attempt, current + MAX_ATTEMPT_JUMP))
         for old in sorted(self._next_attempt)[:-KEPT_STEPS]:
             del self._next_attempt[old]
 
@@ -349,10 +354,15 @@ class DataPlaneServer:
     async def serve_relayed(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Our end of a relayed edge that carries a peer's frames to us (relay.py): its handshake
         comes in through the relay and is answered as if it had been dialed here directly."""
-        await self._answer(reader, writer, "relay", None)
+        await self._answer(reader, writer, "relay", None, relayed=True)
 
     async def _answer(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, source: str, ticket: int | None
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        source: str,
+        ticket: int | None,
+        relayed: bool = False,
     ) -> None:
         """Read the first frame and serve what it asks: a probe, a relay, or a ring lane's handshake."""
 
@@ -372,6 +382,8 @@ class DataPlaneServer:
 
         try:
             first = await read_frame(reader, self.settings.failure_timeout, MAX_HANDSHAKE_FRAME)
+            if (first.kind in REACH_KINDS or first.kind in RELAY_KINDS) and relayed:
+                raise WireError(f"a {first.kind!r} frame through a relay (only a handshake comes that way)")
             if first.kind in REACH_KINDS or first.kind in RELAY_KINDS:
                 idle_no_more()
                 service = self.reach if first.kind in REACH_KINDS else self.relay

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import ipaddress
 import logging
 import secrets
 from collections import Counter
@@ -196,12 +197,23 @@ class ReachService:
             return Reach.OPEN if proved else Reach.CLOSED if answered else Reach.UNKNOWN
 
         ckpt = verdict(any(answer[3] for answer in answers)) if ckpt_port is not None else Reach.UNKNOWN
-        confirmed = Counter(observed for proved, observed, _, _ in answers if proved and observed)
+        confirmed = Counter(seen for proved, seen, _, _ in answers if proved and seen and _is_ip(seen))
         if any(answer[0] for answer in answers):
-            # where confirming probers disagree, the majority; ties to the smallest address
-            best = min(confirmed.items(), key=lambda item: (-item[1], item[0]))[0] if confirmed else None
+            # where confirming probers disagree, a strict majority; a tie changes nothing (a liar
+            # beside one honest prober must not pick our address)
+            ranked = confirmed.most_common(2)
+            best = ranked[0][0] if ranked and (len(ranked) == 1 or ranked[0][1] > ranked[1][1]) else None
             return ProbeResult(Reach.OPEN, best, ckpt)
         return ProbeResult(verdict(False), None, ckpt)
+
+
+def _is_ip(text: str) -> bool:
+    """A literal IPv4 or IPv6 address (what a prober says it saw us at), not a name or junk."""
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _is_port(value: object) -> bool:

@@ -12,6 +12,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from p2ptrain.comm.budget import wait_until
 from p2ptrain.comm.members import RingMember
@@ -20,18 +21,23 @@ from p2ptrain.comm.wire import Frame, WireError, write_frame
 from p2ptrain.identity import NodeIdentity, short_id
 from p2ptrain.untrusted import ThrottledLog
 
+if TYPE_CHECKING:  # dataplane.py imports this module
+    from p2ptrain.comm.dataplane import RingSettings
+
 log = logging.getLogger(__name__)
 
-MAX_WAITING = 64
-"""Requests waiting for their partner, in all."""
+MAX_WAITING = 256
+"""Requests waiting for their partner, in all (a relayed butterfly of h members behind NAT has
+h(h − 1) edges per lane, spread over the reachable members)."""
+MAX_PER_SIGNER = 32
+"""…of one node (its relayed edges here, times the lanes)."""
+VIEWS_DIFFER = "views differ: "
 MAX_EARLY_STRANGERS = 8
 """Requests of nodes we know nothing of waiting for this node's attempt (anyone can sign one)."""
 EARLY_LIMIT = (MAX_WAITING, MAX_EARLY_STRANGERS)
 ABSENT = "did not ask for this edge in time"
-MAX_SPLICES = 64
+MAX_SPLICES = 256
 """Edges relayed at once."""
-IDLE_TIMEOUT = 120.0
-"""A splice that carried no byte either way for this long is closed (its ends have long given up)."""
 COPY_BYTES = 256 << 10
 KEPT_MEMBERSHIPS = 8
 """Memberships (step, digest) remembered for requests that arrive after this node's own attempt
@@ -81,10 +87,14 @@ class RelayService:
         self,
         identity: NodeIdentity,
         mbps: float,
-        partner_timeout: float,
+        settings: RingSettings,
         wake: Callable[[int], None] = lambda step: None,
     ):
         self.identity = identity
+        self.lanes = settings.connections
+        self.idle_timeout = settings.setup_timeout + 2 * settings.failure_timeout
+        """A splice that carried no byte either way this long is closed: both ends gave up long ago."""
+        self._streams: set[Stream] = set()
         self.known: Collection[bytes] = frozenset()
         """The live nodes of the run this node knows of (set by its sync at every read of the records)."""
         self.wake = wake
@@ -92,7 +102,7 @@ class RelayService:
         self._early = [0, 0]
         """Requests waiting for this node's attempt: [known nodes', strangers']."""
         self.cap = RateCap(mbps * 1e6 / 8)
-        self.partner_timeout = partner_timeout
+        self.partner_timeout = settings.setup_timeout
         self._memberships: OrderedDict[tuple[int, bytes], tuple[RingMember, ...]] = OrderedDict()
         self._changed = asyncio.Event()
         self._waiting: dict[tuple, tuple[RelayRequest, Stream, asyncio.Future[RelayRefusal | None]]] = {}
@@ -120,9 +130,15 @@ class RelayService:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._none_spliced.wait(), timeout)
 
+    def abort(self) -> None:
+        """Cut every edge still relayed and every end still waiting (this node is leaving)."""
+        for _, writer in [*self._streams, *(mine for _, mine, _ in self._waiting.values())]:
+            writer.transport.abort()
+
     def allow(self, step: int, digest: bytes, members: Sequence[RingMember]) -> None:
         """This node takes part in `step` under `digest`: relay its NAT'd members' edges."""
         self._memberships[(step, digest)] = tuple(members)
+        self._memberships.move_to_end((step, digest))
         while len(self._memberships) > KEPT_MEMBERSHIPS:
             self._memberships.popitem(last=False)
         self._changed.set()
@@ -149,12 +165,12 @@ class RelayService:
                 return None
         finally:
             self._early[stranger] -= 1
-        return self._memberships[key]
+        return self._memberships.get(key)
 
     def _check(self, request: RelayRequest, members: Sequence[RingMember] | None) -> str | None:
         """Why this node will not relay `request`, or None."""
         if members is None:
-            return f"this node is in no attempt of step {request.step} with that membership"
+            return VIEWS_DIFFER + f"this node is in no attempt of step {request.step} with that membership"
         by_key = {member.key: member for member in members}
         sender, receiver = by_key.get(request.sender), by_key.get(request.receiver)
         if sender is None or receiver is None or sender == receiver:
@@ -174,9 +190,12 @@ class RelayService:
             request = RelayRequest.parse(first.header)
             if request.relay != self.identity.public_key:
                 raise WireError("the request names another relay")
-            refusal = self._views_differ(request) or await self._pair(request, (reader, writer))
+            refusal = self._views_differ(request)  # behind its partner: which waits on for it
             if refusal is None:
-                return
+                refusal = await self._pair(request, (reader, writer))
+                if refusal is None:
+                    return
+                self._partner_refused(request)
         except WireError as exc:
             refusal = RelayRefusal(str(exc))
         self._refusals.warning("relay request from %s refused: %s", source, refusal.reason)
@@ -189,6 +208,9 @@ class RelayService:
         elected differently, no one's fault, and they cannot meet. The one behind is told at once,
         with the other's attempt where only the attempts differ (it takes that number next, as
         after a handshake's refusal); the refusal for `request`, where it is the one behind."""
+        match = self._waiting.get(request.edge)
+        if match is not None and match[0].role != request.role:
+            return None  # its partner waits under the same attempt and membership: they pair
         for edge, (theirs, _, future) in list(self._waiting.items()):
             same_pair = edge[0] == request.step and edge[3:] == request.edge[3:]
             if not same_pair or theirs.role == request.role or edge == request.edge or future.done():
@@ -203,12 +225,28 @@ class RelayService:
             future.set_result(RelayRefusal(reason, True, request.attempt if same_members else None))
         return None
 
+    def _partner_refused(self, request: RelayRequest) -> None:
+        """`request` (validly signed by one end) was refused: the other end, if it waits here for
+        it, is told now that they will not meet, blaming no one (it did ask)."""
+        partner = {"send": "accept", "accept": "send"}[request.role]
+        for edge, (theirs, _, future) in list(self._waiting.items()):
+            if edge[0] == request.step and edge[3:] == request.edge[3:] and theirs.role == partner:
+                del self._waiting[edge]
+                if not future.done():
+                    reason = f"{short_id(request.signer)} asked too, but was refused here"
+                    future.set_result(RelayRefusal(reason, True))
+
     async def _pair(self, request: RelayRequest, mine: Stream) -> RelayRefusal | None:
         """None once this end is spliced to its partner (by whichever arrived second), else why not."""
         deadline = time.monotonic() + self.partner_timeout
         reason = self._check(request, await self._membership(request, deadline))
         if reason is not None:
-            return RelayRefusal(reason)
+            differ = reason.startswith(VIEWS_DIFFER)
+            return RelayRefusal(reason.removeprefix(VIEWS_DIFFER), differ)
+        if request.lane >= self.lanes:
+            return RelayRefusal(f"lane {request.lane} of {self.lanes}")
+        if sum(theirs.signer == request.signer for theirs, _, _ in self._waiting.values()) >= MAX_PER_SIGNER:
+            return RelayRefusal(f"{MAX_PER_SIGNER} requests of that node wait already")
         entry = self._waiting.get(request.edge)
         if entry is not None:
             if entry[0].role == request.role:
@@ -229,6 +267,8 @@ class RelayService:
             # the partner's task runs the splice; this one only hands its stream over
             return await asyncio.wait_for(asyncio.shield(future), max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
+            if future.done():  # paired just as the deadline passed: the stream is spliced now
+                return future.result()
             return RelayRefusal(f"{short_id(request.partner)} {ABSENT}", absent=True)
         finally:
             if self._waiting.get(request.edge) is entry:
@@ -237,6 +277,7 @@ class RelayService:
     async def _splice(self, request: RelayRequest, a: Stream, b: Stream) -> None:
         """Copy bytes both ways until both ends have closed, one fails, or the edge goes idle."""
         self._splices += 1
+        self._streams.update((a, b))
         self._none_spliced.clear()
         self.edges_relayed += 1
         last_byte = [time.monotonic()]
@@ -248,12 +289,13 @@ class RelayService:
                 asyncio.create_task(self._pump(a[0], b[1], last_byte)),
                 asyncio.create_task(self._pump(b[0], a[1], last_byte)),
             ]
-            watch = asyncio.create_task(_idle(last_byte))
+            watch = asyncio.create_task(_idle(last_byte, self.idle_timeout))
             tasks = [*pumps, watch]
             pending: set[asyncio.Task] = set(tasks)
             while not all(pump.done() for pump in pumps):
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                if watch in done or any(task.exception() for task in done if not task.cancelled()):
+                failed = [task.exception() for task in done if not task.cancelled()]  # all retrieved
+                if watch in done or any(failed):
                     log.info(
                         "relayed edge %s → %s closed: %s",
                         short_id(request.sender),
@@ -265,6 +307,7 @@ class RelayService:
             pass
         finally:
             self._splices -= 1
+            self._streams.difference_update((a, b))
             if not self._splices:
                 self._none_spliced.set()
             for task in tasks:
@@ -286,7 +329,7 @@ class RelayService:
             writer.write_eof()
 
 
-async def _idle(last_byte: list[float]) -> None:
-    """Return once no byte has moved for IDLE_TIMEOUT."""
-    while (idle := time.monotonic() - last_byte[0]) < IDLE_TIMEOUT:
-        await asyncio.sleep(IDLE_TIMEOUT - idle)
+async def _idle(last_byte: list[float], timeout: float) -> None:
+    """Return once no byte has moved for `timeout` seconds."""
+    while (idle := time.monotonic() - last_byte[0]) < timeout:
+        await asyncio.sleep(timeout - idle)

@@ -224,6 +224,9 @@ class SwarmDHT:
         except (P2PDaemonError, UserError) as exc:
             log.warning("the DHT stays a full peer: its client could not start (%s)", _first_line(str(exc)))
             return False
+        if self._closed:  # shut down while the client started
+            await asyncio.to_thread(self._stop, client, client.pid)
+            return False
         self._retired.append((self._dht, self._pid))
         self._dht, self._pid, self.settings = client, client.pid, settings
         self._retiring = asyncio.create_task(self._retire_later())
