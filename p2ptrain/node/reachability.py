@@ -88,6 +88,7 @@ class Reachability:
         self.view = view
         self.port = server.address[1]
         self.result = ProbeResult(Reach.UNKNOWN)
+        self._switch: asyncio.Task[None] | None = None
 
     async def probe_once(self) -> ProbeResult:
         """Ask up to PROBERS peers; publish the result (and the observed address) if it changed."""
@@ -115,12 +116,10 @@ class Reachability:
             level = logging.INFO if result.ckpt is Reach.OPEN else logging.WARNING
             said = "reachable from outside" if result.ckpt is Reach.OPEN else "not reachable from outside"
             log.log(level, "checkpoint sidecar %s: %s", ckpt_addr, said)
-        if (
-            result.reach is Reach.CLOSED
-            and not self.dht.settings.client_mode
-            and await self.dht.become_client()
-        ):
-            changes["peer_id"] = self.dht.peer_id  # nobody can dial it: no one's routing table holds it
+        if result.reach is Reach.CLOSED and not self.dht.settings.client_mode and self._switch is None:
+            # nobody can dial it: no one's routing table should hold it. In the background: a DHT
+            # takes seconds to start, and the node's first steps do not wait for it
+            self._switch = asyncio.create_task(self._become_client())
         announced = self._observed_address(result)
         if announced and announced != self.publisher.current.data_addr:
             log.info("announcing data plane at %s (the address peers see)", announced)
@@ -129,6 +128,13 @@ class Reachability:
             await self.publisher.publish(**changes)
         self.result = result
         return result
+
+    async def _become_client(self) -> None:
+        try:
+            if await self.dht.become_client():
+                await self.publisher.publish(peer_id=self.dht.peer_id)
+        except Exception as exc:  # advice, like the probe: never let it end the node
+            log.warning("the DHT stays a full peer: %s", exc)
 
     def _observed_address(self, result: ProbeResult) -> str | None:
         if result.observed is None or self.config.node.data_announce:

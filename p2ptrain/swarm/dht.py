@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -219,8 +220,12 @@ class SwarmDHT:
             p2p_key=None,
             client_mode=True,
         )
+        starting = asyncio.ensure_future(asyncio.to_thread(_start_once, settings))
         try:
-            client = await asyncio.to_thread(_start_once, settings)
+            client = await asyncio.shield(starting)
+        except asyncio.CancelledError:  # the node stops: the client, once up, goes too
+            starting.add_done_callback(self._stop_started)
+            raise
         except (P2PDaemonError, UserError) as exc:
             log.warning("the DHT stays a full peer: its client could not start (%s)", _first_line(str(exc)))
             return False
@@ -241,6 +246,12 @@ class SwarmDHT:
         while self._retired:
             self._stop(*self._retired.pop())
         self._stop(self._dht, self._pid)
+
+    def _stop_started(self, starting: asyncio.Future[ManagedDHT]) -> None:
+        """A client whose start outlived its caller: stop it by PID, off the event loop."""
+        if not starting.cancelled() and starting.exception() is None:
+            client = starting.result()
+            threading.Thread(target=self._stop, args=(client, client.pid), daemon=True).start()
 
     async def _retire_later(self) -> None:
         """Stop the full peer once the calls it still runs have ended (each is bounded by the
