@@ -33,7 +33,6 @@ from p2ptrain.comm.handshake import (
     accept_any,
 )
 from p2ptrain.comm.members import RingMember
-from p2ptrain.comm.quant import Buffer
 from p2ptrain.comm.reach import REACH_KINDS, ReachService
 from p2ptrain.comm.relay import RELAY_KINDS
 from p2ptrain.comm.relay_service import RelayService
@@ -51,6 +50,8 @@ LaneKey = tuple[bytes, int]
 
 KEPT_STEPS = 4
 """Steps whose next attempt number the server remembers (older ones cannot come back)."""
+RELAY_DRAIN_S = 1.0
+"""How long a closing server lets the edges it relays finish."""
 MAX_ATTEMPT_JUMP = 8
 """How far ahead of ours a learned attempt number may take us at once (members converge in steps)."""
 MAX_STEPS_AHEAD = 1
@@ -94,21 +95,6 @@ class RingSettings:
             raise ValueError(f"connections must be within 1..{MAX_LANES}, got {self.connections}")
         if self.bits not in (4, 8) or (self.bits == 4 and self.block % 2):
             raise ValueError(f"bits must be 8, or 4 with an even block: {self.bits} bits, block {self.block}")
-
-
-@dataclass
-class RingStats:
-    seconds: float = 0.0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    frames: int = 0
-    result: list[tuple[int, int, Buffer]] = field(default_factory=list)
-    """The encoded chunks (start, stop, payload) every member decoded: an exact record of the step."""
-    link_rates: dict[bytes, float] = field(default_factory=dict)
-    """Bytes/s to each peer we sent to, measured over the frames whose send it held up; inf for a
-    peer that took our frames as fast as we produced them (its link was not our bottleneck)."""
-    clipped: dict[bytes, int] = field(default_factory=dict)
-    """Robust aggregation: member → chunks of ours (we own them) in which its share was clipped."""
 
 
 @dataclass
@@ -215,7 +201,8 @@ class DataPlaneServer:
         self._dialed.clear()
 
     async def close(self) -> None:
-        await self.relay.drained(self.settings.failure_timeout)
+        # the edges it relays may still carry a step's last frames; a node stops within seconds
+        await self.relay.drained(min(self.settings.failure_timeout, RELAY_DRAIN_S))
         self.relay.abort()
         if self._server is not None:
             self._server.close()

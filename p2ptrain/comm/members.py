@@ -1,12 +1,15 @@
-"""The members of one all-reduce as every one of them lists them, and what they agree on from it."""
+"""The members of one all-reduce as every one of them lists them, what they agree on from the
+list, and what one member's part in a step yields."""
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+
+from p2ptrain.comm.quant import Buffer
 
 
 @dataclass(frozen=True)
@@ -37,3 +40,18 @@ def shares(members: Sequence[RingMember]) -> list[float]:
         raise ValueError("member weights must be finite and non-negative")
     total = sum(weights)
     return [weight / total for weight in weights] if total > 0 else [1.0 / len(weights)] * len(weights)
+
+
+@dataclass
+class RingStats:
+    seconds: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    frames: int = 0
+    result: list[tuple[int, int, Buffer]] = field(default_factory=list)
+    """The encoded chunks (start, stop, payload) every member decoded: an exact record of the step."""
+    link_rates: dict[bytes, float] = field(default_factory=dict)
+    """Bytes/s to each peer we sent to, measured over the frames whose send it held up; inf for a
+    peer that took our frames as fast as we produced them (its link was not our bottleneck)."""
+    clipped: dict[bytes, int] = field(default_factory=dict)
+    """Robust aggregation: member → chunks of ours (we own them) in which its share was clipped."""

@@ -51,9 +51,9 @@ import zstandard
 
 from p2ptrain.comm import lanes, quant, robust
 from p2ptrain.comm.connect import LanePlan, connect_lanes
-from p2ptrain.comm.dataplane import AllReduceError, Connection, DataPlaneServer, RingSettings, RingStats
+from p2ptrain.comm.dataplane import AllReduceError, Connection, DataPlaneServer, RingSettings
 from p2ptrain.comm.handshake import HandshakeError, ViewsDiffer
-from p2ptrain.comm.members import RingMember, membership_digest, shares
+from p2ptrain.comm.members import RingMember, RingStats, membership_digest, shares
 from p2ptrain.comm.quant import Buffer
 from p2ptrain.comm.schedule import FrameSpec, Schedule, choose_topology, segment_bounds
 from p2ptrain.comm.transfer import Slots, Transfer

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from p2ptrain.comm.dataplane import AllReduceError, DataPlaneServer, RingSettings, RingStats
+from p2ptrain.comm.dataplane import AllReduceError, DataPlaneServer, RingSettings
+from p2ptrain.comm.members import RingStats
 from p2ptrain.comm.reach import can_be_dialed
 from p2ptrain.comm.ring import ring_all_reduce
 from p2ptrain.config import Config
