@@ -65,11 +65,18 @@ async def _open(
     except RelayRefused as exc:
         if exc.attempt is not None:
             raise AttemptBehind(str(exc), exc.attempt) from None
-        # "absent" is the relay's word alone: it names no one (a partner that really died goes by
-        # its heartbeat); a relay that cannot be reached or does not answer is named
-        raise AllReduceError(str(exc), None, exc.views_differ) from None
+        raise _relay_failed(exc, relay) from None
     except WireError as exc:
-        raise AllReduceError(str(exc), relay.key) from None
+        raise _relay_failed(exc, relay) from None
+
+
+def _relay_failed(exc: WireError, relay: RingMember) -> AllReduceError:
+    """What an end makes of a relay that would not pair it. A refusal names no one: "absent" is the
+    relay's word alone (a partner that really died goes by its heartbeat), and "views differ"
+    blames no one anyway; a relay that cannot be reached or does not answer is named."""
+    if isinstance(exc, RelayRefused):
+        return AllReduceError(str(exc), None, exc.views_differ)
+    return AllReduceError(str(exc), relay.key)
 
 
 async def dial_member(
@@ -245,12 +252,10 @@ async def connect_lanes(
         while not future.done():
             try:
                 reader, writer = await open_relayed(server.identity, *via, settings.setup_timeout)
-            except RelayRefused as exc:
-                if exc.attempt is not None:
-                    server.learn_attempt(step, exc.attempt)
-                error = AllReduceError(str(exc), None, exc.views_differ)  # see _open
             except WireError as exc:
-                error = AllReduceError(str(exc), via[0].key)
+                if isinstance(exc, RelayRefused) and exc.attempt is not None:
+                    server.learn_attempt(step, exc.attempt)
+                error = _relay_failed(exc, via[0])
             else:
                 paired[(members[peer].key, lane)] = via[0].key
                 await server.serve_relayed(reader, writer)

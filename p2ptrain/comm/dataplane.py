@@ -369,9 +369,11 @@ class DataPlaneServer:
 
         try:
             first = await read_frame(reader, self.settings.failure_timeout, MAX_HANDSHAKE_FRAME)
-            if (first.kind in REACH_KINDS or first.kind in RELAY_KINDS) and relayed:
-                raise WireError(f"a {first.kind!r} frame through a relay (only a handshake comes that way)")
             if first.kind in REACH_KINDS or first.kind in RELAY_KINDS:
+                if relayed:
+                    raise WireError(
+                        f"a {first.kind!r} frame through a relay (only a handshake comes that way)"
+                    )
                 idle_no_more()
                 service = self.reach if first.kind in REACH_KINDS else self.relay
                 await service.handle(first, reader, writer, source)

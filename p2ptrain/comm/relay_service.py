@@ -203,18 +203,27 @@ class RelayService:
             await write_frame(writer, refusal.header(request if refusal.absent else None), timeout=5.0)
         writer.close()
 
+    def _partners(self, request: RelayRequest) -> list[tuple[tuple, RelayRequest, asyncio.Future]]:
+        """The other ends of `request`'s edge (same step, pair and lane) waiting here, under any
+        attempt or membership: (their edge key, their request, the future that answers them)."""
+        return [
+            (edge, theirs, future)
+            for edge, (theirs, _, future) in self._waiting.items()
+            if edge[0] == request.step
+            and edge[3:] == request.edge[3:]
+            and theirs.role != request.role
+            and not future.done()
+        ]
+
     def _views_differ(self, request: RelayRequest) -> RelayRefusal | None:
         """The other end of the same edge waits under another attempt or membership: the two
         elected differently, no one's fault, and they cannot meet. The one behind is told at once,
         with the other's attempt where only the attempts differ (it takes that number next, as
         after a handshake's refusal); the refusal for `request`, where it is the one behind."""
-        match = self._waiting.get(request.edge)
-        if match is not None and match[0].role != request.role:
+        partners = self._partners(request)
+        if any(edge == request.edge for edge, _, _ in partners):
             return None  # its partner waits under the same attempt and membership: they pair
-        for edge, (theirs, _, future) in list(self._waiting.items()):
-            same_pair = edge[0] == request.step and edge[3:] == request.edge[3:]
-            if not same_pair or theirs.role == request.role or edge == request.edge or future.done():
-                continue
+        for edge, theirs, future in partners:
             same_members = theirs.digest == request.digest
             if same_members and theirs.attempt > request.attempt:
                 return RelayRefusal(
@@ -228,13 +237,11 @@ class RelayService:
     def _partner_refused(self, request: RelayRequest) -> None:
         """`request` (validly signed by one end) was refused: the other end, if it waits here for
         it, is told now that they will not meet, blaming no one (it did ask)."""
-        partner = {"send": "accept", "accept": "send"}[request.role]
-        for edge, (theirs, _, future) in list(self._waiting.items()):
-            if edge[0] == request.step and edge[3:] == request.edge[3:] and theirs.role == partner:
-                del self._waiting[edge]
-                if not future.done():
-                    reason = f"{short_id(request.signer)} asked too, but was refused here"
-                    future.set_result(RelayRefusal(reason, True))
+        for edge, _, future in self._partners(request):
+            del self._waiting[edge]
+            future.set_result(
+                RelayRefusal(f"{short_id(request.signer)} asked too, but was refused here", True)
+            )
 
     async def _pair(self, request: RelayRequest, mine: Stream) -> RelayRefusal | None:
         """None once this end is spliced to its partner (by whichever arrived second), else why not."""
