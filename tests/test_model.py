@@ -71,7 +71,7 @@ def test_schedule_warms_up_then_decays() -> None:
 
 @pytest.mark.slow
 def test_loss_decreases_on_the_debug_config(tmp_path: Path) -> None:
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # one pytest worker per core: two threads each oversubscribe them
     config = load_config("debug", overrides=["train.max_steps=40", 'checkpoint.staging=""'])
     trainer = Trainer(config, b"n" * 32, tmp_path, RankContext())
     first, _ = trainer.inner_step_once(), None

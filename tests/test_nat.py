@@ -4,6 +4,7 @@ out, nobody dials in, and they are members of every step all the same."""
 from __future__ import annotations
 
 import re
+import signal
 import sys
 from collections.abc import Iterator
 
@@ -33,9 +34,18 @@ def lab() -> Iterator[NetLab]:
     assert leftover_namespaces(network.tag) == []
 
 
-def start_drill_swarm(lab: NetLab, swarm: LocalSwarm, steps: int, homes: int, public: int = 2) -> list[str]:
-    """A bootstrap peer and `public` drill nodes in the public network, `homes` behind NAT."""
-    swarm.start_bootstrap(listen=f"/ip4/{lab.public_ip}/tcp/0", prefix=lab.run_in(lab.public))
+def start_drill_swarm(
+    lab: NetLab, swarm: LocalSwarm, steps: int, homes: int, public: int = 2, bootstrap: tuple[str, ...] = ()
+) -> list[str]:
+    """A bootstrap peer (with `bootstrap` flags) and `public` drill nodes in the public network,
+    `homes` behind NAT."""
+    swarm.start_bootstrap(
+        listen=f"/ip4/{lab.public_ip}/tcp/0", prefix=lab.run_in(lab.public), extra=bootstrap
+    )
+    return start_drill_nodes(lab, swarm, steps, homes, public)
+
+
+def start_drill_nodes(lab: NetLab, swarm: LocalSwarm, steps: int, homes: int, public: int) -> list[str]:
     nodes = public + homes
     drill = [*drill_args(steps, nodes), "--drill-size", "50000"]
     placed = [(f"node{index}", lab.public) for index in range(public)]
@@ -43,6 +53,23 @@ def start_drill_swarm(lab: NetLab, swarm: LocalSwarm, steps: int, homes: int, pu
     for name, namespace in placed:
         swarm.start_node(name, None, *drill, prefix=lab.run_in(namespace), listen=ANYWHERE)
     return [name for name, _ in placed]
+
+
+def flood_relays(lab: NetLab, swarm: LocalSwarm, key: str, port: str) -> None:
+    """A stranger in the public network asking the relay at `port` (whose key is `key`) to relay
+    edges, 300 connections at a time, each request validly signed by a fresh key."""
+    flood = ["--mode", "relays", "--claim", key, "--count", "300", "--source", lab.public_ip]
+    flood += ["--target", f"{lab.public_ip}:{port}"]
+    swarm.children.spawn(
+        "flooder",
+        [*lab.run_in(lab.public), sys.executable, "-m", "tests.flooder", *flood],
+        swarm.root / "flooder.log",
+    )
+
+
+def assert_refusals_logged(log: str) -> None:
+    refusals = [line for line in log.splitlines() if "relay request from" in line]
+    assert 0 < len(refusals) < 30, "refusals are logged, a few lines per 10 s"
 
 
 def test_volunteers_behind_nat_are_members_of_every_drill_step(lab: NetLab, swarm: LocalSwarm):
@@ -83,14 +110,8 @@ def test_two_volunteers_behind_nat_reach_each_other_through_a_relay_even_under_a
     port = re.search(r"data plane on port (\d+)", swarm.log("node0"))
     assert port is not None
     relay = load_or_create_identity(swarm.root / "node0").public_key.hex()
-    flood = ["--mode", "relays", "--claim", relay, "--count", "300", "--source", lab.public_ip]
-    flood += ["--target", f"{lab.public_ip}:{port.group(1)}"]
     wait_until(lambda: "drill: step 0 done" in swarm.log("node0"), timeout=120, what="step 0")
-    swarm.children.spawn(
-        "flooder",
-        [*lab.run_in(lab.public), sys.executable, "-m", "tests.flooder", *flood],
-        swarm.root / "flooder.log",
-    )
+    flood_relays(lab, swarm, relay, port.group(1))
     logs = finish(swarm, names)
     assert all(len(log) == steps for log in logs.values()), {name: len(log) for name, log in logs.items()}
     assert_agreement(logs, range(steps))
@@ -99,8 +120,37 @@ def test_two_volunteers_behind_nat_reach_each_other_through_a_relay_even_under_a
     assert relayed == sorted(relayed) and relayed[-1] >= steps * 50_000 // 3 // 4, relayed  # ≥ ¼ B/value
     assert all(entry["relayed_bytes"] == 0 for name in ("home0", "home1") for entry in logs[name])
     assert re.search(r"step [1-9]", swarm.log("flooder")), "the flood never learned node0's step"
-    refusals = [line for line in swarm.log("node0").splitlines() if "relay request from" in line]
-    assert 0 < len(refusals) < 30, "refusals are logged, a few lines per 10 s"
+    assert_refusals_logged(swarm.log("node0"))
+
+
+def test_with_no_public_member_the_bootstrap_peer_relays_and_probes(lab: NetLab, swarm: LocalSwarm):
+    """Two drill nodes behind different NAT routers and no public member: nobody of the swarm can
+    dial anyone. The bootstrap peer opts in with --relay: it answers their dial-back probes (so
+    they learn they are behind NAT) and relays their edges both ways, while a stranger floods it
+    with relay requests from the start. Every step has both members and one hash, and the
+    bootstrap peer says what it relayed when it stops."""
+    steps = 5
+    relay = ("--relay", f"{lab.public_ip}:0", "--relay-mbps", "1000")
+    swarm.start_bootstrap(listen=f"/ip4/{lab.public_ip}/tcp/0", prefix=lab.run_in(lab.public), extra=relay)
+    announced = re.compile(r"standby relay for run '[^']+' at \S+:(\d+) \(key ([0-9a-f]{64})")
+    wait_until(lambda: announced.search(swarm.log("bootstrap")) is not None, 30, what="the relay's line")
+    found = announced.search(swarm.log("bootstrap"))
+    assert found is not None
+    flood_relays(lab, swarm, found.group(2), found.group(1))
+    names = start_drill_nodes(lab, swarm, steps, homes=2, public=0)
+    logs = finish(swarm, names)
+    assert all(len(log) == steps for log in logs.values()), {name: len(log) for name, log in logs.items()}
+    assert_agreement(logs, range(steps))
+    assert all(len(entry["members"]) == 2 for entry in logs["home0"]), logs["home0"]
+    assert all("not reachable from outside" in swarm.log(name) for name in names)
+    swarm.children.signal("bootstrap", signal.SIGTERM)
+    assert swarm.children.wait("bootstrap", 20) == 0, swarm.log("bootstrap")
+    relayed = re.search(r"standby relay: (\d+) edges, (\d+) bytes relayed", swarm.log("bootstrap"))
+    assert relayed is not None, swarm.log("bootstrap")
+    # every step sends both ways through it: at least a quarter byte per value, each way
+    assert int(relayed.group(1)) >= 2 * steps and int(relayed.group(2)) >= steps * 2 * 50_000 // 4
+    assert_refusals_logged(swarm.log("bootstrap"))
+    assert re.search(r"closed by the node [1-9]", swarm.log("flooder")), "the flood never got an answer"
 
 
 def test_a_training_node_behind_nat_contributes_to_every_outer_step(lab: NetLab, swarm: LocalSwarm):

@@ -7,7 +7,9 @@ import asyncio
 import json
 import signal
 import sys
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from p2ptrain.cli.common import (
     address_file_writer,
@@ -19,6 +21,9 @@ from p2ptrain.cli.common import (
     validate_listen,
 )
 from p2ptrain.errors import UserError
+
+if TYPE_CHECKING:
+    from p2ptrain.swarm.bootstrap import RelayOptions
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
@@ -72,7 +77,6 @@ def public_key_argument(text: str, what: str) -> bytes:
 def cmd_admit(args: argparse.Namespace) -> int:
     """Create a run authority's key (`--new`), or print a ticket that admits NODE_KEY to its run."""
     import datetime
-    import time
 
     from p2ptrain.identity import create_key_file, load_key_file
     from p2ptrain.swarm.admission import issue_ticket
@@ -102,6 +106,42 @@ def cmd_admit(args: argparse.Namespace) -> int:
     return 0
 
 
+def relay_options(args: argparse.Namespace, announce: list[str], authority: bytes | None) -> RelayOptions:
+    """`bootstrap --relay`'s settings, checked (a one-line UserError otherwise): where it listens,
+    the host nodes dial, and the node key of the bootstrap's --identity that signs its record."""
+    from p2ptrain.identity import load_or_create_identity
+    from p2ptrain.node.reachability import WILDCARD_HOSTS, outbound_ip
+    from p2ptrain.swarm.admission import TicketError, check_admits, parse_ticket_text
+    from p2ptrain.swarm.bootstrap import RelayOptions
+    from p2ptrain.untrusted import decimal
+
+    host, _, port_text = args.relay.rpartition(":")
+    host, port = host.strip("[]") or "0.0.0.0", decimal(port_text, 5)  # a bare port: every interface
+    if port is None or port > 65535:
+        raise UserError(f"--relay {args.relay}: expected PORT or HOST:PORT with a port in 0-65535 (0: any)")
+    if not 0 < args.relay_mbps <= 100000:
+        raise UserError("--relay-mbps must be above 0 and at most 100000")
+    public = [address.split("/")[2] for address in announce if address.startswith(("/ip4/", "/ip6/"))]
+    announce_host = (
+        args.relay_announce or (host if host not in WILDCARD_HOSTS else "") or next(iter(public), "")
+    )
+    identity = load_or_create_identity(Path(args.identity).expanduser())
+    ticket = b""
+    if authority is not None:
+        if not args.ticket:
+            raise UserError(
+                f"--run-id {args.run_id!r} is closed: --relay needs an admission ticket for the relay's key "
+                f"{identity.node_id} (--ticket)"
+            )
+        try:
+            parsed = parse_ticket_text(args.ticket)
+            check_admits(parsed, identity.public_key, authority, time.time())
+        except TicketError as exc:
+            raise UserError(f"--ticket: {exc}") from None
+        ticket = parsed.to_bytes()
+    return RelayOptions(identity, host, port, announce_host or outbound_ip([]), args.relay_mbps, ticket)
+
+
 def cmd_bootstrap(args: argparse.Namespace) -> int:
     from p2ptrain.swarm.bootstrap import DEFAULT_LISTEN, serve_bootstrap, start_bootstrap_dht
 
@@ -109,10 +149,13 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     announce = validate_listen(args.announce)
     validate_dashboard(args.dashboard)
     authority = public_key_argument(args.run_authority, "--run-authority") if args.run_authority else None
+    relay = relay_options(args, announce, authority) if args.relay else None
     dht = start_bootstrap_dht(Path(args.identity).expanduser(), listen, announce)
     with dht:
         run_until_signal(
-            lambda stop: serve_bootstrap(dht, stop, sys.stdout, args.dashboard, args.run_id, authority),
+            lambda stop: serve_bootstrap(
+                dht, stop, sys.stdout, args.dashboard, args.run_id, authority, relay
+            ),
             on_force=dht.shutdown,
             on_ready=address_file_writer(args.address_file, dht.visible_maddrs),
         )
@@ -123,7 +166,8 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from p2ptrain.node.startup import dht_settings
     from p2ptrain.swarm.dht import SwarmDHT
-    from p2ptrain.swarm.membership import observe
+    from p2ptrain.swarm.membership import observe, read_relays
+    from p2ptrain.swarm.records import Heartbeat
     from p2ptrain.swarm.status import format_table, status_json
 
     config = resolve_config(args, **{"run.id": args.run_id})
@@ -137,13 +181,18 @@ def cmd_status(args: argparse.Namespace) -> int:
     )
     settings.listen = ("/ip4/127.0.0.1/tcp/0",)
     watch = 0.0 if args.once else 2 * config.swarm.heartbeat_interval + 0.5
+
+    async def read(dht: SwarmDHT) -> tuple[list[Heartbeat], dict[bytes, str], list[Heartbeat]]:
+        heartbeats, verdicts = await observe(dht, config.run.id, watch, config.run.authority_key)
+        return heartbeats, verdicts, await read_relays(dht, config.run.id, config.run.authority_key)
+
     with SwarmDHT.start(settings) as dht:
-        heartbeats, verdicts = asyncio.run(observe(dht, config.run.id, watch, config.run.authority_key))
+        heartbeats, verdicts, relays = asyncio.run(read(dht))
     if args.json:
-        print(json.dumps(status_json(heartbeats, verdicts=verdicts)))
+        print(json.dumps(status_json(heartbeats, verdicts=verdicts, relays=relays)))
     else:
         print(f"run {config.run.id!r}")
-        print(format_table(heartbeats, verdicts=verdicts))
+        print(format_table(heartbeats, verdicts=verdicts, relays=relays))
     return 0
 
 

@@ -74,10 +74,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     boot.add_argument("--dashboard", metavar="[HOST:]PORT", help="serve the status page of --run-id here")
     boot.add_argument(
-        "--run-id", default="p2ptrain-debug", help="run shown by --dashboard (default %(default)s)"
+        "--run-id",
+        default="p2ptrain-debug",
+        help="run shown by --dashboard and relayed by --relay (default %(default)s)",
     )
     boot.add_argument(
         "--run-authority", default="", metavar="KEY", help="run.authority of --run-id, if it is a closed run"
+    )
+    boot.add_argument(
+        "--relay",
+        metavar="[HOST:]PORT",
+        help="also relay the edges between --run-id's nodes behind NAT where no member can (and answer "
+        "their reachability probes), listening here",
+    )
+    boot.add_argument(
+        "--relay-announce",
+        metavar="HOST",
+        help="the address nodes dial for --relay (default: its HOST, else the --announce address, else "
+        "the interface of the default route)",
+    )
+    boot.add_argument(
+        "--relay-mbps",
+        type=float,
+        default=100.0,
+        metavar="N",
+        help="cap of --relay (default %(default)s Mbit/s)",
+    )
+    boot.add_argument(
+        "--ticket", default="", metavar="TICKET", help="the relay's admission ticket, if --run-id is closed"
     )
     boot.set_defaults(handler=cmd_bootstrap)
 

@@ -183,9 +183,11 @@ async def connect_lanes(
     step: int,
     digest: bytes,
     connections: list[Connection],
+    standby: Sequence[RingMember] = (),
 ) -> tuple[dict[Slot, Connection], dict[Slot, Connection]]:
     """Dial the lanes `plan` says we dial and wait for the others; every connection lands in
-    `connections`. Returns the ones we send on and the ones we receive on, by (peer, lane)."""
+    `connections`. Returns the ones we send on and the ones we receive on, by (peer, lane).
+    `standby`: relays for edges between members behind NAT where no member can relay."""
     settings = server.settings
     lanes = settings.connections
     me = next(member for member in members if member.key == server.identity.public_key)
@@ -197,7 +199,9 @@ async def connect_lanes(
         if not needs_relay(sender, receiver):
             return None
         try:
-            return route(step, registration.attempt, digest, members, sender.key, receiver.key, lane, role)
+            return route(
+                step, registration.attempt, digest, members, sender.key, receiver.key, lane, role, standby
+            )
         except WireError as exc:
             raise AllReduceError(str(exc)) from None
 

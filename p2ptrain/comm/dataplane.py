@@ -35,7 +35,7 @@ from p2ptrain.comm.handshake import (
 from p2ptrain.comm.members import RingMember
 from p2ptrain.comm.reach import REACH_KINDS, ReachService
 from p2ptrain.comm.relay import RELAY_KINDS
-from p2ptrain.comm.relay_service import RelayService
+from p2ptrain.comm.relay_service import RelayAdmit, RelayService
 from p2ptrain.comm.wire import ClosedBetweenFrames, WireError, read_frame
 from p2ptrain.identity import NodeIdentity, short_id
 from p2ptrain.untrusted import ThrottledLog
@@ -140,8 +140,16 @@ class Registration:
 class DataPlaneServer:
     """A node's listening socket; hands each incoming ring connection to the step that expects it."""
 
-    def __init__(self, identity: NodeIdentity, settings: RingSettings, relay_mbps: float = 100.0):
+    def __init__(
+        self,
+        identity: NodeIdentity,
+        settings: RingSettings,
+        relay_mbps: float = 100.0,
+        relay_admit: RelayAdmit | None = None,
+    ):
         self.identity = identity
+        self.relay_only = relay_admit is not None
+        """A standby relay's server: it probes and relays, and refuses every hello (it is in no step)."""
         self.settings = settings
         self._server: asyncio.Server | None = None
         self._expected: dict[int, Registration] = {}
@@ -156,7 +164,7 @@ class DataPlaneServer:
         self.address: tuple[str, int] = ("", 0)
         self.reach = ReachService()
         """Dial-back probes (reach.py): answered here, and our own proofs collected here."""
-        self.relay = RelayService(identity, relay_mbps, settings, self._wake)
+        self.relay = RelayService(identity, relay_mbps, settings, self._wake, relay_admit)
         """Edges between members behind NAT that this node splices (relay.py)."""
         self._dialed = asyncio.Event()
         self._woken_for = -1
@@ -265,6 +273,8 @@ class DataPlaneServer:
         registration = self._expected.get(step)
         if registration is not None:
             return registration.admission
+        if self.relay_only:
+            raise HandshakeError("this node only relays and probes: it is a member of no step")
         if step < self._latest_step or step <= self._completed_step:
             raise HandshakeError(f"step {step} is not a step this node is reducing")
         if self._latest_step >= 0 and step > self._latest_step + MAX_STEPS_AHEAD:

@@ -23,13 +23,19 @@ class RingMember:
     (connect.sender_dials); its edges to other members behind NAT go through a relay (relay.py)."""
 
 
-def membership_digest(step: int, members: Sequence[RingMember]) -> bytes:
-    """sha256 over the step and the ordered members (keys, addresses, weights, reachability)."""
+def membership_digest(step: int, members: Sequence[RingMember], relays: Sequence[RingMember] = ()) -> bytes:
+    """sha256 over the step and the ordered members (keys, addresses, weights, reachability), and
+    the standby relays the election lists (relay.relay_for), so ends that would pick different
+    relays never meet under one digest."""
     digest = hashlib.sha256(b"p2ptrain/ring/v2\0" + step.to_bytes(8, "big"))
     for member in members:
         digest.update(
             member.key + f"{member.host}:{member.port}:{member.weight!r}:{member.reachable:d}\0".encode()
         )
+    if relays:
+        digest.update(b"relays\0")
+        for relay in relays:
+            digest.update(relay.key + f"{relay.host}:{relay.port}\0".encode())
     return digest.digest()
 
 

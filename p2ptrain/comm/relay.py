@@ -1,8 +1,9 @@
 """Relays: an edge between two members behind NAT, spliced by a reachable member.
 
 Neither end of such an edge can be dialed, so both dial the edge's relay — a reachable member of
-the same step, the same one for both (`relay_for`, a pure function of the members) — and present a
-signed request for that step, attempt, pair and lane:
+the same step, the same one for both (`relay_for`, a pure function of the members; where no member
+can be reached, a standby relay the election lists) — and present a signed request for that step,
+attempt, pair and lane:
 
     end   → relay   {kind: "relay", step, attempt, digest, sender, receiver, lane, role, relay, signature}
     relay → end     {kind: "relay-ok"}        once the other end's matching request is there
@@ -50,18 +51,27 @@ Role = Literal["send", "accept"]
 Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
-def relay_for(step: int, members: Sequence[RingMember], sender: bytes, receiver: bytes) -> RingMember | None:
-    """The member that relays `sender` → `receiver` at `step`: the reachable member with the smallest
+def relay_for(
+    step: int,
+    members: Sequence[RingMember],
+    sender: bytes,
+    receiver: bytes,
+    standby: Sequence[RingMember] = (),
+) -> RingMember | None:
+    """The node that relays `sender` → `receiver` at `step`: the reachable member with the smallest
     hash of (step, pair, member), so every member computes the same one and edges spread over the
-    reachable members. None when no member can be reached at all."""
+    reachable members; where no member can be reached, the standby relay (`p2ptrain bootstrap
+    --relay`, listed in the election and so in its digest) chosen the same way. None when neither
+    exists."""
     reachable = [member for member in members if member.reachable and member.key not in (sender, receiver)]
-    if not reachable:
+    candidates = reachable or [relay for relay in standby if relay.key not in (sender, receiver)]
+    if not candidates:
         return None
 
     def rank(member: RingMember) -> bytes:
         return hashlib.sha256(_DOMAIN + step.to_bytes(8, "big") + sender + receiver + member.key).digest()
 
-    return min(reachable, key=rank)
+    return min(candidates, key=rank)
 
 
 def needs_relay(sender: RingMember, receiver: RingMember) -> bool:
@@ -163,11 +173,14 @@ def route(
     receiver: bytes,
     lane: int,
     role: Role,
+    standby: Sequence[RingMember] = (),
 ) -> Route:
-    """How one end reaches the other end of a relayed edge; WireError when no member can relay."""
-    relay = relay_for(step, members, sender, receiver)
+    """How one end reaches the other end of a relayed edge; WireError when nobody can relay."""
+    relay = relay_for(step, members, sender, receiver, standby)
     if relay is None:
-        raise WireError(f"step {step}: every member is behind NAT, none can relay")
+        raise WireError(
+            f"step {step}: every member is behind NAT, none can relay (a bootstrap peer with --relay can)"
+        )
     return relay, RelayRequest(step, attempt, digest, sender, receiver, lane, role, relay.key)
 
 

@@ -10,7 +10,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -39,6 +39,8 @@ ABSENT = "did not ask for this edge in time"
 MAX_SPLICES = 256
 """Edges relayed at once."""
 COPY_BYTES = 256 << 10
+RelayAdmit = Callable[[RelayRequest, float], Awaitable[str | None]]
+"""A standby relay's own check of a request (it is in no step): why not, or None; by a deadline."""
 KEPT_MEMBERSHIPS = 8
 """Memberships (step, digest) remembered for requests that arrive after this node's own attempt
 ended: a fast relay may be done with the step while its edges still carry the last frames."""
@@ -81,7 +83,9 @@ class RelayRefusal:
 
 
 class RelayService:
-    """The relay side, in a reachable member's data-plane server: pairs requests, splices the pairs."""
+    """The relay side, in a reachable member's data-plane server: pairs requests, splices the pairs.
+    A standby relay (`p2ptrain bootstrap --relay`) takes part in no step: `admit` checks its
+    requests instead of the memberships this node registered (swarm/standby.py)."""
 
     def __init__(
         self,
@@ -89,8 +93,10 @@ class RelayService:
         mbps: float,
         settings: RingSettings,
         wake: Callable[[int], None] = lambda step: None,
+        admit: RelayAdmit | None = None,
     ):
         self.identity = identity
+        self.admit = admit
         self.lanes = settings.connections
         self.idle_timeout = settings.setup_timeout + 2 * settings.failure_timeout
         """A splice that carried no byte either way this long is closed: both ends gave up long ago."""
@@ -246,7 +252,10 @@ class RelayService:
     async def _pair(self, request: RelayRequest, mine: Stream) -> RelayRefusal | None:
         """None once this end is spliced to its partner (by whichever arrived second), else why not."""
         deadline = time.monotonic() + self.partner_timeout
-        reason = self._check(request, await self._membership(request, deadline))
+        if self.admit is not None:
+            reason = await self.admit(request, deadline)
+        else:
+            reason = self._check(request, await self._membership(request, deadline))
         if reason is not None:
             differ = reason.startswith(VIEWS_DIFFER)
             return RelayRefusal(reason.removeprefix(VIEWS_DIFFER), differ)

@@ -336,8 +336,10 @@ async def ring_all_reduce(
     members: Sequence[RingMember],
     buffer: np.ndarray,
     progress: Progress | None = None,
+    relays: Sequence[RingMember] = (),
 ) -> RingStats:
     """Replace `buffer` (1-D fp32) with the weighted average over `members`, identical on all of them.
+    `relays`: the standby relays the election listed (relay.relay_for), part of the digest.
 
     Raises AllReduceError (buffer unchanged) when any member fails; see the module docstring.
     """
@@ -356,7 +358,7 @@ async def ring_all_reduce(
     # shuts every connection, so the others fail at once instead of waiting for a timeout.
     loop = asyncio.get_running_loop()
     plan = _AllReduce(keys.index(identity.public_key), members, buffer, settings, step, progress)
-    digest = membership_digest(step, members)
+    digest = membership_digest(step, members, relays)
     lanes = LanePlan.of(members, plan.schedule)
     registration = server.expect(
         step, (), digest, lanes.incoming_lanes(members, settings.connections), members
@@ -367,7 +369,7 @@ async def ring_all_reduce(
     cancelled = False
     try:
         sending, receiving = await connect_lanes(
-            server, members, lanes, registration, step, digest, connections
+            server, members, lanes, registration, step, digest, connections, relays
         )
         transfer.start(
             {slot: transfer.adopt(connection, sending=True) for slot, connection in sending.items()},

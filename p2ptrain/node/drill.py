@@ -51,7 +51,7 @@ async def run_drill(
     rng = random.Random(identity.public_key)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     print(f"drill: {steps} outer steps of {size} values, data plane on port {port}", file=out, flush=True)
-    reachability = Reachability(config, server, publisher, sync.view, dht)
+    reachability = Reachability(config, server, publisher, sync.view, dht, sync.standby)
     rechecks: asyncio.Task[None] | None = None
     try:
         await wait_for_nodes(config, sync.view, stop, out, min_nodes)

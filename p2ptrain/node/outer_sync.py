@@ -38,6 +38,7 @@ from p2ptrain.swarm.election import (
 from p2ptrain.swarm.evidence import BLAME_FIELD, Offences, blame_field
 from p2ptrain.swarm.membership import HeartbeatPublisher, SwarmView, live
 from p2ptrain.swarm.records import Heartbeat, NodeState
+from p2ptrain.swarm.standby import StandbyRelays
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,8 @@ class OuterSync:
         self.publisher = publisher
         self.server = server
         self.view = SwarmView.for_run(dht, config)
+        self.standby = StandbyRelays(dht, config.run.id, config.run.authority_key)
+        """The run's standby relays (bootstrap --relay), for steps whose members are all behind NAT."""
         self.faults = Faults.from_env()
         self.links: dict[bytes, float] = {}
         """Receiver key → bytes/s of our slow links, latest measurement; published when ready."""
@@ -232,6 +235,7 @@ class OuterSync:
         attempt = 0
         deadline = time.monotonic() + swarm.election_timeout
         while attempt < swarm.sync_retries and time.monotonic() < deadline:
+            standby = await self.standby.current()
             try:
                 election = await elect(
                     lambda: self._live_heartbeats(step),
@@ -244,6 +248,7 @@ class OuterSync:
                     in_transit=self._in_transit(step),
                     max_tokens=self.config.max_tokens(),
                     pause=self._pause,
+                    standby=standby,
                 )
             except LeftOut as exc:
                 raise LeftOutOfStep(str(exc)) from None
@@ -260,7 +265,12 @@ class OuterSync:
             self.publisher.publish_soon(state=NodeState.SYNCING)  # for the others' tables: no need to wait
             try:
                 stats = await ring_all_reduce(
-                    self.server, step, election.members, vector, lambda *_: self.faults.die_mid_reduce(step)
+                    self.server,
+                    step,
+                    election.members,
+                    vector,
+                    lambda *_: self.faults.die_mid_reduce(step),
+                    election.relays,
                 )
             except AllReduceError as exc:
                 last_error = exc

@@ -25,11 +25,14 @@ from p2ptrain.swarm.dht import SwarmDHT
 from p2ptrain.swarm.election import parse_address
 from p2ptrain.swarm.membership import HeartbeatPublisher, SwarmView, live
 from p2ptrain.swarm.records import NodeState
+from p2ptrain.swarm.standby import StandbyRelays
 
 log = logging.getLogger(__name__)
 
 PROBERS = 3
 """Peers asked at once; any one whose dial-back arrives proves the port open."""
+STANDBY_PROBERS = 2
+"""Standby relays (bootstrap --relay) asked besides the peers."""
 RECHECK_SECONDS = 60.0
 UNKNOWN_RETRY_SECONDS = 5.0
 WILDCARD_HOSTS = ("0.0.0.0", "", "::")
@@ -80,8 +83,10 @@ class Reachability:
         publisher: HeartbeatPublisher,
         view: SwarmView,
         dht: SwarmDHT,
+        standby: StandbyRelays | None = None,
     ):
         self.config = config
+        self.standby = standby
         self.dht = dht
         self.server = server
         self.publisher = publisher
@@ -104,6 +109,9 @@ class Reachability:
         # a different handful per asker, the same on every try: spreads the probing load
         beats.sort(key=lambda beat: hashlib.sha256(me + beat.node_key).digest())
         probers = [address for beat in beats[:PROBERS] if (address := parse_address(beat.data_addr))]
+        # standby relays probe too: in a swarm of nodes behind NAT alone nobody else could answer
+        relays = await self.standby.current() if self.standby is not None else []
+        probers += [(relay.host, relay.port) for relay in relays[:STANDBY_PROBERS]]
         ckpt_addr = self.publisher.current.ckpt_addr
         result = await self.server.reach.probe(probers, self.port, _port_of(ckpt_addr))
         changes: dict[str, Any] = {}

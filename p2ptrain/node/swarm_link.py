@@ -162,7 +162,9 @@ class SwarmLink(SoloSwarm):
                 node.dashboard, self.sync.view.read, self.config.run.id, out
             )
         await wait_for_nodes(self.config, self.sync.view, stop, out, self.config.swarm.wait_nodes)
-        reachability = Reachability(self.config, self.server, self.publisher, self.sync.view, self.dht)
+        reachability = Reachability(
+            self.config, self.server, self.publisher, self.sync.view, self.dht, self.sync.standby
+        )
         with contextlib.suppress(Interrupted):
             await unless(reachability.probe_once(), stop.wait())
         self._rechecks = asyncio.create_task(reachability.run(stop))

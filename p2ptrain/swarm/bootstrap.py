@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
 import multiaddr
 
-from p2ptrain.identity import ensure_p2p_identity
+from p2ptrain.comm.dataplane import DataPlaneServer, RingSettings
+from p2ptrain.comm.handshake import MAX_LANES
+from p2ptrain.config import SwarmConfig
+from p2ptrain.identity import NodeIdentity, ensure_p2p_identity
 from p2ptrain.swarm.dht import DHTSettings, SwarmDHT
-from p2ptrain.swarm.records import HeartbeatValidator
+from p2ptrain.swarm.membership import HeartbeatPublisher, keep_alive
+from p2ptrain.swarm.records import HeartbeatValidator, NodeState
+from p2ptrain.swarm.standby import RunEnds
 
 DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/31337"
 
@@ -44,6 +51,75 @@ def join_line(addresses: list[str]) -> str:
     return f"p2ptrain join --peer {best}      (or: PEER={best} p2ptrain join)"
 
 
+@dataclass(frozen=True)
+class RelayOptions:
+    """`bootstrap --relay`: where the standby relay listens, what it announces, its cap, and the
+    node key (and, in a closed run, the ticket) its record is signed with."""
+
+    identity: NodeIdentity
+    host: str
+    port: int
+    announce_host: str
+    mbps: float = 100.0
+    ticket: bytes = b""
+
+
+RELAY_RECORD_INTERVAL = 5.0
+"""Seconds between two stores of the relay's record (it lives SwarmConfig.record_lifetime)."""
+
+
+async def serve_relay(
+    dht: SwarmDHT,
+    options: RelayOptions,
+    run_id: str,
+    authority: bytes | None,
+    stop: asyncio.Event,
+    out: TextIO,
+) -> None:
+    """Relay the edges between `run_id`'s nodes behind NAT where no member can, and answer their
+    reachability probes (swarm/standby.py), until `stop`; then withdraw the record."""
+    # the run's settings are not known here: any lane count a run may use
+    server = DataPlaneServer(
+        options.identity,
+        RingSettings(connections=MAX_LANES),
+        options.mbps,
+        RunEnds(dht, run_id, authority).check,
+    )
+    try:
+        _, port = await server.start(options.host, options.port)
+    except OSError as exc:
+        from p2ptrain.errors import NetworkError
+
+        raise NetworkError(
+            f"--relay {options.host}:{options.port}: cannot listen there ({exc.strerror or exc})"
+        ) from None
+    host = options.announce_host
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    swarm = SwarmConfig()
+    publisher = HeartbeatPublisher(
+        dht, options.identity, run_id, swarm.record_lifetime, ticket=options.ticket
+    )
+    await publisher.publish(state=NodeState.RELAY, data_addr=address, data_reach="open")
+    print(
+        f"standby relay for run {run_id!r} at {address} (key {options.identity.node_id}, "
+        f"at most {options.mbps:g} Mbit/s)",
+        file=out,
+        flush=True,
+    )
+    try:
+        await keep_alive(publisher, RELAY_RECORD_INTERVAL, stop)
+    finally:
+        with contextlib.suppress(Exception):  # nodes stop choosing it before its record expires
+            await publisher.publish(timeout=2.0, data_addr="")
+        await server.close()
+        relay = server.relay
+        print(
+            f"standby relay: {relay.edges_relayed} edges, {relay.bytes_relayed} bytes relayed",
+            file=out,
+            flush=True,
+        )
+
+
 async def serve_bootstrap(
     dht: SwarmDHT,
     stop: asyncio.Event,
@@ -51,6 +127,7 @@ async def serve_bootstrap(
     dashboard: str | None = None,
     run_id: str = "",
     authority: bytes | None = None,
+    relay: RelayOptions | None = None,
 ) -> None:
     addresses = dht.visible_maddrs()
     print(f"bootstrap peer {dht.peer_id} is up; visible multiaddresses:", file=out)
@@ -70,7 +147,10 @@ async def serve_bootstrap(
         view = SwarmView(dht, run_id, SwarmConfig().heartbeat_timeout, authority=authority)
         page = await serve_dashboard(dashboard, view.read, run_id, out)
     try:
-        await stop.wait()
+        if relay is not None:
+            await serve_relay(dht, relay, run_id, authority, stop, out)
+        else:
+            await stop.wait()
     finally:
         if page is not None:
             await page.close()

@@ -56,10 +56,13 @@ class Election:
     members: list[RingMember]
     left_out: dict[bytes, str] = field(default_factory=dict)
     """Ready nodes the evidence leaves out of this attempt, each with the reason."""
+    relays: tuple[RingMember, ...] = ()
+    """Standby relays (`bootstrap --relay`) for edges between members behind NAT, listed only where
+    no member can relay (ordered by key; part of the digest)."""
 
     @property
     def digest(self) -> bytes:
-        return membership_digest(self.step, self.members)
+        return membership_digest(self.step, self.members, self.relays)
 
     @property
     def keys(self) -> list[bytes]:
@@ -238,13 +241,15 @@ def decide(
     in_transit: Collection[bytes] = (),
     max_tokens: int | None = None,
     excluded: Mapping[bytes, str] | None = None,
+    standby: Sequence[RingMember] = (),
 ) -> Election | None:
     """The members of `step` if this view allows a decision now, else None (keep waiting).
 
     Each member's weight is the tokens its record claims, at most `max_tokens` (what the run's
     settings allow one node in one outer step): a member cannot buy itself the average.
     `excluded`: what `left_out` says of this view's ready records, where the caller has it.
-    Members behind NAT are kept apart in the ring where they can be (`keep_apart`)."""
+    Members behind NAT are kept apart in the ring where they can be (`keep_apart`); where none of
+    them can be dialed, the `standby` relays this node knows of are listed for their edges."""
     ready, expected = ready_for(heartbeats, step), expected_for(heartbeats, step, in_transit)
     if excluded is None:
         excluded = left_out(ready, step)
@@ -268,7 +273,10 @@ def decide(
         host, port = address
         tokens = by_key[key].tokens if max_tokens is None else min(by_key[key].tokens, max_tokens)
         members.append(RingMember(key, host, port, float(tokens), key not in behind_nat))
-    return Election(step, members, dict(excluded))
+    relays = (
+        () if len(members) < 2 or behind_nat != set(by_key) else tuple(sorted(standby, key=lambda r: r.key))
+    )
+    return Election(step, members, dict(excluded), relays)
 
 
 def keep_apart(order: list[bytes], behind_nat: Collection[bytes]) -> list[bytes]:
@@ -333,6 +341,7 @@ async def elect(
     in_transit: Collection[bytes] = (),
     max_tokens: int | None = None,
     pause: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    standby: Sequence[RingMember] = (),
 ) -> Election:
     """Poll the heartbeats (via `read`) until `decide` gives the members of `step`.
 
@@ -365,6 +374,7 @@ async def elect(
             in_transit=in_transit,
             max_tokens=max_tokens,
             excluded=excluded,
+            standby=standby,
         )
         if election is not None:
             return election

@@ -37,6 +37,7 @@ from p2ptrain.swarm.records import (
     check_admitted,
     decode_heartbeat,
     heartbeat_key,
+    relays_key,
 )
 from p2ptrain.untrusted import ThrottledLog
 
@@ -189,7 +190,21 @@ async def read_heartbeats(
     found = await dht.get(heartbeat_key(run_id, authority))
     if not found:
         return []
-    return decode_all(found.items(), run_id, refusals, verified or VerifiedRecords(), authority)
+    beats = decode_all(found.items(), run_id, refusals, verified or VerifiedRecords(), authority)
+    return [beat for beat in beats if beat.state is not NodeState.RELAY]  # those live under relays_key
+
+
+async def read_relays(
+    dht: SwarmDHT, run_id: str, authority: bytes | None = None, refusals: ThrottledLog | None = None
+) -> list[Heartbeat]:
+    """The run's standby relays (`p2ptrain bootstrap --relay`): records in state `relay` under the
+    run's relays key, valid and unexpired (a relay that stops lets its record expire)."""
+    found = await dht.get(relays_key(run_id, authority))
+    if not found:
+        return []
+    refusals = refusals or ThrottledLog(log, interval=0.0)
+    beats = decode_all(found.items(), run_id, refusals, VerifiedRecords(), authority)
+    return [beat for beat in beats if beat.state is NodeState.RELAY]
 
 
 def decode_all(
@@ -301,6 +316,9 @@ async def wait_for_nodes(
             await asyncio.wait_for(stop.wait(), config.swarm.heartbeat_interval / 2)
 
 
+EMPTY_READ_RETRIES, EMPTY_READ_PAUSE = 2, 1.0
+"""`status` reads again (after a pause) when a read found no record at all: a fresh DHT client's
+first get may time out on a busy peer, and would show a live run as empty."""
 GONE, SILENT = "gone", "silent"
 """What `status` shows instead of a record's state: its data port refuses connections (the process
 is gone), or its heartbeat did not advance while `status` watched (stopped, frozen, cut off)."""
@@ -315,6 +333,11 @@ async def observe(
     until it expires), so: probe every data port (a refusal means the process is gone), and with
     `watch` > 0 read again after that many seconds (records are refreshed every heartbeat interval)."""
     first = await read_heartbeats(dht, run_id, authority=authority)
+    for _ in range(EMPTY_READ_RETRIES):  # a DHT get that timed out reads as empty: not "no nodes"
+        if first:
+            break
+        await asyncio.sleep(EMPTY_READ_PAUSE)
+        first = await read_heartbeats(dht, run_id, authority=authority)
     candidates = [
         beat for beat in first if beat.state is not NodeState.DEAD and can_be_dialed(beat.data_reach)
     ]

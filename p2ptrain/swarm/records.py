@@ -52,6 +52,7 @@ class NodeState(str, enum.Enum):
     FINISHED = "finished"  # done with the run; still serving its checkpoint to nodes behind it
     LEAVING = "leaving"
     DEAD = "dead"  # the deathrattle: the node is gone, do not wait for its timeout
+    RELAY = "relay"  # a helper that trains nothing: relays and probes (bootstrap --relay); own key
 
 
 FINISHED_FIELD = "finished"
@@ -70,6 +71,12 @@ class StaleRecord(RecordError):
 def heartbeat_key(run_id: str, authority: bytes | None = None) -> str:
     """The DHT key of a run's heartbeats; a closed run's names the authority that admits its nodes."""
     return f"p2ptrain/{run_id}/nodes" if authority is None else f"p2ptrain/{run_id}/{authority.hex()}/nodes"
+
+
+def relays_key(run_id: str, authority: bytes | None = None) -> str:
+    """The DHT key of a run's standby relays (records in state `relay`): kept apart from the
+    nodes' key, so nothing that reads the nodes (elections, liveness, the end of the run) sees them."""
+    return heartbeat_key(run_id, authority).removesuffix("/nodes") + "/relays"
 
 
 def key_id(key: str) -> bytes:
@@ -127,9 +134,12 @@ class Heartbeat:
 
     @property
     def key(self) -> str:
-        """The DHT key this record belongs under."""
+        """The DHT key this record belongs under (a standby relay's: the run's relays key)."""
         admission = self.admission
-        return heartbeat_key(self.run_id, admission.authority if admission else None)
+        authority = admission.authority if admission else None
+        if self.state is NodeState.RELAY:
+            return relays_key(self.run_id, authority)
+        return heartbeat_key(self.run_id, authority)
 
 
 _FIELDS = {
@@ -246,7 +256,9 @@ class HeartbeatValidator(RecordValidatorBase):
         max_lifetime: float = MAX_LIFETIME_ANY_RUN,
         authority: bytes | None = None,
     ):
-        self._protected = {key_id(heartbeat_key(run, authority)) for run in run_ids}
+        self._protected = {
+            key_id(key(run, authority)) for run in run_ids for key in (heartbeat_key, relays_key)
+        }
         self._learned: OrderedDict[bytes, None] = OrderedDict()
         self._refusals = ThrottledLog(log)
         self._max_lifetime = max_lifetime

@@ -38,9 +38,13 @@ def checkpoint_agreement(heartbeats: list[Heartbeat]) -> dict[str, Any] | None:
 
 
 def status_json(
-    heartbeats: list[Heartbeat], now: float | None = None, verdicts: dict[bytes, str] | None = None
+    heartbeats: list[Heartbeat],
+    now: float | None = None,
+    verdicts: dict[bytes, str] | None = None,
+    relays: list[Heartbeat] | None = None,
 ) -> dict[str, Any]:
-    """`{"nodes": [...], "last_ring": {...} | null, "checkpoint": {...} | null}` (`status --json`).
+    """`{"nodes": [...], "relays": [...], "last_ring": {...} | null, "checkpoint": {...} | null}`
+    (`status --json`). `relays`: the run's standby relays (bootstrap --relay) that serve now.
 
     A node's `state` is its record's, or the verdict `membership.observe` reached (gone, silent)."""
     now = time.time() if now is None else now
@@ -48,6 +52,11 @@ def status_json(
     return {
         "last_ring": last_ring(heartbeats),
         "checkpoint": checkpoint_agreement(heartbeats),
+        "relays": [
+            {"id": beat.node_key.hex(), "data_addr": beat.data_addr}
+            for beat in relays or []
+            if beat.data_addr
+        ],
         "nodes": [
             {
                 "id": beat.node_key.hex(),
@@ -78,10 +87,13 @@ def _reach(row: dict[str, Any]) -> str:
 
 
 def format_table(
-    heartbeats: list[Heartbeat], now: float | None = None, verdicts: dict[bytes, str] | None = None
+    heartbeats: list[Heartbeat],
+    now: float | None = None,
+    verdicts: dict[bytes, str] | None = None,
+    relays: list[Heartbeat] | None = None,
 ) -> str:
-    """A fixed-width table of the nodes, one line each."""
-    status = status_json(heartbeats, now, verdicts)
+    """A fixed-width table of the nodes, one line each, then the swarm's summary lines."""
+    status = status_json(heartbeats, now, verdicts, relays)
     rows = status["nodes"]
     header = (
         f"{'node':<14}{'state':<10}{'step':>6}{'tokens':>12}{'loss':>8}{'Mbit/s':>9}{'seen':>8}"
@@ -105,4 +117,6 @@ def format_table(
     if ring:
         order = " → ".join(short_id(bytes.fromhex(key)) for key in ring["members"])
         lines.append(f"last ring (step {ring['step']}): {order}")
+    for relay in status["relays"]:
+        lines.append(f"standby relay {short_id(bytes.fromhex(relay['id']))} at {relay['data_addr']}")
     return "\n".join(lines)
