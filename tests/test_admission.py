@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -14,8 +15,19 @@ import pytest
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import ValueWithExpiration
 
+from p2ptrain.comm.connect import dial_member
+from p2ptrain.comm.dataplane import DataPlaneServer, RingSettings
+from p2ptrain.comm.handshake import Credentials, HandshakeError
+from p2ptrain.comm.members import RingMember
 from p2ptrain.identity import NodeIdentity, load_or_create_identity
-from p2ptrain.swarm.admission import TicketError, check_admits, decode_ticket, issue_ticket, parse_ticket_text
+from p2ptrain.swarm.admission import (
+    TicketError,
+    check_admits,
+    decode_ticket,
+    issue_ticket,
+    parse_ticket_text,
+    run_credentials,
+)
 from p2ptrain.swarm.membership import VerifiedRecords, decode_all
 from p2ptrain.swarm.records import (
     Heartbeat,
@@ -191,3 +203,46 @@ def test_admission_mistakes_are_one_line_errors(tmp_path):
         result = cli(*args)
         assert result.returncode == 2, (args, result.stderr)
         assert needle in result.stderr and result.stderr.count("\n") == 1, (args, result.stderr)
+
+
+def test_the_handshake_of_a_closed_run_admits_ticketed_members_only(keys):
+    """Over real TCP: two members of a closed run with their tickets connect; a dialer that shows
+    no ticket, or another node's, is refused before the listener signs anything, and a listener
+    without one is refused by the dialer."""
+    authority = keys["authority"]
+
+    def credentials(node: NodeIdentity, holder: NodeIdentity | None = None) -> Credentials:
+        ticket = issue_ticket(authority, (holder or node).public_key, LATER).to_text()
+        found = run_credentials(authority.public_key, ticket)
+        assert found is not None
+        return found
+
+    async def main() -> None:
+        a, b = keys["a"], keys["b"]
+        settings = RingSettings(setup_timeout=3.0)
+        listener = DataPlaneServer(b, settings, credentials=credentials(b))
+        host, port = await listener.start()
+        member = RingMember(b.public_key, host, port)
+        digest = bytes(32)
+        try:
+
+            async def dial(shown: Credentials | None) -> None:
+                registration = listener.expect(3, [a.public_key], digest)
+                try:
+                    _, writer, _ = await dial_member(a, member, 3, digest, settings, credentials=shown)
+                    writer.close()
+                finally:
+                    listener.forget(3)
+                assert registration.incoming[(a.public_key, 0)].done()
+
+            await dial(credentials(a))
+            for shown, reason in [(None, "no admission ticket"), (credentials(a, holder=b), "admits")]:
+                with pytest.raises(HandshakeError, match=reason):
+                    await dial(shown)
+            listener.credentials = None  # a listener that shows nothing is no member of the run
+            with pytest.raises(HandshakeError, match="is not admitted"):
+                await dial(credentials(a))
+        finally:
+            await listener.close()
+
+    asyncio.run(main())

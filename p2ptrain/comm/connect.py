@@ -19,7 +19,7 @@ from p2ptrain.comm.dataplane import (
     Registration,
     RingSettings,
 )
-from p2ptrain.comm.handshake import AttemptBehind, PeerBusy, dial
+from p2ptrain.comm.handshake import AttemptBehind, Credentials, PeerBusy, dial
 from p2ptrain.comm.members import RingMember
 from p2ptrain.comm.relay import RelayRefused, Role, Route, needs_relay, open_relayed, route
 from p2ptrain.comm.schedule import Schedule
@@ -88,6 +88,7 @@ async def dial_member(
     lane: int = 0,
     attempt: int = 0,
     via: Route | None = None,
+    credentials: Credentials | None = None,
 ) -> Connection:
     """Connect and authenticate lane `lane` of attempt `attempt` to `member` (through the relay of
     `via`, where neither of us can be dialed).
@@ -114,7 +115,16 @@ async def dial_member(
             continue
         try:
             session = await dial(
-                reader, writer, identity, member.key, step, digest, settings.setup_timeout, lane, attempt
+                reader,
+                writer,
+                identity,
+                member.key,
+                step,
+                digest,
+                settings.setup_timeout,
+                lane,
+                attempt,
+                credentials,
             )
         except PeerTimeout as exc:
             writer.close()
@@ -209,7 +219,15 @@ async def connect_lanes(
         via = relayed(me, members[peer], lane, "send")
         try:
             connection = await dial_member(
-                server.identity, members[peer], step, digest, settings, lane, registration.attempt, via
+                server.identity,
+                members[peer],
+                step,
+                digest,
+                settings,
+                lane,
+                registration.attempt,
+                via,
+                server.credentials,
             )
         except AttemptBehind as exc:
             server.learn_attempt(step, exc.attempt)

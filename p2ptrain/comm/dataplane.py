@@ -27,6 +27,7 @@ from p2ptrain.comm.handshake import (
     MAX_HANDSHAKE_FRAME,
     MAX_LANES,
     Admission,
+    Credentials,
     HandshakeError,
     Refusal,
     Session,
@@ -146,8 +147,11 @@ class DataPlaneServer:
         settings: RingSettings,
         relay_mbps: float = 100.0,
         relay_admit: RelayAdmit | None = None,
+        credentials: Credentials | None = None,
     ):
         self.identity = identity
+        self.credentials = credentials
+        """A closed run's tickets, shown and checked in every handshake (None in an open run)."""
         self.relay_only = relay_admit is not None
         """A standby relay's server: it probes and relays, and refuses every hello (it is in no step)."""
         self.settings = settings
@@ -398,6 +402,7 @@ class DataPlaneServer:
                 lambda reason: self._refusals.warning("refused data-plane connection: %s", reason),
                 first,
                 peek,
+                self.credentials,
             )
         except HandshakeError:
             writer.close()  # refused, and logged, by the handshake

@@ -1,13 +1,16 @@
 """Mutual authentication of a data-plane connection between two members of one outer step.
 
-    dialer   → hello   {node_key, step, attempt, digest, nonce, lane, ephemeral}
-    listener → welcome {node_key, nonce, ephemeral, signature}     (or refuse {reason})
+    dialer   → hello   {node_key, step, attempt, digest, nonce, lane, ephemeral[, ticket]}
+    listener → welcome {node_key, nonce, ephemeral, signature[, ticket]}     (or refuse {reason})
     dialer   → proof   {signature}
     listener → ok                      (or refuse {reason[, retry | attempt | views_differ]})
 
-The listener checks the hello against the step's members before it signs anything where it knows
-them; a hello for a step it has not reached yet waits for that step only once the dialer has proven
-its key, so no one can hold a member's waiting slot, or be heard from in its name, with a forged key.
+In a closed run each side also shows its admission ticket and checks the other's (`Credentials`:
+the run's authority signed it for that very key, and it has not expired); the listener before it
+signs anything. The listener checks the hello against the step's members before it signs anything
+where it knows them; a hello for a step it has not reached yet waits for that step only once the
+dialer has proven its key, so no one can hold a member's waiting slot, or be heard from in its
+name, with a forged key.
 
 Each signature is Ed25519 over a transcript that binds both nonces, both keys, the role, the step,
 the attempt, the membership digest and both ephemeral X25519 keys: a recorded handshake cannot be
@@ -90,6 +93,22 @@ class Session:
 
 
 @dataclass(frozen=True)
+class Credentials:
+    """A closed run's admission in the handshake: this node's ticket, shown in its hello or welcome,
+    and the check of the peer's (`check(peer key, ticket bytes)`: why it does not admit the peer to
+    the run, or None). Open runs have none."""
+
+    ticket: bytes
+    check: Callable[[bytes, bytes], str | None]
+
+    def verify_peer(self, peer: bytes, header: dict) -> None:
+        ticket = header.get("ticket", b"")
+        reason = self.check(peer, ticket) if isinstance(ticket, bytes) else "malformed ticket"
+        if reason is not None:
+            raise HandshakeError(f"{short_id(peer)} is not admitted to this closed run: {reason}")
+
+
+@dataclass(frozen=True)
 class Refusal:
     """Why a listener does not take an authenticated connection now (see the module docstring)."""
 
@@ -128,9 +147,12 @@ def hello_header(
     ephemeral: bytes,
     lane: int = 0,
     attempt: int = 0,
+    credentials: Credentials | None = None,
 ) -> dict:
     """The dialer's first frame (see the module docstring)."""
+    ticket = {"ticket": credentials.ticket} if credentials is not None else {}
     return {
+        **ticket,
         "kind": "hello",
         "node_key": identity.public_key,
         "step": step,
@@ -152,14 +174,15 @@ async def dial(
     timeout: float,
     lane: int = 0,
     attempt: int = 0,
+    credentials: Credentials | None = None,
 ) -> Session:
-    """Authenticate an outgoing connection to `expected_peer`.
+    """Authenticate an outgoing connection to `expected_peer` (in a closed run, with `credentials`).
 
     Raises PeerBusy (dial again), AttemptBehind (start the next attempt at the peer's), other
     HandshakeErrors, or WireError.
     """
     nonce, ephemeral = secrets.token_bytes(NONCE_BYTES), Ephemeral()
-    header = hello_header(identity, step, digest, nonce, ephemeral.public, lane, attempt)
+    header = hello_header(identity, step, digest, nonce, ephemeral.public, lane, attempt, credentials)
     await write_frame(writer, header, timeout=timeout)
     first = await read_frame(reader, timeout, MAX_HANDSHAKE_FRAME)
     if first.kind == "refuse" and first.header.get("views_differ") is True:
@@ -174,6 +197,8 @@ async def dial(
     signature = _bytes_field(welcome.header, "signature", 64)
     if peer_key != expected_peer:
         raise HandshakeError(f"reached {short_id(peer_key)} instead of {short_id(expected_peer)}")
+    if credentials is not None:
+        credentials.verify_peer(peer_key, welcome.header)
     session = Session(step, digest, identity.public_key, peer_key, lane, attempt)
     nonces = nonce + peer_nonce + ephemeral.public + peer_ephemeral
     if not verify(peer_key, signature, _transcript(b"L", session, identity.public_key, peer_key, nonces)):
@@ -247,6 +272,7 @@ async def accept_any(
     log_refusal: Callable[[str], None] | None = None,
     first: Frame | None = None,
     peek: Peek | None = None,
+    credentials: Credentials | None = None,
 ) -> Session:
     """Authenticate an incoming connection; `resolve(step, key)` says who may connect for that
     step, and `claim` whether the authenticated connection is wanted now.
@@ -257,7 +283,8 @@ async def accept_any(
     non-member is refused before anything is signed.
 
     A refusal is sent to the peer, logged (by `log_refusal`, which a server throttles), and raised
-    as HandshakeError. `first`: the hello, where the caller has read it already.
+    as HandshakeError. `first`: the hello, where the caller has read it already. `credentials`:
+    a closed run's, checked before anything is signed.
     """
     hello = expect(first or await read_frame(reader, timeout, MAX_HANDSHAKE_FRAME), "hello")
     try:
@@ -271,11 +298,14 @@ async def accept_any(
         known = peek(step) if peek is not None else None
         if known is not None and known.digest == digest:
             _check_member(known, identity, peer_key, step, lane, digest=None)
+        if credentials is not None:
+            credentials.verify_peer(peer_key, hello.header)
         session = Session(step, digest, identity.public_key, peer_key, lane, attempt)
         nonce, ephemeral = secrets.token_bytes(NONCE_BYTES), Ephemeral()
         nonces = peer_nonce + nonce + peer_ephemeral + ephemeral.public
         signature = identity.sign(_transcript(b"L", session, peer_key, identity.public_key, nonces))
         welcome = {
+            **({"ticket": credentials.ticket} if credentials is not None else {}),
             "kind": "welcome",
             "node_key": identity.public_key,
             "nonce": nonce,

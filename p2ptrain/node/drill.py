@@ -19,11 +19,10 @@ from typing import TextIO
 
 import numpy as np
 
-from p2ptrain.comm.dataplane import DataPlaneServer
 from p2ptrain.config import Config
 from p2ptrain.identity import NodeIdentity, short_id
 from p2ptrain.node.interrupt import Interrupted, unless
-from p2ptrain.node.outer_sync import OuterSync, StepGivenUp, ring_settings
+from p2ptrain.node.outer_sync import OuterSync, StepGivenUp, node_server
 from p2ptrain.node.reachability import Reachability, data_address
 from p2ptrain.swarm.dht import SwarmDHT
 from p2ptrain.swarm.membership import HeartbeatPublisher, keep_alive, wait_for_nodes
@@ -42,7 +41,7 @@ async def run_drill(
     log_path: Path,
     min_nodes: int = 1,
 ) -> None:
-    server = DataPlaneServer(identity, ring_settings(config), config.node.relay_mbps)
+    server = node_server(config, identity)
     _, port = await server.start(config.node.data_host, config.node.data_port)
     publisher = HeartbeatPublisher.for_run(dht, identity, config, data_addr=data_address(config, port))
     await publisher.publish(state=NodeState.TRAINING, outer_step=0)

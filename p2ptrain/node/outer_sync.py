@@ -22,7 +22,8 @@ from p2ptrain.comm.reach import can_be_dialed
 from p2ptrain.comm.ring import ring_all_reduce
 from p2ptrain.config import Config
 from p2ptrain.faults import Faults
-from p2ptrain.identity import short_id
+from p2ptrain.identity import NodeIdentity, short_id
+from p2ptrain.swarm.admission import run_credentials
 from p2ptrain.swarm.crash_watch import CrashWatch, answers_hello
 from p2ptrain.swarm.dht import SwarmDHT
 from p2ptrain.swarm.election import (
@@ -68,6 +69,13 @@ class SyncResult:
     """From this node's ready record to the members of the attempt that completed being decided."""
     ready_time: float = 0.0
     """Wall-clock time this node published its ready record (drills on one machine compare them)."""
+
+
+def node_server(config: Config, identity: NodeIdentity) -> DataPlaneServer:
+    """A node's data-plane server: the run's all-reduce settings, its relay cap, and in a closed run
+    the tickets shown and checked in every handshake."""
+    credentials = run_credentials(config.run.authority_key, config.node.ticket)
+    return DataPlaneServer(identity, ring_settings(config), config.node.relay_mbps, credentials=credentials)
 
 
 def ring_settings(config: Config) -> RingSettings:

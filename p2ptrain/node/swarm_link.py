@@ -41,13 +41,12 @@ from p2ptrain.ckpt.replay import (
     unpack_into,
 )
 from p2ptrain.ckpt.sidecar import CheckpointSidecar
-from p2ptrain.comm.dataplane import DataPlaneServer
 from p2ptrain.config import Config, config_differences
 from p2ptrain.errors import UserError
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.identity import short_id as short_key
 from p2ptrain.node.interrupt import Interrupted, unless
-from p2ptrain.node.outer_sync import LeftOutOfStep, OuterSync, StepGivenUp, ring_settings
+from p2ptrain.node.outer_sync import LeftOutOfStep, OuterSync, StepGivenUp, node_server
 from p2ptrain.node.reachability import Reachability, data_address
 from p2ptrain.swarm.dht import SwarmDHT
 from p2ptrain.swarm.election import swarm_ahead
@@ -129,7 +128,7 @@ class SwarmLink(SoloSwarm):
         self.config = config
         self.identity = identity
         self.dht = dht
-        self.server = DataPlaneServer(identity, ring_settings(config), config.node.relay_mbps)
+        self.server = node_server(config, identity)
         self.results = RecentResults(config.checkpoint.replay_steps)
         self.sidecar = CheckpointSidecar(
             checkpoint_dir, config.shared(), self.results, reach_proof=self.server.reach.proof_arrived

@@ -13,10 +13,12 @@ from __future__ import annotations
 import base64
 import binascii
 import struct
+import time
 from dataclasses import dataclass, replace
 
 import msgpack
 
+from p2ptrain.comm.handshake import Credentials
 from p2ptrain.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, NodeIdentity, short_id, verify
 from p2ptrain.untrusted import UndecodableError, unpack_untrusted
 
@@ -119,3 +121,20 @@ def parse_public_key(text: str, what: str) -> bytes:
     if len(key) != PUBLIC_KEY_BYTES:
         raise TicketError(f"{what} {text[:80]!r} is not an Ed25519 public key (64 hex digits)")
     return key
+
+
+def run_credentials(authority: bytes | None, ticket_text: str) -> Credentials | None:
+    """What a closed run's node shows and checks in every data-plane handshake (None: open run)."""
+    if authority is None:
+        return None
+
+    def check(peer: bytes, data: bytes) -> str | None:
+        if not data:
+            return "it showed no admission ticket"
+        try:
+            check_admits(decode_ticket(data), peer, authority, time.time())
+        except TicketError as exc:
+            return str(exc)
+        return None
+
+    return Credentials(parse_ticket_text(ticket_text).to_bytes(), check)
