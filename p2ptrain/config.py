@@ -13,22 +13,15 @@ import copy
 import hashlib
 import json
 import os
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic_core import ErrorDetails
 
+from p2ptrain.config_files import describe, env_overrides, flag_overrides, read_toml, set_dotted
 from p2ptrain.errors import ConfigError
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on Python 3.10 only
-    import tomli as tomllib
-
-ENV_PREFIX = "P2PTRAIN_"
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
@@ -228,6 +221,12 @@ class OuterConfig(Section):
     lr: float = Field(0.7, gt=0)
     momentum: float = Field(0.9, ge=0, lt=1)
     nesterov: bool = True
+    overlap: bool = False
+    """Sync step N while the inner phase of N + 1 runs (train/overlap.py); its result is applied at
+    the end of that phase."""
+    eager: bool = True
+    """With overlap: the next phase starts from a step with the node's own fresh pseudo-gradient in
+    place of its share of the pending average (Kale et al.); False: from the last average alone."""
 
 
 class CommConfig(Section):
@@ -313,72 +312,6 @@ def config_differences(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str
     return found
 
 
-def parse_scalar(text: str) -> Any:
-    """Read `text` as a TOML value; fall back to the raw string (so `--set run.id=abc` works)."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, source: str) -> None:
-    parts = dotted.split(".")
-    if any(not part for part in parts) or len(parts) < 2:
-        raise ConfigError(f"{source}: '{dotted}' is not a section.key name")
-    node = tree
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"{source}: '{dotted}' goes below a value that is not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-def env_overrides(environ: Mapping[str, str]) -> list[tuple[str, Any, str]]:
-    """(dotted key, value, source) for every P2PTRAIN_SECTION__KEY variable."""
-    found = []
-    for name in sorted(environ):
-        if not name.startswith(ENV_PREFIX) or "__" not in name:
-            continue  # P2PTRAIN_HOME and similar single names are not config keys
-        dotted = name[len(ENV_PREFIX) :].lower().replace("__", ".")
-        found.append((dotted, parse_scalar(environ[name]), f"environment variable {name}"))
-    return found
-
-
-def flag_overrides(assignments: list[str]) -> list[tuple[str, Any, str]]:
-    """(dotted key, value, source) for every `--set section.key=value` flag."""
-    found = []
-    for item in assignments:
-        if "=" not in item:
-            raise ConfigError(f"--set {item}: expected section.key=value")
-        dotted, _, raw = item.partition("=")
-        found.append((dotted.strip(), parse_scalar(raw.strip()), f"--set {item}"))
-    return found
-
-
-def _read_toml(path: Path) -> dict[str, Any]:
-    try:
-        with path.open("rb") as handle:
-            return tomllib.load(handle)
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: config file not found") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{path}: is a directory, not a config file") from None
-    except PermissionError:
-        raise ConfigError(f"{path}: config file is not readable") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: not valid TOML ({exc})") from None
-
-
-def _describe(error: ErrorDetails) -> str:
-    key = ".".join(str(part) for part in error["loc"])
-    if error["type"] == "extra_forbidden":
-        return f"unknown key '{key}'"
-    if isinstance(error.get("input"), dict):  # a check across a section's keys: the message says
-        return f"'{key}': {error['msg']}"
-    return f"'{key}': {error['msg']} (got {error.get('input')!r})"
-
-
 def resolve_config_path(name: str | os.PathLike[str]) -> Path:
     """A path as given, or a bare name such as `debug` looked up in the bundled configs/ folder."""
     path = Path(name).expanduser()
@@ -398,14 +331,14 @@ def load_config(
     file_label = "defaults"
     if path is not None:
         resolved = resolve_config_path(path)
-        tree = _read_toml(resolved)
+        tree = read_toml(resolved)
         file_label = str(resolved)
     # Validate the file alone first, so its errors name the file rather than an override.
     _validate(tree, file_label)
     layered = copy.deepcopy(tree)
     environ = os.environ if environ is None else environ
     for dotted, value, source in env_overrides(environ) + flag_overrides(list(overrides)):
-        _set_dotted(layered, dotted, value, source)
+        set_dotted(layered, dotted, value, source)
         _validate(layered, source)
     return _validate(layered, file_label)
 
@@ -416,4 +349,4 @@ def _validate(tree: dict[str, Any], source: str) -> Config:
     except ValidationError as exc:
         first = exc.errors()[0]
         more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-        raise ConfigError(f"{source}: {_describe(first)}{more}") from None
+        raise ConfigError(f"{source}: {describe(first)}{more}") from None

@@ -211,7 +211,8 @@ def metrics(work_dir: Path, kind: str) -> list[dict]:
 
 
 def stalls(work_dirs: list[Path]) -> dict[int, float]:
-    """Per outer step: seconds from the last member's last inner step to the end of the step.
+    """Per outer step: seconds from the last member's last inner step before the step ended (its
+    own phase's; with outer.overlap the next phase's, during which it synced) to its end.
 
     Time a fast node spends waiting for slower ones to finish their inner steps is not a stall."""
     ready: dict[int, float] = {}
@@ -220,10 +221,9 @@ def stalls(work_dirs: list[Path]) -> dict[int, float]:
         inner = metrics(work_dir, "inner")
         for record in metrics(work_dir, "outer"):
             step = record["step"]
-            own = [r["time"] for r in inner if r["outer_step"] == step]
-            if not own:
+            if not any(r["outer_step"] == step for r in inner):
                 continue  # a step taken without inner steps (caught up, replayed): no ready time
-            last_inner = max(own)
+            last_inner = max(r["time"] for r in inner if r["time"] <= record["time"])
             ready[step] = max(ready.get(step, 0.0), last_inner)
             done[step] = max(done.get(step, 0.0), record["time"])
     return {step: done[step] - ready[step] for step in done}

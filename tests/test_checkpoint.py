@@ -17,10 +17,19 @@ from p2ptrain.train.trainer import RankContext, Trainer
 
 
 @pytest.mark.slow
-def test_n_steps_straight_equal_half_then_resume_then_half(tmp_path: Path) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_n_steps_straight_equal_half_then_resume_then_half(tmp_path: Path, overlap: bool) -> None:
+    """With outer.overlap a checkpoint of S holds the step this node had handed over (its Δ) and
+    where the next inner phase started: the resumed node hands it over again and goes on from there."""
     torch.set_num_threads(1)
     config = load_config(
-        "debug", overrides=["train.max_steps=40", "checkpoint.keep=3", 'checkpoint.staging=""']
+        "debug",
+        overrides=[
+            "train.max_steps=40",
+            "checkpoint.keep=3",
+            'checkpoint.staging=""',
+            f"outer.overlap={str(overlap).lower()}",
+        ],
     )
     straight = Trainer(config, b"k" * 32, tmp_path / "straight", RankContext())
     straight.run()
@@ -30,7 +39,11 @@ def test_n_steps_straight_equal_half_then_resume_then_half(tmp_path: Path) -> No
     assert latest_checkpoint(folder) == folder / "step-00000004"
 
     resumed = Trainer(config, b"k" * 32, tmp_path / "resumed", RankContext(), resume=folder / "step-00000002")
-    assert (resumed.outer_step, resumed.inner_step) == (2, 20)
+    # with overlap, S of step 2 is taken at the end of phase 2 (its Δ pending), one phase later
+    assert (resumed.outer_step, resumed.inner_step) == (2, 30 if overlap else 20)
+    if overlap:
+        pending = json.loads((folder / "step-00000002" / "meta.json").read_text())["pending"]
+        assert pending["step"] == 2 and pending["tokens"] > 0
     resumed.run()
     assert resumed.outer.params_hash() == straight.outer.params_hash()
     assert torch.equal(resumed.outer.momentum_buffer, straight.outer.momentum_buffer)

@@ -49,12 +49,18 @@ def rank_pids(agent_pid: int) -> dict[int, int]:
 
 
 @pytest.mark.slow
-def test_two_nodes_of_two_ranks_hold_the_same_params_after_every_outer_step(swarm: LocalSwarm) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_two_nodes_of_two_ranks_hold_the_same_params_after_every_outer_step(
+    swarm: LocalSwarm, overlap: bool
+) -> None:
+    """With outer.overlap too: each step syncs during the next inner phase, and S (whose hash the
+    records hold) is the same on both nodes after every step."""
     swarm.start_bootstrap()
+    mode = ["--set", f"outer.overlap={str(overlap).lower()}"]
     for shard, name in enumerate(("a", "b")):  # pinned: two random node keys share a shard 1 time in 64
         pinned = ["--set", f"data.shard={shard}"]
         swarm.start_node(
-            name, None, "--nproc", "2", *SHORT, *pinned, "--set", "swarm.wait_nodes=2", train=True
+            name, None, "--nproc", "2", *SHORT, *pinned, *mode, "--set", "swarm.wait_nodes=2", train=True
         )
     for name in ("a", "b"):
         assert swarm.children.wait(name, 240) == 0, swarm.log(name)

@@ -52,6 +52,9 @@ class CheckpointMeta(TypedDict, total=False):
     """Digest of the canonical parameter layout: a checkpoint loads only into the same model."""
     diverged: str
     """Set by the agent when the node ended off the swarm's track: why (export refuses it)."""
+    pending: dict[str, Any]
+    """outer.overlap: the step this node had handed over and not yet taken ({step, tokens,
+    finite}); its Δ and the next phase's start are in the inner state file (train/overlap.py)."""
 
 
 DIVERGED_FIELD = "diverged"

@@ -11,14 +11,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from p2ptrain.comm.dataplane import (
-    AllReduceError,
-    Connection,
-    DataPlaneServer,
-    LaneKey,
-    Registration,
-    RingSettings,
-)
+from p2ptrain.comm.attempt import AllReduceError, Connection, LaneKey, Registration
+from p2ptrain.comm.dataplane import DataPlaneServer, RingSettings
 from p2ptrain.comm.handshake import AttemptBehind, Credentials, PeerBusy, dial
 from p2ptrain.comm.members import RingMember
 from p2ptrain.comm.relay import RelayRefused, Role, Route, needs_relay, open_relayed, route

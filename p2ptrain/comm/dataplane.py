@@ -18,10 +18,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Collection, Sequence
-from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Literal
 
+from p2ptrain.comm.attempt import AllReduceError, Connection, LaneKey, Registration
 from p2ptrain.comm.budget import PendingBudget, WaitingBudget, wait_until
 from p2ptrain.comm.handshake import (
     MAX_HANDSHAKE_FRAME,
@@ -42,12 +43,7 @@ from p2ptrain.identity import NodeIdentity, short_id
 from p2ptrain.untrusted import ThrottledLog
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter, Session]
-"""An authenticated connection and what its handshake established (its keys among it)."""
-LaneKey = tuple[bytes, int]
-"""(peer key, lane): one of the `connections` parallel connections from that peer."""
+__all__ = ["AllReduceError", "Connection", "DataPlaneServer", "LaneKey", "Registration", "RingSettings"]
 
 KEPT_STEPS = 4
 """Steps whose next attempt number the server remembers (older ones cannot come back)."""
@@ -58,17 +54,6 @@ MAX_ATTEMPT_JUMP = 8
 MAX_STEPS_AHEAD = 1
 """A hello for a step further ahead of this node's own is refused at once (a member dials only once
 this node published ready for that step; one step of slack for a dialer that registered first)."""
-
-
-class AllReduceError(WireError):
-    """This member's all-reduce failed; its buffer is unchanged. Retry with the survivors."""
-
-    def __init__(self, message: str, unresponsive: bytes | None = None, views_differ: bool = False):
-        super().__init__(message)
-        self.unresponsive = unresponsive
-        """A member this node could not reach or that did not answer in time, where one is named."""
-        self.views_differ = views_differ
-        """A peer elected other members (another digest): elect again shortly, blaming no one."""
 
 
 @dataclass(frozen=True)
@@ -98,48 +83,10 @@ class RingSettings:
             raise ValueError(f"bits must be 8, or 4 with an even block: {self.bits} bits, block {self.block}")
 
 
-@dataclass
-class Registration:
-    """One attempt of one step on this node: who may connect, and their connections as they arrive.
-
-    `abandoned` is set when a peer shows it has moved to a later attempt; it ends the attempt while
-    it is still connecting (`unless_abandoned`). Once data flows, the peer's closed connections do.
-    """
-
-    attempt: int
-    admission: Admission
-    incoming: dict[LaneKey, asyncio.Future[Connection]]
-    claimed: set[LaneKey] = field(default_factory=set)
-    heard: set[bytes] = field(default_factory=set)
-    """Keys whose hello for this step arrived during the attempt, taken or not: alive and trying
-    (a refused one elected other members), so not to be named as unresponsive."""
-    abandoned: asyncio.Event = field(default_factory=asyncio.Event)
-    reason: str = ""
-
-    def abandon(self, reason: str) -> None:
-        if not self.abandoned.is_set():
-            self.reason = reason
-            self.abandoned.set()
-
-    async def unless_abandoned(self, work: Awaitable[T]) -> T:
-        """`work`'s result, or AllReduceError as soon as a peer has given this attempt up."""
-        task = asyncio.ensure_future(work)
-        watch = asyncio.ensure_future(self.abandoned.wait())
-        try:
-            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-        if task.cancelled() and self.abandoned.is_set():
-            raise AllReduceError(self.reason)
-        return task.result()
-
-
 class DataPlaneServer:
-    """A node's listening socket; hands each incoming ring connection to the step that expects it."""
+    """A node's listening socket; hands each incoming ring connection to the step that expects it.
+    `credentials`: a closed run's tickets, shown and checked in every handshake. `relay_admit`: a
+    standby relay's server, which probes and relays and refuses every hello (it is in no step)."""
 
     def __init__(
         self,
@@ -149,12 +96,8 @@ class DataPlaneServer:
         relay_admit: RelayAdmit | None = None,
         credentials: Credentials | None = None,
     ):
-        self.identity = identity
-        self.credentials = credentials
-        """A closed run's tickets, shown and checked in every handshake (None in an open run)."""
+        self.identity, self.credentials, self.settings = identity, credentials, settings
         self.relay_only = relay_admit is not None
-        """A standby relay's server: it probes and relays, and refuses every hello (it is in no step)."""
-        self.settings = settings
         self._server: asyncio.Server | None = None
         self._expected: dict[int, Registration] = {}
         self._next_attempt: dict[int, int] = {}

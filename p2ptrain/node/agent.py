@@ -66,6 +66,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 COPY_WAIT = 60.0
 """Seconds a stopping node waits for its background checkpoint copy before flushing RAM itself."""
+DYING_RANK_S = 10.0
+"""How long a closed channel waits for rank 0's exit code (its reason) before it says only that."""
 MAX_RECOVERIES = 5
 """Recoveries in a row without a completed outer step in between before the node gives up."""
 
@@ -121,6 +123,8 @@ class TrainingNode:
         self.recoveries = 0
         self.last_rate: float | None = None
         """Megabits per second this node sent in its last all-reduce (for `status`)."""
+        self.syncing: asyncio.Future[None] | None = None
+        """outer.overlap: the sync of the step rank 0 handed over last, while it trains on."""
 
     def say(self, text: str) -> None:
         self.view.say(f"node {self.identity.short_id}: {text}")
@@ -200,6 +204,32 @@ class TrainingNode:
         await channel.send(Averaged(step, 0, reload=str(path)))
         return True
 
+    async def _answer(self, message: Ready, channel: AgentChannel) -> None:
+        """Rank 0 handed step N's Δ over: catch up if off track, else sync it; one Averaged(N)."""
+        assert self.vector is not None
+        if await self._catch_up_if_off_track(message.outer_step, channel):
+            return
+        averaged, note = await self._guarded(
+            self.swarm.average(message.outer_step, self.vector, message.tokens)
+        )
+        members = averaged.members
+        # no all-reduce completed: if the swarm moved on meanwhile, catch up now
+        if members == 0 and await self._catch_up_if_off_track(message.outer_step, channel):
+            return
+        if averaged.sync_s > 0 and averaged.bytes_sent:
+            self.last_rate = round(8 * averaged.bytes_sent / averaged.sync_s / 1e6, 1)
+        if self.joining and members > 1:
+            self.joining = False
+            join_s = time.monotonic() - self.started
+            self.say(f"joined: contributing from outer step {message.outer_step + 1}, join_s={join_s:.1f}")
+        self.view.note(message.outer_step, members, note)
+        await channel.send(averaged)
+        if self.config.outer.overlap:
+            # rank 0 trains step N + 1 already: say so now, not once it takes step N (a whole inner
+            # phase later), or a node behind would still elect us for N. The hash comes with the
+            # step (StepDone): a record of outer step N + 1 never shows S before step N.
+            await self.swarm.training(message.outer_step + 1, params_hash="")
+
     async def _handle(self, message: Message, channel: AgentChannel) -> None:
         if isinstance(message, Hello):
             self.vector = np.memmap(message.buffer_path, dtype=np.float32, mode="r+", shape=(message.numel,))
@@ -225,25 +255,12 @@ class TrainingNode:
             self.ranks.sample_memory()
         elif isinstance(message, Ready):
             assert self.vector is not None, "Ready before Hello"
-            if await self._catch_up_if_off_track(message.outer_step, channel):
-                return
-            averaged, note = await self._guarded(
-                self.swarm.average(message.outer_step, self.vector, message.tokens)
-            )
-            members = averaged.members
-            # no all-reduce completed: if the swarm moved on meanwhile, catch up now
-            if members == 0 and await self._catch_up_if_off_track(message.outer_step, channel):
-                return
-            if averaged.sync_s > 0 and averaged.bytes_sent:
-                self.last_rate = round(8 * averaged.bytes_sent / averaged.sync_s / 1e6, 1)
-            if self.joining and members > 1:
-                self.joining = False
-                join_s = time.monotonic() - self.started
-                self.say(
-                    f"joined: contributing from outer step {message.outer_step + 1}, join_s={join_s:.1f}"
-                )
-            self.view.note(message.outer_step, members, note)
-            await channel.send(averaged)
+            if self.config.outer.overlap:
+                # rank 0 trains on meanwhile: keep reading its messages while the step syncs (it sends
+                # the next Ready only after this step's answer, so one sync at a time)
+                self.syncing = asyncio.ensure_future(self._answer(message, channel))
+            else:
+                await self._answer(message, channel)
         elif isinstance(message, StepDone):
             self.recoveries = 0
             self.params_hash = message.params_hash
@@ -260,6 +277,25 @@ class TrainingNode:
             self.final_step = message.outer_step
             self.say(f"finished after {message.outer_step} outer steps")
 
+    async def _next_message(self, channel: AgentChannel) -> Message:
+        """Rank 0's next message; what ended an overlapped sync badly (Interrupted: a rank died or
+        the node stops) is raised here as soon as it happens."""
+        receive = asyncio.ensure_future(channel.receive())
+        try:
+            while True:
+                waits: set[asyncio.Future[Any]] = {receive}
+                if self.syncing is not None:
+                    waits.add(self.syncing)
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                syncing = self.syncing
+                if syncing is not None and syncing in done:
+                    self.syncing = None
+                    syncing.result()
+                if receive in done:
+                    return receive.result()
+        finally:
+            receive.cancel()
+
     async def _run_ranks(self) -> None:
         """Run the ranks until they finish or the node is stopped; raises TrainingFailed."""
         channel = await AgentChannel.open(await self.ranks.start(self.resume, skip_first_inner=self.joining))
@@ -267,14 +303,15 @@ class TrainingNode:
         try:
             while not self.finished:
                 try:
-                    await self._handle(await self._guarded(channel.receive()), channel)
+                    await self._handle(await self._guarded(self._next_message(channel)), channel)
                 except Interrupted:
                     failure = None if self.stop.is_set() else self._rank_failure()
                     break
                 except ChannelError:
-                    # rank 0 is probably dying: give its exit code a moment to arrive
+                    # rank 0 is probably dying: give its exit code a moment to arrive (on a busy
+                    # machine a rank that reports running out of memory takes seconds to exit)
                     waits = [asyncio.ensure_future(proc.wait()) for proc in self.ranks.procs]
-                    await asyncio.wait(waits, timeout=2.0, return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait(waits, timeout=DYING_RANK_S, return_when=asyncio.FIRST_COMPLETED)
                     for waiter in waits:
                         waiter.cancel()
                     failure = self._rank_failure() or "trainer rank 0 closed its channel"
@@ -283,6 +320,8 @@ class TrainingNode:
                 for proc in self.ranks.procs:
                     await asyncio.wait_for(proc.wait(), RANK_STOP_TIMEOUT)
         finally:
+            if self.syncing is not None:
+                self.syncing.cancel()
             channel.close()
             await self.ranks.stop()
         if failure and not self.stop.is_set():

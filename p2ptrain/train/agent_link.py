@@ -33,6 +33,8 @@ class AgentLink(Protocol):
     def started(self, hello: Hello) -> None: ...
     def progress(self, progress: Progress) -> None: ...
     def average(self, ready: Ready, buffer: torch.Tensor) -> Averaged: ...
+    def submit(self, ready: Ready) -> None: ...
+    def collect(self, outer_step: int) -> Averaged: ...
     def step_done(self, done: StepDone) -> None: ...
     def checkpoint_written(self, written: CheckpointWritten) -> None: ...
     def finished(self, outer_step: int) -> None: ...
@@ -53,7 +55,13 @@ class SoloLink:
         pass
 
     def average(self, ready: Ready, buffer: torch.Tensor) -> Averaged:
-        return Averaged(ready.outer_step, 1)
+        return Averaged(ready.outer_step, 1, share=1.0)
+
+    def submit(self, ready: Ready) -> None:
+        pass
+
+    def collect(self, outer_step: int) -> Averaged:
+        return Averaged(outer_step, 1, share=1.0)
 
     def step_done(self, done: StepDone) -> None:
         pass
@@ -87,10 +95,18 @@ class ChannelLink:
         self.channel.send(progress)
 
     def average(self, ready: Ready, buffer: torch.Tensor) -> Averaged:
+        self.submit(ready)
+        return self.collect(ready.outer_step)
+
+    def submit(self, ready: Ready) -> None:
+        """Hand the buffer to the agent; it is the agent's until `collect` returns (outer.overlap:
+        an inner phase runs meanwhile)."""
         self.channel.send(ready)
+
+    def collect(self, outer_step: int) -> Averaged:
         while True:
             reply = self.channel.receive()
-            if isinstance(reply, Averaged) and reply.outer_step == ready.outer_step:
+            if isinstance(reply, Averaged) and reply.outer_step == outer_step:
                 return reply
 
     def step_done(self, done: StepDone) -> None:

@@ -86,7 +86,9 @@ def load_state(
         state = {**load_file(str(path / OUTER_FILE)), **load_file(str(path / INNER_FILE))}
     except Exception as exc:
         raise CheckpointError(f"{path}: unreadable state file ({exc})") from None
-    if set(state) != {"momentum", "adam_exp_avg", "adam_exp_avg_sq"} or any(
+    required = {"momentum", "adam_exp_avg", "adam_exp_avg_sq"}
+    optional = {"overlap_delta", "overlap_start"}  # a node's own pipeline (train/overlap.py)
+    if not required <= set(state) <= required | optional or any(
         value.shape != (layout.numel,) for value in state.values()
     ):
         raise CheckpointError(f"{path}: state vectors missing or of the wrong size")

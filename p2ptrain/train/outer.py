@@ -35,6 +35,17 @@ class OuterNesterov:
         )
         self.params.sub_(update, alpha=self.lr)
 
+    @torch.no_grad()
+    def lookahead(self, averaged: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out = the outer params that `step(averaged)` would give; the state does not change:
+        θ − η·((1 + μ)·Δ̄ + μ²·m) with Nesterov, θ − η·(μ·m + Δ̄) without."""
+        mu = self.momentum
+        if self.nesterov:
+            out.copy_(self.momentum_buffer).mul_(mu * mu).add_(averaged, alpha=1 + mu)
+        else:
+            out.copy_(self.momentum_buffer).mul_(mu).add_(averaged)
+        return out.mul_(-self.lr).add_(self.params)
+
     def params_hash(self) -> str:
         """sha256 of the outer parameters' bytes: equal on two nodes iff their models are identical."""
         return hashlib.sha256(self.params.numpy().tobytes()).hexdigest()

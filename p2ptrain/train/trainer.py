@@ -25,20 +25,21 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from p2ptrain.channel import Averaged, CheckpointWritten, Hello, Progress, Ready, StepDone
-from p2ptrain.ckpt.format import STAGED_KEEP, CheckpointMeta, checkpoint_places
+from p2ptrain.ckpt.format import STAGED_KEEP, checkpoint_places
 from p2ptrain.config import Config
 from p2ptrain.faults import Faults
 from p2ptrain.identity import short_id
 from p2ptrain.train.accumulate import accumulate_gradients
 from p2ptrain.train.agent_link import AgentLink, SoloLink
-from p2ptrain.train.checkpoint import load_state
-from p2ptrain.train.data import StreamPosition, node_batches
+from p2ptrain.train.data import node_batches
 from p2ptrain.train.layout import CanonicalLayout, broadcast_flat
 from p2ptrain.train.memory import loss_chunk_tokens, resolve_micro_batch
 from p2ptrain.train.metrics import MetricsWriter, peak_flops
 from p2ptrain.train.model import Transformer, parameter_count
 from p2ptrain.train.optim import adam_moments, build_inner_optimizer, set_schedule_position
 from p2ptrain.train.outer import OuterNesterov
+from p2ptrain.train.overlap import OverlappedOuter
+from p2ptrain.train.trainer_state import resume_trainer, save_trainer_checkpoint
 from p2ptrain.train.writer import CheckpointWriter
 
 log = logging.getLogger(__name__)
@@ -135,6 +136,8 @@ class Trainer:
             keep = None  # the agent prunes, after its copies to disk
         self.writer = CheckpointWriter(self.layout, config.model, keep, self._checkpoint_written)
         self.tokens_per_step = config.train.batch_size * config.model.seq_len
+        self.overlapped = OverlappedOuter(self) if config.outer.overlap else None
+        """The outer step overlapped with the next inner phase (outer.overlap), else None."""
         if resume is not None:
             self.resume(resume, own_data)
         self.flops_per_token = (
@@ -146,6 +149,11 @@ class Trainer:
     def is_leader(self) -> bool:
         """Rank 0: the one that talks to the agent and holds the outer state."""
         return self.leader is not None
+
+    @property
+    def phase(self) -> int:
+        """The outer step the inner phase under way belongs to (with overlap, S is one behind)."""
+        return self.overlapped.phase if self.overlapped is not None else self.outer_step
 
     @property
     def outer(self) -> OuterNesterov:
@@ -202,7 +210,7 @@ class Trainer:
                 self.leader.metrics.write(
                     "inner",
                     self.inner_step,
-                    outer_step=self.outer_step,
+                    outer_step=self.phase,
                     loss=round(loss, 5),
                     lr=self.schedule.get_last_lr()[0],
                     tokens_per_s=round(tokens_per_s, 1),
@@ -210,7 +218,7 @@ class Trainer:
                 )
                 self.link.progress(
                     Progress(
-                        self.outer_step,
+                        self.phase,
                         self.inner_step,
                         loss,
                         self.inner_step * self.tokens_per_step,
@@ -235,14 +243,17 @@ class Trainer:
         if leader is None:
             return None
         leader.outer.pseudo_gradient(self.flat, out=leader.buffer)
-        if self.outer_step == self.faults.nan_step:
-            leader.buffer[0] = math.nan  # fault injection: P2PTRAIN_INJECT_NAN_STEP
-        finite = bool(torch.isfinite(leader.buffer).all())
+        return self.checked_ready(self.outer_step, tokens, leader.buffer)
+
+    def checked_ready(self, step: int, tokens: int, delta: torch.Tensor) -> Ready:
+        """Rank 0's Ready for `delta`: never send NaN/Inf; contribute nothing (weight 0) instead."""
+        if step == self.faults.nan_step:
+            delta[0] = math.nan  # fault injection: P2PTRAIN_INJECT_NAN_STEP
+        finite = bool(torch.isfinite(delta).all())
         if not finite:
-            # never send NaN/Inf: contribute nothing (weight 0) and take the others' average
-            log.error("outer step %d: pseudo-gradient holds NaN/Inf; contributing zero", self.outer_step)
-            leader.buffer.zero_()
-        return Ready(self.outer_step, tokens if finite else 0, finite)
+            log.error("outer step %d: pseudo-gradient holds NaN/Inf; contributing zero", step)
+            delta.zero_()
+        return Ready(step, tokens if finite else 0, finite)
 
     def apply_outer(self, ready: Ready | None, averaged: Averaged | None, seconds: float = 0.0) -> str:
         """Nesterov step with the (averaged) buffer on rank 0, then every rank loads θ_outer."""
@@ -253,24 +264,40 @@ class Trainer:
             leader.outer.step(leader.buffer)
             self.flat.copy_(leader.outer.params)
             params_hash = leader.outer.params_hash()
-            leader.metrics.write(
-                "outer",
-                self.outer_step,
-                loss=round(self.last_loss, 5),
-                members=averaged.members if averaged else 0,
-                ring=averaged.ring if averaged else [],
-                sync_s=round(averaged.sync_s, 3) if averaged else 0.0,
-                replayed=averaged.replayed if averaged else False,
-                bytes_sent=averaged.bytes_sent if averaged else 0,
-                relayed_bytes=averaged.relayed_bytes if averaged else 0,
-                finite=ready.finite if ready else True,
-                params_hash=params_hash,
-                seconds=round(seconds, 3),
-            )
-        broadcast_flat(self.flat, self.ctx.cpu_group)
-        self.layout.scatter(self.model, self.flat)
+            self.record_outer(averaged, ready.finite if ready else True, params_hash, seconds)
+        self.load_flat()
         self.outer_step += 1
         return params_hash
+
+    def record_outer(
+        self,
+        averaged: Averaged | None,
+        finite: bool,
+        params_hash: str,
+        seconds: float = 0.0,
+        loss: float | None = None,
+    ) -> None:
+        """Rank 0's metrics line for the outer step just taken (`loss`: its phase's, if not the last)."""
+        assert self.leader is not None
+        self.leader.metrics.write(
+            "outer",
+            self.outer_step,
+            loss=round(self.last_loss if loss is None else loss, 5),
+            members=averaged.members if averaged else 0,
+            ring=averaged.ring if averaged else [],
+            sync_s=round(averaged.sync_s, 3) if averaged else 0.0,
+            replayed=averaged.replayed if averaged else False,
+            bytes_sent=averaged.bytes_sent if averaged else 0,
+            relayed_bytes=averaged.relayed_bytes if averaged else 0,
+            finite=finite,
+            params_hash=params_hash,
+            seconds=round(seconds, 3),
+        )
+
+    def load_flat(self) -> None:
+        """Every rank loads rank 0's `flat` into its shards."""
+        broadcast_flat(self.flat, self.ctx.cpu_group)
+        self.layout.scatter(self.model, self.flat)
 
     def outer_step_once(self, tokens: int) -> str | None:
         """Average Δ with the swarm, take the Nesterov step, load it into every rank; returns θ's hash.
@@ -282,7 +309,7 @@ class Trainer:
         averaged = None
         if ready is not None and self.leader is not None:
             averaged = self.link.average(ready, self.leader.buffer)
-        reload, replayed = self._shared_instruction(averaged)
+        reload, replayed = self.shared_instruction(averaged)
         if reload:
             self.resume(Path(reload), own_data=False)
             self.skip_next_inner = True
@@ -290,7 +317,7 @@ class Trainer:
         self.skip_next_inner = replayed
         return self.apply_outer(ready, averaged, time.monotonic() - started)
 
-    def _shared_instruction(self, averaged: Averaged | None) -> tuple[str, bool]:
+    def shared_instruction(self, averaged: Averaged | None) -> tuple[str, bool]:
         """Rank 0's catch-up instruction (a checkpoint to reload; a replayed step), made known to
         every local rank."""
         box = [averaged.reload, averaged.replayed] if averaged else ["", False]
@@ -298,70 +325,41 @@ class Trainer:
             dist.broadcast_object_list(box, src=0, group=self.ctx.cpu_group)
         return str(box[0]), bool(box[1])
 
-    def _adam_moments(self, create: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+    def adam_moments(self, create: bool = False) -> dict[str, dict[str, torch.Tensor]]:
         return adam_moments(self.model, self.optimizer, self.inner_step, create)
 
     def save_checkpoint(self, background: bool = True) -> None:
         """Snapshot the full state into canonical vectors (all ranks) and have rank 0's writer save it.
 
         Training waits only for the snapshot; the files are written by a thread (see writer.py)."""
-        started = time.monotonic()
-        names = ["adam_exp_avg", "adam_exp_avg_sq"]
-        leader = self.leader
-        buffers = self.writer.snapshot_buffers(names) if leader is not None else {}
-        for key, tensors in self._adam_moments().items():
-            self.layout.gather_tensors(tensors, buffers.get(f"adam_{key}"))
-        if leader is None:
-            return
-        meta: CheckpointMeta = {
-            "outer_step": self.outer_step,
-            "inner_step": self.inner_step,
-            "config_digest": self.config.digest(),
-            "data_position": self.batches.stream.position.to_dict(),
-        }
-        self.writer.write(
-            self.places.write_dir,
-            leader.outer.params,
-            leader.outer.momentum_buffer,
-            buffers,
-            meta,
-            background,
-        )
-        blocking = time.monotonic() - started
-        leader.metrics.write("checkpoint", self.outer_step, blocking_s=round(blocking, 3))
-        log.info("checkpoint of outer step %d: training waited %.3f s", self.outer_step, blocking)
+        save_trainer_checkpoint(self, background)
 
     def _checkpoint_written(self, path: Path, outer_step: int, seconds: float) -> None:
         self.link.checkpoint_written(CheckpointWritten(outer_step, str(path), seconds))
 
-    def _set_schedule(self) -> None:
+    def set_schedule(self) -> None:
         set_schedule_position(self.optimizer, self.schedule, self.inner_step)
 
     def _skip_inner_steps(self, count: int) -> None:
         """Count the inner steps the others did in the step this node catches up in, so the step
         counters and the LR schedule stay in line with theirs."""
         self.inner_step = min(self.config.train.max_steps, self.inner_step + count)
-        self._set_schedule()
+        self.set_schedule()
 
     def resume(self, path: Path, own_data: bool = True) -> None:
         """Continue from a checkpoint exactly where it was taken (every rank reads the files).
 
         A checkpoint fetched from a peer carries the peer's data position: with `own_data` False
         the node keeps reading its own shard from where it is instead."""
-        flat, state, meta = load_state(path, self.layout)
-        if meta.get("config_digest") != self.config.digest():
-            log.warning("resuming %s, saved under other training settings", path)
-        self.inner_step = int(meta["inner_step"])
-        self.outer_step = int(meta["outer_step"])
-        self.flat.copy_(flat)
-        self.layout.scatter(self.model, flat)
-        if self.leader is not None:
-            self.leader.outer.load_state_dict({"params": flat, "momentum": state["momentum"]})
-        for key, tensors in self._adam_moments(create=True).items():
-            self.layout.scatter_tensors(tensors, state[f"adam_{key}"])
-        self._set_schedule()
-        if own_data:
-            self.batches.stream.seek(StreamPosition.from_dict(meta["data_position"]))
+        resume_trainer(self, path, own_data)
+
+    def _checkpoint_if_due(self) -> None:
+        """After an outer step: checkpoint every `checkpoint.interval` steps, and at the end."""
+        interval = self.config.checkpoint.interval
+        pending = self.overlapped is not None and self.overlapped.pending is not None
+        done = self.inner_step >= self.config.train.max_steps and not pending
+        if done or (interval and self.outer_step % interval == 0):
+            self.save_checkpoint()
 
     def run(self, skip_first_inner: bool = False) -> None:
         """Train to max_steps. `skip_first_inner`: a node that just caught up takes part in its first
@@ -380,23 +378,36 @@ class Trainer:
                     self.memory_available,
                 )
             )
-        interval = self.config.checkpoint.interval
         self.skip_next_inner = skip_first_inner
-        while self.inner_step < self.config.train.max_steps:
+        if self.overlapped is not None:
+            self.overlapped.resubmit()
+        while True:
+            if self.inner_step >= self.config.train.max_steps:
+                overlap = self.overlapped
+                if overlap is None or overlap.pending is None:
+                    break
+                if overlap.drain():
+                    self._checkpoint_if_due()
+                    break
+                continue  # drained into a checkpoint to reload: training goes on from there
             if self.skip_next_inner:
                 self.skip_next_inner = False
-                self._skip_inner_steps(self.config.train.inner_steps)
+                counted = self.overlapped is not None and self.overlapped.take_counted_phase()
+                self._skip_inner_steps(0 if counted else self.config.train.inner_steps)
                 tokens, loss = 0, math.nan
             else:
                 tokens, loss = self.inner_phase()
+            if self.overlapped is not None:
+                before = self.outer_step
+                if self.overlapped.end_of_phase(tokens, loss) and self.outer_step > before:
+                    self._checkpoint_if_due()
+                continue
             params_hash = self.outer_step_once(tokens)
             if params_hash is None:
                 continue  # reloaded the swarm's checkpoint: catch up in the next outer step
             if self.is_leader:
                 self.link.step_done(StepDone(self.outer_step - 1, params_hash, loss))
-            done = self.inner_step >= self.config.train.max_steps
-            if done or (interval and self.outer_step % interval == 0):
-                self.save_checkpoint()
+            self._checkpoint_if_due()
         if self.leader is not None:
             self.writer.wait()
             self.link.finished(self.outer_step)

@@ -1,0 +1,71 @@
+"""One attempt of one all-reduce step on a node: who may connect and their connections as they
+arrive (`Registration`), and the error that ends an attempt (`AllReduceError`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from p2ptrain.comm.handshake import Admission, Session
+from p2ptrain.comm.wire import WireError
+
+T = TypeVar("T")
+
+Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter, Session]
+"""An authenticated connection and what its handshake established (its keys among it)."""
+LaneKey = tuple[bytes, int]
+"""(peer key, lane): one of the `connections` parallel connections from that peer."""
+
+
+class AllReduceError(WireError):
+    """This member's all-reduce failed; its buffer is unchanged. Retry with the survivors."""
+
+    def __init__(self, message: str, unresponsive: bytes | None = None, views_differ: bool = False):
+        super().__init__(message)
+        self.unresponsive = unresponsive
+        """A member this node could not reach or that did not answer in time, where one is named."""
+        self.views_differ = views_differ
+        """A peer elected other members (another digest): elect again shortly, blaming no one."""
+
+
+@dataclass
+class Registration:
+    """One attempt of one step on this node: who may connect, and their connections as they arrive.
+
+    `abandoned` is set when a peer shows it has moved to a later attempt; it ends the attempt while
+    it is still connecting (`unless_abandoned`). Once data flows, the peer's closed connections do.
+    """
+
+    attempt: int
+    admission: Admission
+    incoming: dict[LaneKey, asyncio.Future[Connection]]
+    claimed: set[LaneKey] = field(default_factory=set)
+    heard: set[bytes] = field(default_factory=set)
+    """Keys whose hello for this step arrived during the attempt, taken or not: alive and trying
+    (a refused one elected other members), so not to be named as unresponsive."""
+    abandoned: asyncio.Event = field(default_factory=asyncio.Event)
+    reason: str = ""
+
+    def abandon(self, reason: str) -> None:
+        if not self.abandoned.is_set():
+            self.reason = reason
+            self.abandoned.set()
+
+    async def unless_abandoned(self, work: Awaitable[T]) -> T:
+        """`work`'s result, or AllReduceError as soon as a peer has given this attempt up."""
+        task = asyncio.ensure_future(work)
+        watch = asyncio.ensure_future(self.abandoned.wait())
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        if task.cancelled() and self.abandoned.is_set():
+            raise AllReduceError(self.reason)
+        return task.result()

@@ -1,0 +1,226 @@
+"""One-step overlap (`outer.overlap`): the sync of outer step N runs while the inner phase of N + 1
+does, and its result is applied at the end of that phase (Kale, Douillard, Donchev 2025, "Eager
+updates for overlapped communication and computation in DiLoCo").
+
+What is shared, and bit-identical on every member of every step, is the outer state
+S = (θ_outer, momentum, step): it changes only by `OuterNesterov.step` with the swarm's average R_N,
+in step order, exactly as without overlap. What is local is where each inner phase starts (the
+working weights w) and the estimate that gives it:
+
+    end of phase N   Δ_N = w_N − y_N              (this phase's own progress, from its start)
+                     wait for R_{N−1}, if not there yet (never two steps stale)
+                     S ← step(S, R_{N−1})         (StepDone N − 1: its hash is S's)
+                     hand Δ_N to the agent         (Ready N: synced during phase N + 1)
+                     w_{N+1} = lookahead(S, R̂_N)  (the step R̂_N would take, S unchanged)
+
+    eager:   R̂_N = R_{N−1} − s·Δ_{N−1} + s·Δ_N    (the node's own fresh Δ stands in for its share s
+                                                  of the pending average; the others' shares
+                                                  are their last ones)
+    delayed: R̂_N = R_{N−1}                        (`outer.eager = false`)
+
+Where no average is known (the first step, a step given up, a checkpoint reloaded) R̂_N = Δ_N. A
+step given up applies nothing to S (the agent has already tried to replay it from the swarm's
+result); the agent's answer to a node off track (reload a checkpoint) drops the pipeline.
+
+Rank 0 holds S (2 vectors), the shared buffer, and here Δ of the pending step, w and the others'
+part of the last average: 3 vectors more than without overlap, all in host memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from p2ptrain.channel import Averaged, Ready, StepDone
+from p2ptrain.train.outer import OuterNesterov
+
+if TYPE_CHECKING:  # trainer.py imports this module
+    from p2ptrain.train.trainer import Trainer
+
+OVERLAP_DELTA, OVERLAP_START = "overlap_delta", "overlap_start"
+"""Names of the pending step's Δ and of the working start in a checkpoint's inner state file."""
+
+
+@dataclass(frozen=True)
+class Pending:
+    """The step whose Δ the agent is syncing now."""
+
+    step: int
+    tokens: int
+    finite: bool = True
+    loss: float = math.nan
+    """The mean loss of its inner phase (for its metrics line and StepDone)."""
+
+    def to_dict(self) -> dict:
+        loss = self.loss if math.isfinite(self.loss) else None
+        return {"step": self.step, "tokens": self.tokens, "finite": self.finite, "loss": loss}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Pending:
+        loss = data.get("loss")
+        return cls(
+            int(data["step"]),
+            int(data["tokens"]),
+            bool(data.get("finite", True)),
+            float(loss) if isinstance(loss, (int, float)) else math.nan,
+        )
+
+
+class OverlapState:
+    """Rank 0's local part of the overlapped outer step (S itself stays in OuterNesterov)."""
+
+    def __init__(self, numel: int, eager: bool):
+        self.eager = eager
+        self.delta = torch.zeros(numel)
+        """Δ of the pending step (its copy in the shared buffer becomes the average)."""
+        self.start = torch.zeros(numel)
+        """w: where the current inner phase started."""
+        self.others = torch.zeros(numel)
+        """The part of R̂ that does not come from this node's fresh Δ."""
+        self.own_weight = 1.0
+        """R̂ = others + own_weight · Δ (1 and others = 0: nothing known but our own Δ)."""
+        self.pending: Pending | None = None
+
+    def forget_average(self) -> None:
+        """No average to build on (first step, a step given up, a reloaded checkpoint): R̂ = Δ."""
+        self.others.zero_()
+        self.own_weight = 1.0
+
+    def absorb(self, outer: OuterNesterov, buffer: torch.Tensor, averaged: Averaged) -> bool:
+        """Take the pending step's answer: with an average (the swarm's, or replayed from it) S takes
+        its step and the next estimate builds on it; True when S moved. Called before `delta` is
+        overwritten (the eager estimate needs the pending Δ)."""
+        if averaged.members <= 0 and not averaged.replayed:
+            self.forget_average()  # given up: nothing is applied (the swarm's result, if any, is
+            return False  # replayed or reloaded by the agent at the next step)
+        outer.step(buffer)
+        share = averaged.share if averaged.members > 0 else 0.0
+        if self.eager:
+            self.others.copy_(buffer).sub_(self.delta, alpha=share)
+            self.own_weight = share
+        else:
+            self.others.copy_(buffer)
+            self.own_weight = 0.0
+        return True
+
+    def next_start(self, outer: OuterNesterov, delta: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+        """w of the next phase into `start`: the step the estimate R̂ would take from S."""
+        scratch.copy_(self.others).add_(delta, alpha=self.own_weight)
+        return outer.lookahead(scratch, out=self.start)
+
+
+class OverlappedOuter:
+    """The trainer's outer step with overlap, on every local rank (the vectors on rank 0 only)."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+        self.pending: Pending | None = None
+        """The step being synced now (every rank knows it: they all count the same steps)."""
+        self.phase_counted = False
+        leader = trainer.leader
+        self.state = OverlapState(trainer.layout.numel, trainer.config.outer.eager) if leader else None
+        if self.state is not None:
+            self.state.start.copy_(trainer.outer.params)
+
+    @property
+    def phase(self) -> int:
+        """The outer step of the inner phase under way (S has taken the steps before the pending one)."""
+        return self.trainer.outer_step + (self.pending is not None)
+
+    def end_of_phase(self, tokens: int, loss: float) -> bool:
+        """Hand this phase's Δ over and start the next phase from the estimate; first apply the
+        pending step's result to S (StepDone). False when the agent answered with a checkpoint to
+        reload instead (the pipeline starts over, the next phase without inner steps)."""
+        trainer, leader, state = self.trainer, self.trainer.leader, self.state
+        phase = self.phase
+        trainer.layout.gather(trainer.model, trainer.flat if leader is not None else None)
+        ready, averaged = None, None
+        if leader is not None and state is not None:
+            torch.sub(state.start, trainer.flat, out=trainer.flat)  # Δ = w − y: this phase's progress
+            ready = trainer.checked_ready(phase, tokens, trainer.flat)
+            if self.pending is not None:
+                averaged = trainer.link.collect(self.pending.step)
+        if not self._take(averaged):
+            return False
+        if leader is not None and state is not None and ready is not None:
+            trainer.writer.wait()  # a checkpoint's thread may still read the pending Δ and w
+            state.delta.copy_(trainer.flat)
+            leader.buffer.copy_(trainer.flat)
+            trainer.link.submit(ready)
+            trainer.flat.copy_(state.next_start(leader.outer, state.delta, scratch=trainer.flat))
+        self.pending = Pending(phase, tokens, ready.finite if ready is not None else True, loss)
+        trainer.load_flat()
+        return True
+
+    def drain(self) -> bool:
+        """The last phase is over: wait for the pending step and take it, then every rank holds S's
+        params. False when a checkpoint was reloaded instead (training goes on from it)."""
+        trainer, leader = self.trainer, self.trainer.leader
+        averaged = trainer.link.collect(self.pending.step) if leader is not None and self.pending else None
+        if not self._take(averaged):
+            return False
+        if leader is not None:
+            trainer.flat.copy_(leader.outer.params)
+        trainer.load_flat()
+        return True
+
+    def _take(self, averaged: Averaged | None) -> bool:
+        """Apply the pending step's answer (on rank 0 `averaged`): S's step and StepDone, or a reload."""
+        trainer, leader, state = self.trainer, self.trainer.leader, self.state
+        reload, replayed = trainer.shared_instruction(averaged)
+        if reload:
+            trainer.resume(Path(reload), own_data=False)
+            trainer.skip_next_inner = True
+            return False
+        if self.pending is None:
+            return True
+        # replayed: the node was a step behind the swarm; the phase after the one just ended goes
+        # without inner steps, so its next step is handed over in time to be a member of it
+        trainer.skip_next_inner = replayed
+        if leader is not None and state is not None and averaged is not None:
+            trainer.writer.wait()  # it may still be reading S or the pipeline's vectors
+            state.absorb(leader.outer, leader.buffer, averaged)
+            params_hash = leader.outer.params_hash()
+            pending = self.pending
+            trainer.record_outer(averaged, pending.finite, params_hash, loss=pending.loss)
+            trainer.link.step_done(StepDone(pending.step, params_hash, pending.loss))
+        trainer.outer_step += 1
+        self.pending = None
+        return True
+
+    def take_counted_phase(self) -> bool:
+        """Whether the phase about to be skipped has its inner steps counted already: a peer's
+        checkpoint taken with its step pending counts the steps of that step's phase, which the
+        node loading it then takes without inner steps (weight 0). Once."""
+        counted, self.phase_counted = self.phase_counted, False
+        return counted
+
+    def reset(self, pending_in_checkpoint: bool = False) -> None:
+        """A checkpoint of S alone was loaded (`pending_in_checkpoint`: its holder's step N was in
+        flight, so the phase of N is over and counted): nothing pending, nothing known but S."""
+        self.phase_counted = pending_in_checkpoint
+        self.pending = None
+        if self.state is not None and self.trainer.leader is not None:
+            self.state.forget_average()
+            self.state.start.copy_(self.trainer.leader.outer.params)
+
+    def restore(self, pending: Pending, delta: torch.Tensor, start: torch.Tensor) -> None:
+        """Resume this node's own checkpoint taken with a step pending: its Δ is handed over again
+        (the agent syncs it, or replays the swarm's result), and the phase after it starts again from
+        the same w."""
+        self.pending, self.phase_counted = pending, False
+        if self.state is not None:
+            self.state.delta.copy_(delta)
+            self.state.start.copy_(start)
+
+    def resubmit(self) -> None:
+        """After `restore`: hand the pending Δ to the agent (rank 0)."""
+        leader, state, pending = self.trainer.leader, self.state, self.pending
+        if leader is None or state is None or pending is None:
+            return
+        leader.buffer.copy_(state.delta)
+        self.trainer.link.submit(Ready(pending.step, pending.tokens if pending.finite else 0, pending.finite))
