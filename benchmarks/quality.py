@@ -1,6 +1,7 @@
 """Does DiLoCo with int8 sync train as well as fp32 sync, and better than one node alone?
 
-    python -m benchmarks.quality --json [--steps 300] [--out DIR] [--set comm.clip=1.5] [--only robust|bits]
+    python -m benchmarks.quality --json [--steps 300] [--out DIR] [--set comm.clip=1.5]
+                                    [--only robust|bits|overlap]
 
 On the `debug` config over the embedded corpus, three runs of the same number of inner steps per
 node: (a) 2 nodes averaging pseudo-gradients through the real int8 all-reduce (two data-plane
@@ -11,6 +12,9 @@ alone (DiLoCo's outer step with itself). The loss that counts is measured on hel
 Reports int8_vs_fp32_loss_ratio (target within 2 % of 1) and diloco_vs_single_loss_ratio (< 1);
 and, (a'') the same 2 nodes with 4-bit codes (comm.bits = 4), bits4_vs_int8_loss_ratio (target
 within 1 % of 1).
+
+And (a''') the same 2 nodes with `outer.overlap` (each step's average taken at the end of the next
+inner phase, train/overlap.py): overlap_vs_blocking_loss_ratio (target within 1 % of 1).
 
 Robust aggregation, 3 nodes through the int8 all-reduce: (c) the plain weighted mean, (d) with
 `comm.clip` (1 unless set; butterfly, shares clipped at the owners), (e) the same with node 2
@@ -34,12 +38,13 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import parser, report
-from p2ptrain.channel import Averaged
+from p2ptrain.channel import Averaged, Ready
 from p2ptrain.comm.dataplane import DataPlaneServer, RingSettings
 from p2ptrain.comm.members import RingMember
 from p2ptrain.comm.ring import ring_all_reduce
 from p2ptrain.config import Config, load_config
 from p2ptrain.identity import load_or_create_identity
+from p2ptrain.train.agent_link import SoloLink
 from p2ptrain.train.data import node_batches
 from p2ptrain.train.trainer import RankContext, Trainer
 
@@ -126,6 +131,64 @@ def run(name: str, config: Config, nodes: int, average: Averager, work: Path, wr
     return loss
 
 
+class Lockstep:
+    """Overlap's exchange among in-process nodes: each hands its Δ of step N over (submit) and takes
+    the average at the end of its next phase (collect); the first collect of N averages every
+    node's Δ of N (all handed over by then: the nodes run their phases in turn)."""
+
+    def __init__(self, average: Averager, nodes: int):
+        self.average, self.nodes = average, nodes
+        self.buffers: list[torch.Tensor] = []
+        self.weights: dict[int, list[int]] = {}
+        self.done: set[int] = set()
+
+    def link(self, index: int) -> SoloLink:
+        exchange = self
+
+        class Link(SoloLink):
+            def submit(self, ready: Ready) -> None:
+                exchange.weights.setdefault(ready.outer_step, [0] * exchange.nodes)[index] = ready.tokens
+
+            def collect(self, outer_step: int) -> Averaged:
+                weights = exchange.weights[outer_step]
+                if outer_step not in exchange.done:
+                    exchange.average(exchange.buffers, weights, outer_step)
+                    exchange.done.add(outer_step)
+                return Averaged(outer_step, exchange.nodes)
+
+        return Link()
+
+
+def run_overlapped(
+    name: str, config: Config, nodes: int, average: Averager, work: Path, writer: csv.writer
+) -> float:
+    """`run` with outer.overlap: every step's average is taken at the end of the next phase, the
+    phases in between start from the eager estimate; the loss is S's once the last step is in."""
+    config = config.model_copy(update={"outer": config.outer.model_copy(update={"overlap": True})})
+    exchange = Lockstep(average, nodes)
+    trainers = [
+        Trainer(config, bytes([i]) * 32, work / f"{name}-{i}", RankContext(), link=exchange.link(i))
+        for i in range(nodes)
+    ]
+    exchange.buffers = [t.leader.buffer for t in trainers if t.leader is not None]
+    evaluation = held_out(config)
+    while trainers[0].inner_step < config.train.max_steps:
+        phases = [trainer.inner_phase() for trainer in trainers]
+        for trainer, (tokens, loss) in zip(trainers, phases, strict=True):
+            trainer.overlapped.end_of_phase(tokens, loss)  # type: ignore[union-attr]
+        assert len({t.outer.params_hash() for t in trainers}) == 1, f"{name}: nodes diverged"
+        loss = eval_loss(trainers[0], evaluation)  # the working weights, mid-run
+        train_loss = sum(p[1] for p in phases) / nodes
+        writer.writerow(
+            [name, trainers[0].outer_step, trainers[0].inner_step, round(train_loss, 4), round(loss, 4)]
+        )
+        print(f"{name}: outer step {trainers[0].outer_step}, held-out loss {loss:.4f}", flush=True)
+    for trainer in trainers:
+        trainer.overlapped.drain()  # type: ignore[union-attr]
+    assert len({t.outer.params_hash() for t in trainers}) == 1, f"{name}: nodes diverged"
+    return eval_loss(trainers[0], evaluation)  # S: the model holds θ_outer after the drain
+
+
 def plot(csv_path: Path, png_path: Path) -> bool:
     try:
         import matplotlib
@@ -160,7 +223,9 @@ def main() -> None:
     cli.add_argument("--out", default=".bench/quality", help="folder for quality.csv and quality.png")
     cli.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     cli.add_argument(
-        "--only", choices=["robust", "bits"], help="only the 3-node robust runs, or the int8 and int4 ones"
+        "--only",
+        choices=["robust", "bits", "overlap"],
+        help="only the 3-node robust runs, the int8 and int4 ones, or int8 without and with overlap",
     )
     args = cli.parse_args()
     torch.set_num_threads(2)
@@ -173,16 +238,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, (out / "quality.csv").open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["run", "outer_step", "inner_step", "train_loss", "eval_loss"])
-        int8 = int4 = fp32 = single = math.nan
+        int8 = int4 = fp32 = single = overlapped = math.nan
         if args.only != "robust":
             ring = Int8Ring(2, Path(tmp))
             try:
                 int8 = run("2 nodes int8", config, 2, ring, Path(tmp), writer)
             finally:
                 ring.close()
+        if args.only in (None, "bits"):
             ring = Int8Ring(2, Path(tmp) / "int4", RingSettings(bits=4))
             try:
                 int4 = run("2 nodes int4", config, 2, ring, Path(tmp), writer)
+            finally:
+                ring.close()
+        if args.only in (None, "overlap"):
+            ring = Int8Ring(2, Path(tmp) / "overlap")
+            try:
+                overlapped = run_overlapped("2 nodes int8 overlap", config, 2, ring, Path(tmp), writer)
             finally:
                 ring.close()
         if args.only is None:
@@ -195,7 +267,7 @@ def main() -> None:
             "3 nodes mean, one poisoner x100": (None, 100.0),
         }
         robust = dict.fromkeys(cases, math.nan)
-        for name, (settings, poison) in cases.items() if args.only != "bits" else ():
+        for name, (settings, poison) in cases.items() if args.only in (None, "robust") else ():
             ring = Int8Ring(3, Path(tmp) / name.replace(" ", "-"), settings, poison)
             try:
                 robust[name] = run(name, config, 3, ring, Path(tmp), writer)
@@ -213,6 +285,8 @@ def main() -> None:
             "diloco_vs_single_loss_ratio": rounded(int8 / single),
             "loss_int4": rounded(int4),
             "bits4_vs_int8_loss_ratio": rounded(int4 / int8),
+            "loss_overlap": rounded(overlapped),
+            "overlap_vs_blocking_loss_ratio": rounded(overlapped / int8),
             "loss_3_mean": rounded(robust["3 nodes mean"]),
             "loss_3_clipped": rounded(robust["3 nodes clipped"]),
             "loss_poisoned_clipped": rounded(robust["3 nodes clipped, one poisoner x100"]),

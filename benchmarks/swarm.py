@@ -1,7 +1,7 @@
 """Does coordination eat the compute? A whole swarm on 127.0.0.1, measured from its own metrics.
 
     python -m benchmarks.swarm --json [--nodes 3] [--steps 10] [--kill-at 4] [--freeze] [--bandwidth MBIT]
-                                      [--nat K]
+                                      [--nat K] [--set KEY=VALUE ...] [--beside-default]
 
 Runs `p2ptrain demo` (bootstrap peer + nodes training the debug config with int8 DiLoCo; one node
 SIGKILLed after --kill-at outer steps — SIGSTOPped with --freeze — and a new one joining) and
@@ -9,8 +9,10 @@ reads every node's metrics.jsonl:
 
 - compute_util: time in inner steps / wall time between a node's first and last record, averaged
   over the nodes that ran from the start;
-- outer_overhead_s: median over nodes and steps of the wall time between a step's last inner step
-  and its outer step's completion (gather, election, all-reduce, Nesterov step, load);
+- outer_overhead_s: median over nodes and steps of the wall time the training loop spent between
+  two inner phases (from the last inner step of one to the start of the first of the next: gather,
+  election, all-reduce, Nesterov step, load; with outer.overlap only the wait for the previous
+  step's sync and the local work);
 - join_s: the joiner's start → member of an outer step (it contributes from the next);
 - recover_s: SIGKILL → the survivors' next completed outer step;
 - recover_stall_s: what the fault cost the survivors: the wall time of their first outer step
@@ -37,24 +39,29 @@ outer overheads. At least one node must be public (--nodes ≥ K + 1).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import statistics
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import parser, report
 from p2ptrain.config import load_config
 from p2ptrain.demo import Host, Placement, run_demo
+from p2ptrain.errors import ConfigError
 from p2ptrain.train.metrics import read_metrics
 from p2ptrain.train.model import parameter_count
 
 
 def node_figures(records: list[dict[str, Any]], tokens_per_step: int) -> tuple[float, list[float]]:
-    """(compute utilisation, outer overheads) of one node's metrics."""
+    """(compute utilisation, outer overheads) of one node's metrics. An outer overhead is the time
+    the training loop spent between two inner phases: from the last inner step of phase N to the
+    start of the first of phase N + 1 (with outer.overlap the sync itself runs during phase N + 1,
+    and only what the loop waited for shows)."""
     inner = [r for r in records if r["kind"] == "inner"]
     outer = [r for r in records if r["kind"] == "outer"]
     if len(inner) < 2 or not outer:
@@ -62,10 +69,9 @@ def node_figures(records: list[dict[str, Any]], tokens_per_step: int) -> tuple[f
     busy = sum(tokens_per_step / r["tokens_per_s"] for r in inner if r["tokens_per_s"])
     wall = max(r["time"] for r in records) - min(r["time"] for r in inner) + busy / len(inner)
     overheads = []
-    for record in outer:
-        before = [r["time"] for r in inner if r["outer_step"] == record["step"]]
-        if before:
-            overheads.append(record["time"] - max(before))
+    for before, after in itertools.pairwise(inner):
+        if after["outer_step"] == before["outer_step"] + 1 and after["tokens_per_s"]:
+            overheads.append(after["time"] - tokens_per_step / after["tokens_per_s"] - before["time"])
     return busy / wall, overheads
 
 
@@ -76,7 +82,7 @@ def stall_after(records: list[dict[str, Any]], moment: float, tokens_per_step: i
     if not after or after[0] == 0:
         return None
     step, previous = outer[after[0]], outer[after[0] - 1]
-    inner = [r for r in records if r["kind"] == "inner" and r["outer_step"] == step["step"]]
+    inner = [r for r in records if r["kind"] == "inner" and previous["time"] < r["time"] <= step["time"]]
     compute = sum(tokens_per_step / r["tokens_per_s"] for r in inner if r["tokens_per_s"])
     return step["time"] - previous["time"] - compute
 
@@ -104,13 +110,27 @@ def placement(nodes: int, mbit: float, nat: int = 0) -> Iterator[Placement]:
 
 
 def run(
-    nodes: int, steps: int, kill_at: int, freeze: bool, mbit: float, quiet: bool, nat: int = 0
+    nodes: int,
+    steps: int,
+    kill_at: int,
+    freeze: bool,
+    mbit: float,
+    quiet: bool,
+    nat: int = 0,
+    settings: Sequence[str] = (),
 ) -> dict[str, Any]:
-    debug = load_config("debug")
+    debug = load_config("debug", overrides=settings)
     tokens_per_step = debug.train.batch_size * debug.model.seq_len
     with tempfile.TemporaryDirectory() as work, placement(nodes, mbit, nat) as place:
         summary = run_demo(
-            Path(work), nodes=nodes, steps=steps, kill_at=kill_at, freeze=freeze, quiet=quiet, place=place
+            Path(work),
+            nodes=nodes,
+            steps=steps,
+            kill_at=kill_at,
+            freeze=freeze,
+            quiet=quiet,
+            place=place,
+            settings=settings,
         )
         names = [f"node{i}" for i in range(nodes)]
         records = {name: read_metrics(Path(work) / name / "metrics.jsonl") for name in names}
@@ -176,6 +196,14 @@ def main() -> None:
         "--bandwidth", type=float, default=0.0, metavar="MBIT", help="limit every process's uplink to MBIT"
     )
     cli.add_argument("--nat", type=int, default=0, metavar="K", help="put the first K nodes behind NAT")
+    cli.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every node"
+    )
+    cli.add_argument(
+        "--beside-default",
+        action="store_true",
+        help="with --set: run the default settings first, and give both results side by side",
+    )
     args = cli.parse_args()
     if args.bandwidth < 0:
         cli.error("--bandwidth must be a positive number of Mbit/s")
@@ -192,9 +220,36 @@ def main() -> None:
     from benchmarks.netns import NamespacesUnavailable
 
     try:
-        result = run(nodes, args.steps, args.kill_at, args.freeze, args.bandwidth, args.json)
+        config_error = None
+        try:
+            load_config("debug", overrides=args.set)
+        except ConfigError as exc:
+            config_error = str(exc)
+        if config_error:
+            cli.error(config_error)
+        if args.set and args.beside_default:
+            default = run(nodes, args.steps, args.kill_at, args.freeze, args.bandwidth, args.json)
+            changed = run(
+                nodes, args.steps, args.kill_at, args.freeze, args.bandwidth, args.json, settings=args.set
+            )
+            report(
+                {
+                    "ok": default["ok"] and changed["ok"],
+                    "settings": args.set,
+                    "default": default,
+                    "with_settings": changed,
+                    "compute_util_ratio": round(changed["compute_util"] / default["compute_util"], 3),
+                },
+                args.json,
+            )
+            return
+        result = run(
+            nodes, args.steps, args.kill_at, args.freeze, args.bandwidth, args.json, settings=args.set
+        )
         if args.nat:
-            behind = run(nodes, args.steps, args.kill_at, args.freeze, args.bandwidth, args.json, args.nat)
+            behind = run(
+                nodes, args.steps, args.kill_at, args.freeze, args.bandwidth, args.json, args.nat, args.set
+            )
             ratio = (
                 behind["outer_overhead_s"] / result["outer_overhead_s"]
                 if result["outer_overhead_s"]

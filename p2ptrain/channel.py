@@ -96,8 +96,6 @@ class Averaged:
     with weight 0, so it is in time to be a member of it."""
     relayed_bytes: int = 0
     """Bytes this node has relayed so far between members behind NAT (comm/relay.py)."""
-    share: float = 0.0
-    """This node's share of the average (its weight over the members'): overlap's eager step."""
     kind: ClassVar[str] = "averaged"
 
 

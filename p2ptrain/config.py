@@ -225,8 +225,8 @@ class OuterConfig(Section):
     """Sync step N while the inner phase of N + 1 runs (train/overlap.py); its result is applied at
     the end of that phase."""
     eager: bool = True
-    """With overlap: the next phase starts from a step with the node's own fresh pseudo-gradient in
-    place of its share of the pending average (Kale et al.); False: from the last average alone."""
+    """With overlap: the next phase starts from the step the node's own fresh pseudo-gradient would
+    take, in place of the pending average; False: the step the last average would take."""
 
 
 class CommConfig(Section):

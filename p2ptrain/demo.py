@@ -17,7 +17,7 @@ import signal
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,7 +76,10 @@ class _Demo:
         timeout: float,
         quiet: bool,
         place: Placement,
+        settings: Sequence[str] = (),
     ):
+        self.settings = [flag for setting in settings for flag in ("--set", setting)]
+        """Config overrides for every node (`--set KEY=VALUE`)."""
         self.work_dir = work_dir.resolve()
         self.place = place
         self.logs = self.work_dir / "logs"
@@ -160,6 +163,7 @@ class _Demo:
                 "--set", f"train.inner_steps={INNER_STEPS}",
                 "--set", f"train.max_steps={self.steps * INNER_STEPS}",
                 "--set", "swarm.straggler_deadline=5",
+                *self.settings,
                 *extra,
             )],
             self.logs / f"{name}.log",
@@ -299,9 +303,11 @@ def run_demo(
     timeout: float = 600.0,
     quiet: bool = False,
     place: Placement = lambda name: Host(),
+    settings: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Run the local swarm and return the summary (also printed unless `quiet`)."""
-    demo = _Demo(work_dir, nodes, steps, kill_at, freeze, timeout, quiet, place)
+    """Run the local swarm and return the summary (also printed unless `quiet`); `settings`:
+    `KEY=VALUE` config overrides for every node."""
+    demo = _Demo(work_dir, nodes, steps, kill_at, freeze, timeout, quiet, place, settings)
     summary: dict[str, Any] = {}
     problem = ""
     try:

@@ -19,3 +19,14 @@ def swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
         orphans = local.stop()
     assert orphans == [], f"processes outlived their parents: {local.children.orphan_commands}"
     assert stale_sockets(sockets_before) == set(), "stale p2pd sockets left in /tmp"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Multi-process tests (a swarm, or marked slow) first: the parallel workers then start the long
+    ones early and the many short ones fill in at the end, instead of one worker finishing a
+    minute-long test alone."""
+
+    def short(item: pytest.Item) -> bool:
+        return not (item.get_closest_marker("slow") or "swarm" in getattr(item, "fixturenames", ()))
+
+    items.sort(key=short)

@@ -211,10 +211,12 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from p2ptrain.config import load_config
     from p2ptrain.demo import run_demo
 
     if args.nodes < 1 or args.steps < 1 or args.kill_at < 0 or args.timeout <= 0:
         raise UserError("--nodes and --steps must be at least 1, --kill-at and --timeout not negative")
+    load_config("debug", overrides=args.set)  # a bad --set is one line here, not in every node's log
     signal.signal(signal.SIGTERM, _interrupt)  # like Ctrl+C: the demo stops every process it started
     summary = run_demo(
         Path(args.work_dir),
@@ -223,6 +225,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         kill_at=args.kill_at,
         timeout=args.timeout,
         quiet=False,  # with --json too: progress lines first, the JSON summary last
+        settings=args.set,
     )
     if args.json:
         print(json.dumps(summary))

@@ -237,6 +237,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--timeout", type=float, default=600.0, metavar="S", help="give up after S seconds")
     demo.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every node, e.g. --set outer.overlap=true (repeatable)",
+    )
+    demo.add_argument(
         "--json", action="store_true", help="print the summary as one JSON object on the last line"
     )
     demo.set_defaults(handler=cmd_demo)

@@ -41,7 +41,6 @@ from p2ptrain.ckpt.replay import (
     unpack_into,
 )
 from p2ptrain.ckpt.sidecar import CheckpointSidecar
-from p2ptrain.comm.members import shares
 from p2ptrain.config import Config, config_differences
 from p2ptrain.errors import UserError
 from p2ptrain.identity import NodeIdentity
@@ -95,7 +94,7 @@ class SoloSwarm:
         pass
 
     async def average(self, step: int, vector: np.ndarray, tokens: int) -> tuple[Averaged, str]:
-        return Averaged(step, 1, share=1.0), "solo"
+        return Averaged(step, 1), "solo"
 
     async def checkpoint_saved(self, folder: Path, outer_step: int) -> None:
         pass
@@ -218,10 +217,8 @@ class SwarmLink(SoloSwarm):
         seconds = time.monotonic() - started
         comm = self.config.comm
         self.results.add(step, StepResult(vector.shape[0], comm.quant_block, result.stats.result, comm.bits))
-        members = result.election.members
-        ring = [short_key(member.key) for member in members]
-        share = shares(members)[result.election.keys.index(self.identity.public_key)]
-        averaged = Averaged(step, len(ring), ring, seconds, result.stats.bytes_sent, share=share)
+        ring = [short_key(member.key) for member in result.election.members]
+        averaged = Averaged(step, len(ring), ring, seconds, result.stats.bytes_sent)
         averaged.relayed_bytes = self.server.relay.bytes_relayed
         return averaged, f"sync {seconds:.2f} s, {result.stats.bytes_sent / 1e6:.2f} MB sent"
 

@@ -55,13 +55,13 @@ class SoloLink:
         pass
 
     def average(self, ready: Ready, buffer: torch.Tensor) -> Averaged:
-        return Averaged(ready.outer_step, 1, share=1.0)
+        return Averaged(ready.outer_step, 1)
 
     def submit(self, ready: Ready) -> None:
         pass
 
     def collect(self, outer_step: int) -> Averaged:
-        return Averaged(outer_step, 1, share=1.0)
+        return Averaged(outer_step, 1)
 
     def step_done(self, done: StepDone) -> None:
         pass

@@ -5,7 +5,7 @@ The estimate counts what the training loop allocates, part by part:
     params, grads    fp32, sharded over the local ranks (FSDP2), plus one unsharded block in flight
     optimizer        AdamW's two moments (fp32, sharded)
     outer state      DiLoCo's θ_outer and momentum, the shared Δ vector, the gathered θ and the
-                     checkpoint snapshots (with overlap 3 vectors more, train/overlap.py): host
+                     checkpoint snapshots (with overlap 2 or 3 vectors more, train/overlap.py): host
                      memory, on rank 0 (every rank gathers θ)
     activations      what autograd saves per token and layer (counted from the model's code: see
                      `saved_per_token_layer`; the test checks it against autograd's own saved tensors),
@@ -126,8 +126,9 @@ def estimate(config: Config, micro_batch: int, world_size: int = 1, on_gpu: bool
     logit_tokens = min(tokens, loss_chunk_tokens(config) or tokens)
     logits = 3 * logit_tokens * model.vocab_size * 4 + (logit_tokens * model.vocab_size * 2 if half else 0)
     # θ_outer, momentum, the shared Δ vector, the gathered θ, two checkpoint snapshot vectors; with
-    # outer.overlap also the pending Δ, the phase's start and the others' part of the last average
-    outer_state = (9 if config.outer.overlap else 6) * total * 4
+    # outer.overlap also the pending Δ and the phase's start (delayed: and the last average)
+    overlap = (2 if config.outer.eager else 3) if config.outer.overlap else 0
+    outer_state = (6 + overlap) * total * 4
     return MemoryEstimate(
         micro_batch=micro_batch,
         params=shard + in_flight,

@@ -13,17 +13,23 @@ working weights w) and the estimate that gives it:
                      hand Δ_N to the agent         (Ready N: synced during phase N + 1)
                      w_{N+1} = lookahead(S, R̂_N)  (the step R̂_N would take, S unchanged)
 
-    eager:   R̂_N = R_{N−1} − s·Δ_{N−1} + s·Δ_N    (the node's own fresh Δ stands in for its share s
-                                                  of the pending average; the others' shares
-                                                  are their last ones)
-    delayed: R̂_N = R_{N−1}                        (`outer.eager = false`)
+    eager:   R̂_N = Δ_N                           (the node's own fresh pseudo-gradient stands in
+                                                  for the pending average; default)
+    delayed: R̂_N = R_{N−1}                        (the last average; `outer.eager = false`)
+
+Kale et al.'s eager estimate mixes the node's fresh Δ_N (its share s) with the others' shares of
+R_{N−1}; here, with S taking only true averages, that mix diverged in a scalar model at DiLoCo's
+outer lr 0.7 and momentum 0.9 once an inner phase moves far (Δ ≈ 0.8 of the distance to its
+optimum) and cost 11 % of held-out loss on the debug model, where the node's own Δ_N converged
+like blocking DiLoCo in the same model and cost 2.3 % (benchmarks.quality). One node alone has
+R = Δ, so its eager overlap is blocking DiLoCo up to float rounding.
 
 Where no average is known (the first step, a step given up, a checkpoint reloaded) R̂_N = Δ_N. A
 step given up applies nothing to S (the agent has already tried to replay it from the swarm's
 result); the agent's answer to a node off track (reload a checkpoint) drops the pipeline.
 
-Rank 0 holds S (2 vectors), the shared buffer, and here Δ of the pending step, w and the others'
-part of the last average: 3 vectors more than without overlap, all in host memory.
+Rank 0 holds S (2 vectors), the shared buffer, and here Δ of the pending step and w (and, delayed,
+the last average): 2 (3) vectors more than without overlap, all in host memory.
 """
 
 from __future__ import annotations
@@ -74,43 +80,36 @@ class OverlapState:
     """Rank 0's local part of the overlapped outer step (S itself stays in OuterNesterov)."""
 
     def __init__(self, numel: int, eager: bool):
-        self.eager = eager
         self.delta = torch.zeros(numel)
         """Δ of the pending step (its copy in the shared buffer becomes the average)."""
         self.start = torch.zeros(numel)
         """w: where the current inner phase started."""
-        self.others = torch.zeros(numel)
-        """The part of R̂ that does not come from this node's fresh Δ."""
-        self.own_weight = 1.0
-        """R̂ = others + own_weight · Δ (1 and others = 0: nothing known but our own Δ)."""
+        self.last_average = None if eager else torch.zeros(numel)
+        """Delayed (not eager): the last average S took, the estimate of the pending one."""
+        self.known = False
+        """Whether `last_average` holds one (not after the first step, a step given up, a reload)."""
         self.pending: Pending | None = None
 
     def forget_average(self) -> None:
         """No average to build on (first step, a step given up, a reloaded checkpoint): R̂ = Δ."""
-        self.others.zero_()
-        self.own_weight = 1.0
+        self.known = False
 
     def absorb(self, outer: OuterNesterov, buffer: torch.Tensor, averaged: Averaged) -> bool:
         """Take the pending step's answer: with an average (the swarm's, or replayed from it) S takes
-        its step and the next estimate builds on it; True when S moved. Called before `delta` is
-        overwritten (the eager estimate needs the pending Δ)."""
+        its step; True when S moved."""
         if averaged.members <= 0 and not averaged.replayed:
             self.forget_average()  # given up: nothing is applied (the swarm's result, if any, is
             return False  # replayed or reloaded by the agent at the next step)
         outer.step(buffer)
-        share = averaged.share if averaged.members > 0 else 0.0
-        if self.eager:
-            self.others.copy_(buffer).sub_(self.delta, alpha=share)
-            self.own_weight = share
-        else:
-            self.others.copy_(buffer)
-            self.own_weight = 0.0
+        if self.last_average is not None:
+            self.last_average.copy_(buffer)
+            self.known = True
         return True
 
-    def next_start(self, outer: OuterNesterov, delta: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    def next_start(self, outer: OuterNesterov, delta: torch.Tensor) -> torch.Tensor:
         """w of the next phase into `start`: the step the estimate R̂ would take from S."""
-        scratch.copy_(self.others).add_(delta, alpha=self.own_weight)
-        return outer.lookahead(scratch, out=self.start)
+        estimate = self.last_average if self.last_average is not None and self.known else delta
+        return outer.lookahead(estimate, out=self.start)
 
 
 class OverlappedOuter:
@@ -151,7 +150,7 @@ class OverlappedOuter:
             state.delta.copy_(trainer.flat)
             leader.buffer.copy_(trainer.flat)
             trainer.link.submit(ready)
-            trainer.flat.copy_(state.next_start(leader.outer, state.delta, scratch=trainer.flat))
+            trainer.flat.copy_(state.next_start(leader.outer, state.delta))
         self.pending = Pending(phase, tokens, ready.finite if ready is not None else True, loss)
         trainer.load_flat()
         return True

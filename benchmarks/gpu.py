@@ -1,0 +1,156 @@
+"""The prepared GPU check: two training nodes share this machine's GPU(s) and train the 150m config
+with overlap on, through the real swarm (bootstrap peer, DHT, int8 all-reduce over loopback).
+
+    python -m benchmarks.gpu --json [--config 150m] [--steps 4] [--inner 20] [--nproc N]
+                                    [--overlap true|false] [--set KEY=VALUE ...] [--timeout 280]
+
+Each node is `p2ptrain join` with its ranks on the GPU(s) (FSDP2 over N local GPUs with NCCL when N > 1,
+bf16 autocast as the config says). It reads every node's metrics.jsonl and reports:
+
+- inner_step_s: median seconds of one inner step (both nodes share the GPU, so about half its speed);
+- mfu: median model FLOPs utilisation of the inner steps (the trainer's own figure: 6·N·tokens plus
+  attention, over the GPU's bf16 peak);
+- sync_s: median seconds of the agents' syncs (election + all-reduce); outer_wait_s: median seconds
+  the training loop spent between two inner phases; hidden_fraction = 1 − outer_wait_s / sync_s
+  (with overlap the sync runs during the next phase: near 1 when it is hidden);
+- params_hash_agree: both nodes held the same S (θ_outer's hash) after every outer step.
+
+Built to end within 5 minutes on one H100/H200 (--timeout bounds it: it stops every process it
+started and reports what it has). On a machine without a GPU it runs the same on the CPU (use
+`--config debug` there: it checks the script, its figures mean nothing). Until it has run on a GPU
+the README says "unverified on GPU".
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import parser, report, start_bootstrap
+from p2ptrain.config import load_config
+from p2ptrain.errors import ConfigError
+from p2ptrain.procs import ChildProcesses
+from p2ptrain.train.metrics import read_metrics
+
+NODES = ("a", "b")
+
+
+def node_command(root: Path, name: str, peer: str, args: Any, shard: int) -> list[str]:
+    settings = [
+        f"train.inner_steps={args.inner}",
+        f"train.max_steps={args.inner * args.steps}",
+        f"outer.overlap={args.overlap}",
+        f"data.shard={shard}",
+        "swarm.wait_nodes=2",
+        'node.data_host="127.0.0.1"',
+        "checkpoint.interval=0",
+        *args.set,
+    ]
+    command = [
+        sys.executable, "-m", "p2ptrain", "join", "--peer", peer, "--config", args.config,
+        "--work-dir", str(root / name), "--listen", "/ip4/127.0.0.1/tcp/0", "--table-every", "0",
+    ]  # fmt: skip
+    if args.nproc:
+        command += ["--nproc", str(args.nproc)]
+    for setting in settings:
+        command += ["--set", setting]
+    return command
+
+
+def figures(records: dict[str, list[dict[str, Any]]], tokens_per_step: int) -> dict[str, Any]:
+    """The report's figures from both nodes' metrics (see the module docstring)."""
+    outer = {name: [r for r in records[name] if r["kind"] == "outer"] for name in NODES}
+    step_s, waits, mfu = [], [], []
+    for name in NODES:
+        inner = [r for r in records[name] if r["kind"] == "inner" and r.get("tokens_per_s")]
+        step_s += [tokens_per_step / r["tokens_per_s"] for r in inner]
+        mfu += [r["mfu"] for r in inner if "mfu" in r]
+        for before, after in itertools.pairwise(inner):
+            if after["outer_step"] == before["outer_step"] + 1:  # the loop between two phases
+                waits.append(after["time"] - tokens_per_step / after["tokens_per_s"] - before["time"])
+    syncs = [r["sync_s"] for name in NODES for r in outer[name] if r.get("sync_s")]
+    hashes = [{r["step"]: r["params_hash"] for r in outer[name]} for name in NODES]
+    common = set(hashes[0]) & set(hashes[1])
+    sync_s = statistics.median(syncs) if syncs else None
+    wait_s = statistics.median(waits) if waits else None
+    hidden = 1 - wait_s / sync_s if sync_s and wait_s is not None else None
+    return {
+        "outer_steps": min(len(outer[name]) for name in NODES),
+        "inner_step_s": round(statistics.median(step_s), 4) if step_s else None,
+        "mfu": round(statistics.median(mfu), 4) if mfu else None,
+        "sync_s": round(sync_s, 3) if sync_s is not None else None,
+        "outer_wait_s": round(wait_s, 3) if wait_s is not None else None,
+        "hidden_fraction": round(hidden, 3) if hidden is not None else None,
+        "params_hash_agree": bool(common) and all(hashes[0][step] == hashes[1][step] for step in common),
+    }
+
+
+def main() -> None:
+    cli = parser(__doc__.splitlines()[0])
+    cli.add_argument("--config", default="150m", help="model config (default %(default)s)")
+    cli.add_argument("--steps", type=int, default=4, help="outer steps (default %(default)s)")
+    cli.add_argument("--inner", type=int, default=20, help="inner steps per outer step (default %(default)s)")
+    cli.add_argument("--nproc", type=int, default=0, help="ranks per node (default: one per visible GPU)")
+    cli.add_argument("--overlap", choices=["true", "false"], default="true")
+    cli.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    cli.add_argument("--timeout", type=float, default=280.0, help="stop everything after S seconds")
+    args = cli.parse_args()
+    if args.steps < 2 or args.inner < 1 or args.nproc < 0 or args.timeout <= 0:
+        cli.error("--steps must be at least 2, --inner at least 1, --nproc and --timeout not negative")
+    try:
+        config = load_config(args.config, overrides=args.set)
+    except ConfigError as exc:
+        cli.error(str(exc))
+    import torch  # after the arguments: a typo answers at once
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    started = time.monotonic()
+    children = ChildProcesses()
+    with tempfile.TemporaryDirectory(prefix="p2ptrain-gpu-") as tmp:
+        root = Path(tmp)
+        finished = False
+        try:
+            peer = start_bootstrap(children, root, "gpu")
+            for shard, name in enumerate(NODES):
+                env = {**os.environ, "OMP_NUM_THREADS": "4"}
+                children.spawn(
+                    name, node_command(root, name, peer, args, shard), root / f"{name}.log", env=env
+                )
+            deadline = started + args.timeout
+            while time.monotonic() < deadline and not finished:
+                codes = [children.wait(name, 1.0) for name in NODES]
+                finished = all(code is not None for code in codes)
+        finally:
+            children.stop_all()
+        records = {
+            name: read_metrics(root / name / "metrics.jsonl")
+            if (root / name / "metrics.jsonl").exists()
+            else []
+            for name in NODES
+        }
+        tails = {name: (root / f"{name}.log").read_text(errors="replace")[-600:] for name in NODES}
+    result = {
+        "device": device,
+        "config": args.config,
+        "overlap": args.overlap == "true",
+        "finished": finished,
+        **figures(records, config.train.batch_size * config.model.seq_len),
+        "seconds": round(time.monotonic() - started, 1),
+    }
+    result["ok"] = finished and result["params_hash_agree"] and result["outer_steps"] == args.steps
+    if not result["ok"]:
+        result["logs"] = tails
+    report(result, args.json)
+    if not args.json:
+        print(json.dumps(result["ok"]))
+
+
+if __name__ == "__main__":
+    main()
