@@ -95,6 +95,17 @@ def ideal_wire_s(parameters: int, members: int, block: int, mbit: float) -> floa
 
 
 @contextlib.contextmanager
+def work_folder(keep: Path | None) -> Iterator[str]:
+    """A temporary folder, or `keep` (made fresh, left behind for a look at the nodes' logs)."""
+    if keep is None:
+        with tempfile.TemporaryDirectory() as work:
+            yield work
+        return
+    keep.mkdir(parents=True, exist_ok=True)
+    yield str(keep)
+
+
+@contextlib.contextmanager
 def placement(nodes: int, mbit: float, nat: int = 0) -> Iterator[Placement]:
     """Loopback for everyone, or (with `mbit`) one tc-limited namespace per process, node0 … node{nat-1}
     behind NAT routers."""
@@ -118,10 +129,11 @@ def run(
     quiet: bool,
     nat: int = 0,
     settings: Sequence[str] = (),
+    keep: Path | None = None,
 ) -> dict[str, Any]:
     debug = load_config("debug", overrides=settings)
     tokens_per_step = debug.train.batch_size * debug.model.seq_len
-    with tempfile.TemporaryDirectory() as work, placement(nodes, mbit, nat) as place:
+    with work_folder(keep) as work, placement(nodes, mbit, nat) as place:
         summary = run_demo(
             Path(work),
             nodes=nodes,
@@ -199,6 +211,7 @@ def main() -> None:
     cli.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every node"
     )
+    cli.add_argument("--keep", metavar="DIR", help="leave the (last) run's nodes' folders and logs in DIR")
     cli.add_argument(
         "--beside-default",
         action="store_true",
@@ -243,8 +256,16 @@ def main() -> None:
                 args.json,
             )
             return
+        keep = Path(args.keep) if args.keep else None
         result = run(
-            nodes, args.steps, args.kill_at, args.freeze, args.bandwidth, args.json, settings=args.set
+            nodes,
+            args.steps,
+            args.kill_at,
+            args.freeze,
+            args.bandwidth,
+            args.json,
+            settings=args.set,
+            keep=keep,
         )
         if args.nat:
             behind = run(
