@@ -149,7 +149,7 @@ def test_a_closed_run_takes_its_ticketed_nodes_and_refuses_everyone_else(swarm: 
     tickets = {name: admit(swarm, name, authority_file) for name in names}
     page = free_port()
     swarm.start_bootstrap(extra=("--dashboard", str(page), "--run-id", RUN_ID, "--run-authority", authority))
-    steps = 10
+    steps = 6
     for name in names:
         ticket = ["--set", f'node.ticket="{tickets[name]}"']
         swarm.start_node(name, None, *drill_args(steps, 3), *closed, *ticket, *DRILL)

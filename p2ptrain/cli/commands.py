@@ -107,12 +107,11 @@ def cmd_admit(args: argparse.Namespace) -> int:
 
 
 def relay_options(args: argparse.Namespace, announce: list[str], authority: bytes | None) -> RelayOptions:
-    """`bootstrap --relay`'s settings, checked (a one-line UserError otherwise): where it listens,
-    the host nodes dial, and the node key of the bootstrap's --identity that signs its record."""
+    """`bootstrap --relay`'s settings, checked (a one-line UserError otherwise, before the DHT's
+    heavy imports): where it listens, the host nodes dial, and the node key of the bootstrap's
+    --identity that signs its record."""
     from p2ptrain.identity import load_or_create_identity
-    from p2ptrain.node.reachability import WILDCARD_HOSTS, outbound_ip
     from p2ptrain.swarm.admission import TicketError, check_admits, parse_ticket_text
-    from p2ptrain.swarm.bootstrap import RelayOptions
     from p2ptrain.untrusted import decimal
 
     host, _, port_text = args.relay.rpartition(":")
@@ -121,10 +120,6 @@ def relay_options(args: argparse.Namespace, announce: list[str], authority: byte
         raise UserError(f"--relay {args.relay}: expected PORT or HOST:PORT with a port in 0-65535 (0: any)")
     if not 0 < args.relay_mbps <= 100000:
         raise UserError("--relay-mbps must be above 0 and at most 100000")
-    public = [address.split("/")[2] for address in announce if address.startswith(("/ip4/", "/ip6/"))]
-    announce_host = (
-        args.relay_announce or (host if host not in WILDCARD_HOSTS else "") or next(iter(public), "")
-    )
     identity = load_or_create_identity(Path(args.identity).expanduser())
     ticket = b""
     if authority is not None:
@@ -139,17 +134,24 @@ def relay_options(args: argparse.Namespace, announce: list[str], authority: byte
         except TicketError as exc:
             raise UserError(f"--ticket: {exc}") from None
         ticket = parsed.to_bytes()
+    from p2ptrain.node.reachability import WILDCARD_HOSTS, outbound_ip
+    from p2ptrain.swarm.bootstrap import RelayOptions
+
+    public = [address.split("/")[2] for address in announce if address.startswith(("/ip4/", "/ip6/"))]
+    announce_host = (
+        args.relay_announce or (host if host not in WILDCARD_HOSTS else "") or next(iter(public), "")
+    )
     return RelayOptions(identity, host, port, announce_host or outbound_ip([]), args.relay_mbps, ticket)
 
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:
-    from p2ptrain.swarm.bootstrap import DEFAULT_LISTEN, serve_bootstrap, start_bootstrap_dht
-
-    listen = validate_listen(args.listen or [DEFAULT_LISTEN])
     announce = validate_listen(args.announce)
     validate_dashboard(args.dashboard)
     authority = public_key_argument(args.run_authority, "--run-authority") if args.run_authority else None
     relay = relay_options(args, announce, authority) if args.relay else None
+    from p2ptrain.swarm.bootstrap import DEFAULT_LISTEN, serve_bootstrap, start_bootstrap_dht
+
+    listen = validate_listen(args.listen or [DEFAULT_LISTEN])
     dht = start_bootstrap_dht(Path(args.identity).expanduser(), listen, announce)
     with dht:
         run_until_signal(

@@ -76,10 +76,11 @@ class StandbyRelays:
                 address = parse_address(beat.data_addr)
                 if address is not None:
                     relays.append(RingMember(beat.node_key, *address))
-            if [r.key for r in relays] != [r.key for r in self._relays]:
+            relays = relays[:MAX_STANDBY]  # the records come ordered by key
+            if relays != self._relays:
                 names = ", ".join(f"{short_id(r.key)} at {r.host}:{r.port}" for r in relays) or "none"
                 log.info("standby relays of the run: %s", names)
-            self._relays = relays[:MAX_STANDBY]
+            self._relays = relays
         return self._relays
 
 

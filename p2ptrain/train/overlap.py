@@ -88,7 +88,6 @@ class OverlapState:
         """Delayed (not eager): the last average S took, the estimate of the pending one."""
         self.known = False
         """Whether `last_average` holds one (not after the first step, a step given up, a reload)."""
-        self.pending: Pending | None = None
 
     def forget_average(self) -> None:
         """No average to build on (first step, a step given up, a reloaded checkpoint): R̂ = Δ."""
