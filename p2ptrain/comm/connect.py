@@ -119,6 +119,7 @@ async def dial_member(
                 lane,
                 attempt,
                 credentials,
+                answer_timeout=settings.failure_timeout,  # a silent peer costs failure_timeout
             )
         except PeerTimeout as exc:
             writer.close()

@@ -175,8 +175,12 @@ async def dial(
     lane: int = 0,
     attempt: int = 0,
     credentials: Credentials | None = None,
+    answer_timeout: float | None = None,
 ) -> Session:
     """Authenticate an outgoing connection to `expected_peer` (in a closed run, with `credentials`).
+    `answer_timeout` bounds the wait for the first answer (a live listener answers a hello at once,
+    even for a step it has not reached: it welcomes first, the wait comes after the proof), the
+    rest is bounded by `timeout`.
 
     Raises PeerBusy (dial again), AttemptBehind (start the next attempt at the peer's), other
     HandshakeErrors, or WireError.
@@ -184,7 +188,7 @@ async def dial(
     nonce, ephemeral = secrets.token_bytes(NONCE_BYTES), Ephemeral()
     header = hello_header(identity, step, digest, nonce, ephemeral.public, lane, attempt, credentials)
     await write_frame(writer, header, timeout=timeout)
-    first = await read_frame(reader, timeout, MAX_HANDSHAKE_FRAME)
+    first = await read_frame(reader, min(timeout, answer_timeout or timeout), MAX_HANDSHAKE_FRAME)
     if first.kind == "refuse" and first.header.get("views_differ") is True:
         raise ViewsDiffer(f"peer refused: {str(first.header.get('reason', ''))[:200]}")
     try:
