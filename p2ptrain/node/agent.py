@@ -123,6 +123,7 @@ class TrainingNode:
         self.recoveries = 0
         self.last_rate: float | None = None
         """Megabits per second this node sent in its last all-reduce (for `status`)."""
+        self.last_step_done = -1
         self.syncing: asyncio.Future[None] | None = None
         """outer.overlap: the sync of the step rank 0 handed over last, while it trains on."""
 
@@ -224,7 +225,7 @@ class TrainingNode:
             self.say(f"joined: contributing from outer step {message.outer_step + 1}, join_s={join_s:.1f}")
         self.view.note(message.outer_step, members, note)
         await channel.send(averaged)
-        if self.config.outer.overlap:
+        if self.config.outer.overlap and self.last_step_done < message.outer_step:
             # rank 0 trains step N + 1 already: say so now, not once it takes step N (a whole inner
             # phase later), or a node behind would still elect us for N. The hash comes with the
             # step (StepDone): a record of outer step N + 1 never shows S before step N.
@@ -262,6 +263,7 @@ class TrainingNode:
             else:
                 await self._answer(message, channel)
         elif isinstance(message, StepDone):
+            self.last_step_done = message.outer_step
             self.recoveries = 0
             self.params_hash = message.params_hash
             extra = {"loss": message.loss} if message.loss == message.loss else {}
