@@ -1,7 +1,7 @@
 """The int8 ring all-reduce against torch.distributed gloo (fp32), 3 member processes.
 
     python -m benchmarks.allreduce --json [--mib 64] [--rounds 5] [--bandwidth MBIT] [--connections M]
-                                   [--bits 4]
+                                   [--bits 4] [--topology butterfly] [--clip X]
 
 Every member holds its own N(0,1) fp32 vector. A gloo barrier starts each round; a round's time is
 the slowest member's, and the figures are medians over the rounds (each round's own time is in
@@ -10,7 +10,10 @@ L2 error against the exact fp32 mean. Without --bandwidth the members talk over 
 each runs in its own network namespace whose uplink tc limits to MBIT, and `link_util` = (ideal wire
 time of the int8 ring at that bandwidth) / (measured time). --connections M gives the ring M
 parallel TCP connections per neighbour (comm.connections); --bits 4 sends 4-bit codes (comm.bits;
-the `int8_ring_*` figures are then those of the 4-bit ring).
+the `int8_ring_*` figures are then those of the 4-bit ring). --topology picks ring or butterfly
+(comm.topology; auto: the ring at 3 members); --clip X > 0 runs robust aggregation (comm.clip: the
+butterfly, signed norm claims, signed results, every member's check), to set beside
+`--topology butterfly`.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ def worker(
     out: Path,
     connections: int = 1,
     bits: int = 8,
+    topology: str = "auto",
+    clip: float = 0.0,
 ) -> None:
     """One member: `rounds` ring all-reduces, then `rounds` gloo all-reduces, timings to `out`."""
     import torch
@@ -63,8 +68,9 @@ def worker(
     async def ring_rounds() -> tuple[list[float], np.ndarray]:
         identity = load_or_create_identity(out.parent / f"id{rank}")
         settings = RingSettings(
-            block=BLOCK, failure_timeout=120, setup_timeout=60, connections=connections, bits=bits
-        )
+            block=BLOCK, failure_timeout=120, setup_timeout=60, connections=connections, bits=bits,
+            topology=topology, clip=clip,
+        )  # fmt: skip
         server = DataPlaneServer(identity, settings)
         listen_host, port = await server.start(host)
         everyone: list[Any] = [None] * WORLD
@@ -125,7 +131,13 @@ def _run_members(commands: list[list[str]], root: Path, timeout: float) -> list[
 
 
 def run(
-    mib: int, rounds: int, bandwidth: float | None, connections: int = 1, bits: int = 8
+    mib: int,
+    rounds: int,
+    bandwidth: float | None,
+    connections: int = 1,
+    bits: int = 8,
+    topology: str = "auto",
+    clip: float = 0.0,
 ) -> dict[str, Any]:
     length = (mib << 20) // 4
     with tempfile.TemporaryDirectory() as tmp:
@@ -153,6 +165,10 @@ def run(
                 str(connections),
                 "--bits",
                 str(bits),
+                "--topology",
+                topology,
+                "--clip",
+                str(clip),
             ]
 
         timeout = 120 + rounds * (4 * length * 8 / (bandwidth * 1e6) * 2 if bandwidth else 5)
@@ -183,6 +199,8 @@ def run(
         "mib": mib,
         "connections": connections,
         "bits": bits,
+        "topology": topology,
+        "clip": clip,
         "rounds": rounds,
         "int8_ring_s": round(ring_s, 4),
         "gloo_fp32_s": round(gloo_s, 4),
@@ -214,6 +232,10 @@ def main() -> None:
         "--connections", type=int, default=1, metavar="M", help="TCP connections per ring neighbour"
     )
     arguments.add_argument("--bits", type=int, choices=[8, 4], default=8, help="code width (comm.bits)")
+    arguments.add_argument(
+        "--topology", choices=["auto", "ring", "butterfly"], default="auto", help="comm.topology"
+    )
+    arguments.add_argument("--clip", type=float, default=0.0, help="comm.clip: robust aggregation when > 0")
     arguments.add_argument("--worker", type=int, help=argparse_hidden())
     arguments.add_argument("--host", help=argparse_hidden())
     arguments.add_argument("--master", help=argparse_hidden())
@@ -222,6 +244,8 @@ def main() -> None:
     args = arguments.parse_args()
     if not 1 <= args.connections <= 16:
         arguments.error("--connections must be within 1..16")
+    if not 0 <= args.clip <= 1000:
+        arguments.error("--clip must be within 0..1000")
     if args.worker is not None:
         worker(
             args.worker,
@@ -232,6 +256,8 @@ def main() -> None:
             Path(args.out),
             args.connections,
             args.bits,
+            args.topology,
+            args.clip,
         )
         return
     # SIGTERM unwinds like Ctrl+C, so the network namespaces are always deleted
@@ -240,7 +266,9 @@ def main() -> None:
         report({"skipped": True, "reason": "--bandwidth needs root for network namespaces and tc"}, args.json)
         return
     try:
-        summary = run(args.mib, args.rounds, args.bandwidth, args.connections, args.bits)
+        summary = run(
+            args.mib, args.rounds, args.bandwidth, args.connections, args.bits, args.topology, args.clip
+        )
     except Exception as exc:
         from benchmarks.netns import NamespacesUnavailable
 

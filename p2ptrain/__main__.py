@@ -1,3 +1,3 @@
-from p2ptrain.cli import main
+from p2ptrain.cli import run
 
-raise SystemExit(main())
+run()

@@ -245,9 +245,10 @@ class CommConfig(Section):
     """Reduce-scatter path: ring (neighbours only) or butterfly (straight to each segment's owner)."""
     clip: float = Field(0.0, ge=0, le=1000)
     """Robust aggregation when > 0: the butterfly's owner of each chunk clips every member's share
-    to `clip` × the median of the members' share norms (weight-normalised) before it sums them, so
-    one member's huge but finite pseudo-gradient counts as at most `clip` typical ones. 0: the
-    plain weighted mean (ring or butterfly)."""
+    to `clip` × the median of the members' signed norm claims (weight-normalised; and to the
+    member's own claim) before it sums them, so one member's huge but finite pseudo-gradient counts
+    as at most `clip` typical ones; every member checks each owner's sum against the claims
+    (comm/claims.py). 0: the plain weighted mean (ring or butterfly)."""
 
 
 class Config(Section):

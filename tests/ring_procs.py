@@ -14,7 +14,9 @@ from typing import Any
 
 import numpy as np
 
+from p2ptrain.comm import claims, robust
 from p2ptrain.comm.ring import AllReduceError, DataPlaneServer, RingMember, RingSettings, ring_all_reduce
+from p2ptrain.comm.transfer import Slots
 from p2ptrain.identity import load_or_create_identity
 from p2ptrain.procs import free_port
 
@@ -33,6 +35,8 @@ class Outcome:
     bytes_sent: int = 0
     relayed: int = 0
     """Bytes this member copied for edges between two others behind NAT (relay.py)."""
+    named: int = -1
+    """The member its last error named (AllReduceError.unresponsive), -1 for none."""
 
 
 def member_data(index: int, length: int, outlier: bool) -> np.ndarray:
@@ -78,8 +82,10 @@ def _member(
 
         if fault == "nan":
             buffer[length // 2] = np.nan
-        if fault == "scale":  # a poisoner: finite values, fault_after times its own
+        if fault in ("scale", "lying_owner", "low_claims"):  # a poisoner: fault_after times its own
             buffer *= np.float32(fault_after)
+        if fault in ("lying_owner", "low_claims", "tamper_forward"):
+            lie(fault, fault_after)
         started = time.monotonic()
         attempts = 0
         try:
@@ -94,7 +100,10 @@ def _member(
                 except AllReduceError as exc:
                     if attempts >= retries:
                         seconds = time.monotonic() - started
-                        outcome = Outcome(index, False, str(exc), seconds, time.time(), attempts=attempts)
+                        named = [m.key for m in members].index(exc.unresponsive) if exc.unresponsive else -1
+                        outcome = Outcome(
+                            index, False, str(exc), seconds, time.time(), attempts=attempts, named=named
+                        )
                         outbox.put(("done", outcome))
                         return
         finally:
@@ -109,6 +118,32 @@ def _member(
         outbox.put(("done", outcome))
 
     asyncio.run(main())
+
+
+def lie(fault: str, factor: int) -> None:
+    """Make this process a dishonest member of a robust all-reduce (comm.clip > 0), as an attacker
+    would run modified code: "lying_owner" sums its segment without clipping; "low_claims" claims
+    norms `factor` times smaller than its values; "tamper_forward" changes a byte of every chunk of
+    the all-gather it passes on (the owner's signature then no longer matches)."""
+    if fault == "lying_owner":
+
+        def unclipped(arrived: dict[int, np.ndarray], *_: Any) -> tuple[np.ndarray, list[int]]:
+            return np.sum(list(arrived.values()), axis=0, dtype=np.float32), []
+
+        robust.clipped_sum = unclipped
+    elif fault == "low_claims":
+        honest = claims.chunk_norms
+        claims.chunk_norms = lambda values, bounds: honest(values, bounds) / factor
+    else:
+        put = Slots.put
+
+        def tampered(self: Slots, key: tuple[str, int, int], payload: Any, spare: Any = None) -> None:
+            if key[0] == "ag" and key[1] > 0:  # a chunk we received and now pass on
+                payload = bytearray(payload)
+                payload[0] ^= 0xFF
+            put(self, key, payload, spare)
+
+        Slots.put = tampered  # type: ignore[method-assign]
 
 
 def run_ring(

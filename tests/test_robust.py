@@ -1,10 +1,19 @@
-"""robust.clipped_sum: the owner's clipping rule, against plain sums."""
+"""Robust aggregation's rules: the owner's clipping (robust.clipped_sum) to the limits from the members'
+signed norm claims, the bound every member checks an owner's result against, the claims' format."""
 
 from __future__ import annotations
 
-import numpy as np
+from pathlib import Path
 
+import numpy as np
+import pytest
+
+from p2ptrain.comm import claims
 from p2ptrain.comm.robust import clipped_sum, norm
+from p2ptrain.comm.wire import FrameError
+from p2ptrain.identity import load_or_create_identity
+
+DIGEST = bytes(range(32))
 
 
 def shares(count: int, length: int = 1000) -> dict[int, np.ndarray]:
@@ -12,28 +21,111 @@ def shares(count: int, length: int = 1000) -> dict[int, np.ndarray]:
     return {member: rng.standard_normal(length).astype(np.float32) / count for member in range(count)}
 
 
+def honest_limits(arrived: dict[int, np.ndarray], fractions: list[float], clip: float) -> np.ndarray:
+    """The limits when every member claims the norm of what it sends (per unit of weight)."""
+    claimed = np.array(
+        [norm(arrived[m]) / fractions[m] if fractions[m] > 0 else 0.0 for m in sorted(arrived)]
+    )
+    return claims.limits(claimed, fractions, clip, 8)
+
+
 def test_similar_shares_are_summed_unchanged():
     arrived = shares(4)
-    total, clipped = clipped_sum(arrived, [0.25] * 4, clip=2.0)
+    total, clipped = clipped_sum(arrived, [0.25] * 4, honest_limits(arrived, [0.25] * 4, 2.0))
     assert clipped == []
     assert np.allclose(total, sum(arrived.values()), atol=1e-6)
 
 
-def test_a_huge_share_is_scaled_to_clip_times_the_median():
+def test_a_huge_share_is_scaled_to_clip_times_the_median_claim():
     arrived = shares(4)
     arrived[2] = arrived[2] * np.float32(1000)
     typical = float(np.median([norm(share) for share in arrived.values()]))  # the poisoner's too
-    total, clipped = clipped_sum(arrived, [0.25] * 4, clip=2.0)
+    total, clipped = clipped_sum(arrived, [0.25] * 4, honest_limits(arrived, [0.25] * 4, 2.0))
     assert clipped == [2]
     others = sum(share for member, share in arrived.items() if member != 2)
     assert abs(norm(total - others) - 2.0 * typical) < 1e-3 * typical
 
 
+def test_a_share_larger_than_its_own_claim_is_cut_to_the_claim():
+    arrived = shares(4)
+    fractions = [0.25] * 4
+    claimed = np.array([norm(arrived[m]) / 0.25 for m in range(4)])
+    arrived[1] = arrived[1] * np.float32(1.8)  # within clip × median, but above what it claimed
+    total, clipped = clipped_sum(arrived, fractions, claims.limits(claimed, fractions, 2.0, 8))
+    assert clipped == [1]
+    others = sum(share for member, share in arrived.items() if member != 1)
+    assert abs(norm(total - others) / 0.25 - claimed[1] * claims.SLACK[8]) < 1e-3 * claimed[1]
+
+
 def test_norms_are_weighed_by_each_members_share_and_overflow_counts_as_zero():
     arrived = shares(3)
     arrived[0] = arrived[0] * np.float32(3)  # it processed 3× the tokens: a 3× share is its due
-    _, clipped = clipped_sum(arrived, [0.6, 0.2, 0.2], clip=2.0)
+    fractions = [0.6, 0.2, 0.2]
+    _, clipped = clipped_sum(arrived, fractions, honest_limits(arrived, fractions, 2.0))
     assert clipped == []
+    limits = honest_limits(arrived, fractions, 2.0)
     arrived[1] = np.full(1000, 3e38, np.float32)  # finite, but its float32 norm would be inf
-    total, clipped = clipped_sum(arrived, [0.6, 0.2, 0.2], clip=2.0)
+    total, clipped = clipped_sum(arrived, fractions, limits)
     assert np.isfinite(total).all() and 1 in clipped
+
+
+def test_a_member_of_weight_zero_counts_for_nothing():
+    arrived = shares(3)
+    arrived[2] = arrived[2] * np.float32(1e6)  # a "joiner" that sends values anyway
+    fractions = [0.5, 0.5, 0.0]
+    total, _ = clipped_sum(arrived, fractions, honest_limits(arrived, fractions, 2.0))
+    assert np.array_equal(total, arrived[0] + arrived[1])
+
+
+def test_an_honest_sum_is_within_the_bound_and_an_inflated_one_is_not():
+    rng = np.random.default_rng(1)
+    for aligned in (False, True):  # orthogonal shares, and the triangle inequality's worst case
+        base = rng.standard_normal(4096).astype(np.float32)
+        values = [base if aligned else rng.standard_normal(4096).astype(np.float32) for _ in range(4)]
+        values[3] = values[3] * np.float32(100)  # one poisoner, claiming its true norm
+        fractions = [0.25] * 4
+        claimed = np.array([norm(v) for v in values])
+        limits = claims.limits(claimed, fractions, 1.0, 8)
+        total, _ = clipped_sum({m: v * np.float32(0.25) for m, v in enumerate(values)}, fractions, limits)
+        bound = claims.result_bound(claimed, fractions, 1.0, 8)
+        assert norm(total) <= bound
+        unclipped = sum(v * np.float32(0.25) for v in values)
+        assert norm(unclipped) > 10 * bound
+
+
+def test_claims_round_trip_and_anything_else_is_refused(tmp_path: Path):
+    alice = load_or_create_identity(tmp_path / "alice")
+    bob = load_or_create_identity(tmp_path / "bob")
+    norms = np.array([1.5, 0.0, 3.25])
+    blob = claims.sign_claims(alice, 7, DIGEST, 2, norms)
+    assert len(blob) == claims.claim_bytes(3)
+    assert np.array_equal(claims.read_claims(blob, alice.public_key, 7, DIGEST, 2, 3), norms)
+    wrong = {
+        "another signer": (blob, bob.public_key, 7, DIGEST, 2, 3),
+        "another step": (blob, alice.public_key, 8, DIGEST, 2, 3),
+        "another membership": (blob, alice.public_key, 7, bytes(32), 2, 3),
+        "another segment": (blob, alice.public_key, 7, DIGEST, 1, 3),
+        "another chunk count": (blob, alice.public_key, 7, DIGEST, 2, 4),
+        "a flipped norm bit": (
+            blob[:20] + bytes([blob[20] ^ 1]) + blob[21:],
+            alice.public_key,
+            7,
+            DIGEST,
+            2,
+            3,
+        ),
+        "truncated": (blob[:-1], alice.public_key, 7, DIGEST, 2, 3),
+    }
+    for case, args in wrong.items():
+        with pytest.raises(FrameError):
+            claims.read_claims(*args)
+            pytest.fail(case)
+    for bad in (np.array([1.0, -1.0, 0.0]), np.array([1.0, np.inf, 0.0])):
+        signed = claims.sign_claims(alice, 7, DIGEST, 2, bad)  # signed, but no norm is negative or infinite
+        with pytest.raises(FrameError, match="negative or non-finite"):
+            claims.read_claims(signed, alice.public_key, 7, DIGEST, 2, 3)
+    bundle = blob + claims.sign_claims(bob, 7, DIGEST, 2, norms * 2)
+    read = claims.read_bundle(bundle, [alice.public_key, bob.public_key], 7, DIGEST, 2, 3)
+    assert np.array_equal(read, np.stack([norms, norms * 2]))
+    with pytest.raises(FrameError):  # in another order, each claim meets the wrong key
+        claims.read_bundle(bundle, [bob.public_key, alice.public_key], 7, DIGEST, 2, 3)

@@ -13,13 +13,19 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from p2ptrain.cli.parser import build_parser
 from p2ptrain.errors import UserError
 from p2ptrain.faults import shift_wall_clock
-from p2ptrain.procs import raise_open_file_limit
+from p2ptrain.procs import exit_without_teardown, raise_open_file_limit
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "run"]
+
+
+def run() -> NoReturn:
+    """The `p2ptrain` command (and `python -m p2ptrain`): `main`, then a quick exit."""
+    exit_without_teardown(main())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,7 +14,9 @@ chunks (`chunk_bytes`). Two reduce-scatter topologies share one all-gather:
 - all-gather (both): each owner encodes its reduced segment once; the bytes travel around the ring
   unchanged, and every member, the owner included, decodes the same bytes: bit-identical results.
 
-Robust aggregation (`clip` > 0) takes the butterfly, whose owners clip the shares they sum (robust.py).
+Robust aggregation (`clip` > 0) takes the butterfly, whose owners clip the shares they sum (robust.py)
+to limits every member can check: signed norm claims ahead of the shares, the owner's bundle of them
+ahead of its segment, a signature on every chunk of its result (claims.py).
 
 `RingSettings.topology = "auto"` takes the ring up to 3 members (where it meets the 1 % error
 budget) and the butterfly above. Weights are part of the membership, hence of its digest: each
@@ -49,16 +51,17 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import zstandard
 
-from p2ptrain.comm import lanes, quant, robust
+from p2ptrain.comm import claims, lanes, quant
 from p2ptrain.comm.connect import LanePlan, connect_lanes
 from p2ptrain.comm.dataplane import AllReduceError, Connection, DataPlaneServer, RingSettings
 from p2ptrain.comm.handshake import HandshakeError, ViewsDiffer
 from p2ptrain.comm.members import RingMember, RingStats, membership_digest, shares
 from p2ptrain.comm.quant import Buffer
-from p2ptrain.comm.schedule import FrameSpec, Schedule, choose_topology, segment_bounds
+from p2ptrain.comm.robust_reduce import RobustReduce
+from p2ptrain.comm.schedule import BUNDLE, CLAIMS, FrameSpec, Schedule, choose_topology, segment_bounds
 from p2ptrain.comm.transfer import Slots, Transfer
 from p2ptrain.comm.wire import FrameError, PeerClosed, WireError
-from p2ptrain.identity import short_id
+from p2ptrain.identity import NodeIdentity, short_id
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +78,7 @@ __all__ = [
 ]  # fmt: skip
 
 
-class _AllReduce:
+class _AllReduce(RobustReduce):
     """One member's part in one all-reduce; see the module docstring for the schedule."""
 
     def __init__(
@@ -86,6 +89,8 @@ class _AllReduce:
         settings: RingSettings,
         step: int,
         progress: Progress | None,
+        identity: NodeIdentity,
+        digest: bytes,
     ):
         self.n = len(members)
         self.index = index
@@ -102,6 +107,20 @@ class _AllReduce:
         largest = max(stop - start for chunks in self.schedule.chunks for start, stop in chunks)
         self.largest_payload = self._size(largest)
         self.max_payload = self.largest_payload + 64  # zstd may grow a payload a little
+        self.robust = self.schedule.robust
+        self.ledger: claims.Ledger | None = None
+        """Robust aggregation's signed claims and results (claims.py), with `clip` > 0."""
+        if self.robust:
+            most = max(len(chunks) for chunks in self.schedule.chunks)
+            self.max_payload = max(self.max_payload, self.n * claims.claim_bytes(most))
+            scheme = (settings.clip, settings.bits)
+            self.ledger = claims.Ledger(
+                identity, step, digest, self.keys, self.fractions, scheme, self.schedule.chunks, own
+            )
+        self.limits: list[np.ndarray] | None = None
+        """Robust: per chunk of our segment, each member's limit, once every claim is in."""
+        self.waiting: list[int] = []
+        """Robust: chunks of ours whose shares are all in, waiting for the last claims."""
         self.result = np.empty(self._size(own.shape[0]), np.uint8)
         """The encoded result, each chunk at its place: received or encoded straight into it, so
         the bulk of the data is never copied and lands in one allocation (huge pages where the
@@ -147,7 +166,10 @@ class _AllReduce:
         for phase, rnd, chunk, start, stop in self.schedule.send_frames(peer, lane):
             payload: Buffer
             spare = None
-            if phase == "rs" and (rnd == 0 or self.schedule.topology == "butterfly"):
+            if phase == CLAIMS:  # `chunk` is the segment
+                assert self.ledger is not None
+                payload = self.ledger.own_claims(chunk)
+            elif phase == "rs" and (rnd == 0 or self.schedule.topology == "butterfly"):
                 out = memoryview(scratch)[: self._size(stop - start)]
                 payload = quant.encode_payload(
                     self.own[start:stop], self.block, self.share, self.threads, out, self.bits
@@ -155,7 +177,9 @@ class _AllReduce:
             else:
                 payload, spare = self.slots.take((phase, rnd, chunk))
             header = {"kind": phase, "step": self.step, "round": rnd, "chunk": chunk, "n": stop - start}
-            if compressor is not None:
+            if phase == "ag" and self.ledger is not None:
+                header["sig"] = self.ledger.signature(self.schedule.sent_segment(rnd), chunk)
+            if compressor is not None and phase not in (CLAIMS, BUNDLE):
                 payload = compressor.compress(payload)
                 header["zstd"] = True
             with self.lock:  # counted before the send: the peer may hang up as soon as it has all
@@ -201,12 +225,17 @@ class _AllReduce:
             payload: Buffer = frame.payload
             with self.lock:
                 self.stats.bytes_received += len(payload)
+            if phase in (CLAIMS, BUNDLE):
+                self._absorb_claims(peer, phase, rnd, chunk, bytes(payload))
+                continue
             if frame.header.get("zstd"):
                 payload = self._decompress(decompressor, payload, stop - start)
             try:
                 encoded = quant.decode_payload(payload, stop - start, self.block, self.bits)
             except quant.PayloadError as exc:
                 raise FrameError(str(exc)) from None
+            if phase == "ag" and self.ledger is not None:
+                self._check_signed(peer, rnd, chunk, frame.header.get("sig"), payload, encoded)
             self._absorb(peer, phase, rnd, chunk, start, stop, encoded, payload)
             with self.lock:
                 self.stats.frames += 1
@@ -267,25 +296,6 @@ class _AllReduce:
                     summed, placed = self.partial.pop(chunk), self.placed(start, stop)
                     final = quant.encode_payload(summed, self.block, 1.0, self.threads, placed, self.bits)
                     self._finish_chunk(chunk, start, stop, final)
-
-    def _absorb_clipped(self, peer: int, chunk: int, start: int, stop: int, encoded: quant.Encoded) -> None:
-        """Robust aggregation: keep each share of the chunk; once all are in, clip and sum them."""
-        values = np.zeros(stop - start, np.float32)
-        quant.dequantize_add(encoded, values, self.threads)
-        with self.chunk_locks[chunk]:
-            arrived = self.contributions.setdefault(chunk, {})
-            arrived[peer] = values
-            if len(arrived) < self.n - 1:
-                return
-            del self.contributions[chunk]
-        arrived[self.index] = np.multiply(self.own[start:stop], np.float32(self.share))
-        total, clipped = robust.clipped_sum(arrived, self.fractions, self.settings.clip)
-        with self.lock:
-            for key in (self.keys[member] for member in clipped):
-                self.stats.clipped[key] = self.stats.clipped.get(key, 0) + 1
-        placed = self.placed(start, stop)
-        final = quant.encode_payload(total, self.block, 1.0, self.threads, placed, self.bits)
-        self._finish_chunk(chunk, start, stop, final)
 
     def placed(self, start: int, stop: int) -> memoryview:
         """Where the encoded chunk [start, stop) lies in `result` (chunks start on a block boundary)."""
@@ -357,8 +367,10 @@ async def ring_all_reduce(
     # NaN/Inf of ours are caught where a chunk is encoded, before anything is sent; the error then
     # shuts every connection, so the others fail at once instead of waiting for a timeout.
     loop = asyncio.get_running_loop()
-    plan = _AllReduce(keys.index(identity.public_key), members, buffer, settings, step, progress)
     digest = membership_digest(step, members, relays)
+    plan = _AllReduce(
+        keys.index(identity.public_key), members, buffer, settings, step, progress, identity, digest
+    )
     lanes = LanePlan.of(members, plan.schedule)
     registration = server.expect(
         step, (), digest, lanes.incoming_lanes(members, settings.connections), members
@@ -378,6 +390,7 @@ async def ring_all_reduce(
         await transfer.finished
         if plan.failure is not None:
             raise plan.failure
+        plan.check_results()
         server.completed(step)
     except AllReduceError as exc:
         log.warning("all-reduce of step %d failed: %s", step, exc)

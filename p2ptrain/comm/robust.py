@@ -4,15 +4,16 @@ With `comm.clip` > 0 the all-reduce takes the butterfly, where the owner of each
 every member's share of it separately (the ring sums them on the way and cannot). The owner waits
 for all shares of a chunk, takes each one's L2 norm divided by that member's weight share (so a
 member that processed more tokens is not held against the others), and scales every share whose
-normalised norm is above `clip` × the median of those norms down to that limit before summing.
-With one poisoner among three or more members the median is an honest norm. The owner counts whose
-shares it clipped (RingStats.clipped); the node logs it, so poisoning is never silent.
+normalised norm is above its limit down to that limit before summing. The limits come from the
+members' signed norm claims (claims.py): min(claim × slack, `clip` × the median claim), so every
+member can check the owner's sum against them. With one poisoner among three or more members the
+median is an honest norm. The owner counts whose shares it clipped (RingStats.clipped); the node
+logs it, so poisoning is never silent.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Sequence
 
 import numpy as np
@@ -25,18 +26,18 @@ def norm(values: np.ndarray) -> float:
 
 
 def clipped_sum(
-    arrived: dict[int, np.ndarray], fractions: Sequence[float], clip: float
+    arrived: dict[int, np.ndarray], fractions: Sequence[float], limits: Sequence[float] | np.ndarray
 ) -> tuple[np.ndarray, list[int]]:
-    """Σ of every member's (weighted) share of one chunk, each clipped as described above, summed
-    in member order; and the members whose shares were clipped."""
-    norms = {
-        member: norm(share) / fractions[member] for member, share in arrived.items() if fractions[member] > 0
-    }
-    limit = clip * statistics.median(norms.values()) if norms else math.inf
+    """Σ of every member's (weighted) share of one chunk, each scaled down to its limit (a norm per
+    unit of weight: claims.limits) where above it, summed in member order; and the members whose
+    shares were clipped. A member of weight 0 counts for nothing."""
     total = np.zeros_like(next(iter(arrived.values())))
     clipped = []
     for member in sorted(arrived):
-        share, size = arrived[member], norms.get(member, 0.0)
+        if fractions[member] <= 0:
+            continue
+        share, limit = arrived[member], limits[member]
+        size = norm(share) / fractions[member]
         if size > limit:
             factor = limit / size if math.isfinite(size) else 0.0
             share = np.multiply(share, np.float32(factor))

@@ -37,6 +37,8 @@ def chunk_bounds(start: int, stop: int, chunk: int) -> list[tuple[int, int]]:
 
 
 AUTO_RING_MAX_MEMBERS = 3
+CLAIMS, BUNDLE = "cl", "bd"
+"""Robust aggregation's frames: a member's signed norm claims, an owner's bundle of them (claims.py)."""
 
 
 def choose_topology(settings: RingSettings, members: int, behind_nat: int = 0) -> str:
@@ -62,13 +64,18 @@ class Schedule:
     chunks: list[list[tuple[int, int]]]
     """Per segment, the (start, stop) of its chunks."""
     lanes: int
+    robust: bool = False
+    """comm.clip > 0: each reduce-scatter stream starts with the sender's signed norm claims ("cl")
+    and each segment of the all-gather with its owner's bundle of claims ("bd"), claims.py; in those
+    frames `chunk` is the segment and (start, stop) is empty."""
 
     @classmethod
     def of(cls, index: int, n: int, length: int, settings: RingSettings, behind_nat: int = 0) -> Schedule:
         bounds = segment_bounds(length, n, settings.block)
         chunk = max(settings.block, (settings.chunk_bytes // 4 // settings.block) * settings.block)
         chunks = [chunk_bounds(bounds[s], bounds[s + 1], chunk) for s in range(n)]
-        return cls(index, n, choose_topology(settings, n, behind_nat), chunks, settings.connections)
+        topology = choose_topology(settings, n, behind_nat)
+        return cls(index, n, topology, chunks, settings.connections, settings.clip > 0)
 
     @property
     def successor(self) -> int:
@@ -109,12 +116,25 @@ class Schedule:
 
     def frames(self, stream: Stream, lane: int | None = None) -> list[FrameSpec]:
         """The frames of a stream in order; with `lane`, only those that lane carries."""
-        every = [
-            (phase, rnd, chunk, start, stop)
-            for phase, rnd, segment in stream
-            for chunk, (start, stop) in enumerate(self.chunks[segment])
-        ]
+        every: list[FrameSpec] = []
+        for phase, rnd, segment in stream:
+            if self.robust:
+                every.append((CLAIMS if phase == "rs" else BUNDLE, rnd, segment, 0, 0))
+            every.extend(
+                (phase, rnd, chunk, start, stop) for chunk, (start, stop) in enumerate(self.chunks[segment])
+            )
         return every if lane is None else every[lane :: self.lanes]
+
+    def owner(self, segment: int) -> int:
+        return (segment - 1) % self.n
+
+    def sent_segment(self, rnd: int) -> int:
+        """The segment whose chunks we send in all-gather round `rnd`."""
+        return (self.index + 1 - rnd) % self.n
+
+    def received_segment(self, rnd: int) -> int:
+        """The segment whose chunks we receive in all-gather round `rnd`."""
+        return (self.index - rnd) % self.n
 
     def send_frames(self, peer: int, lane: int | None = None) -> list[FrameSpec]:
         """The frames we send `peer` (on `lane`)."""
