@@ -14,13 +14,9 @@ chunks (`chunk_bytes`). Two reduce-scatter topologies share one all-gather:
 - all-gather (both): each owner encodes its reduced segment once; the bytes travel around the ring
   unchanged, and every member, the owner included, decodes the same bytes: bit-identical results.
 
-Robust aggregation (`clip` > 0) takes the butterfly, whose owners clip the shares they sum (robust.py)
-to limits every member can check: signed norm claims ahead of the shares, the owner's bundle of them
-ahead of its segment, a signature on every chunk of its result (claims.py).
-
 `RingSettings.topology = "auto"` takes the ring up to 3 members (where it meets the 1 % error
-budget) and the butterfly above. Weights are part of the membership, hence of its digest: each
-member scales its own values by its share of the total.
+budget), the butterfly above and whenever `clip` > 0: its owners clip the shares they sum to limits
+every member can check (robust_reduce.py). Each member scales its values by its share of the weights.
 
 Who sends which frames to whom is schedule.py. Connections are set up and authenticated on the
 event loop; the transfer itself runs on threads (transfer.py), one per connection and direction,

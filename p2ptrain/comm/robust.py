@@ -18,11 +18,18 @@ from collections.abc import Sequence
 
 import numpy as np
 
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+
 
 def norm(values: np.ndarray) -> float:
-    """L2 norm in float64: a float32 sum of huge squares would overflow to inf."""
-    wide = values.astype(np.float64)
-    return math.sqrt(float(np.dot(wide, wide)))
+    """L2 norm. The float32 dot product (BLAS, no copy) serves where its sum of squares is a normal
+    float32; huge values (inf), tiny ones (underflow) and NaN take a float64 copy."""
+    with np.errstate(all="ignore"):
+        squares = float(np.dot(values, values))
+    if not FLOAT32_TINY <= squares < math.inf:
+        wide = values.astype(np.float64)
+        squares = float(np.dot(wide, wide))
+    return math.sqrt(squares)
 
 
 def clipped_sum(

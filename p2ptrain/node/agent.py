@@ -298,6 +298,15 @@ class TrainingNode:
         finally:
             receive.cancel()
 
+    async def _read_what_is_left(self, channel: AgentChannel) -> None:
+        """A rank exited: where none failed, rank 0 may have sent its last messages (Finished) just
+        before, and a busy event loop sees the exit first. Handle them before judging the exit."""
+        if any(proc.returncode not in (None, 0) for proc in self.ranks.procs):
+            return
+        with contextlib.suppress(ChannelError, asyncio.TimeoutError):
+            while not self.finished:
+                await self._handle(await asyncio.wait_for(channel.receive(), DYING_RANK_S), channel)
+
     async def _run_ranks(self) -> None:
         """Run the ranks until they finish or the node is stopped; raises TrainingFailed."""
         channel = await AgentChannel.open(await self.ranks.start(self.resume, skip_first_inner=self.joining))
@@ -307,6 +316,8 @@ class TrainingNode:
                 try:
                     await self._handle(await self._guarded(self._next_message(channel)), channel)
                 except Interrupted:
+                    if not self.stop.is_set():
+                        await self._read_what_is_left(channel)
                     failure = None if self.stop.is_set() else self._rank_failure()
                     break
                 except ChannelError:
