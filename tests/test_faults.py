@@ -96,8 +96,11 @@ def test_training_survives_bootstrap_loss_sigterm_and_a_kill_mid_all_reduce(
         assert params_hash_of(latest) == hashes[STEPS - 1]
     flush_killed_node(swarm.root / "c")
     killed = latest_checkpoint(swarm.root / "c" / "checkpoints")
-    assert killed is not None and checkpoint_step(killed) == 2  # after step 1; step 2 never finished
-    assert params_hash_of(killed) == hashes[1]
+    # after step 1; step 2 never finished. With overlap the kill in step 2's all-reduce comes as the
+    # checkpoint after step 1 is being written (the ranks hand step 2 over and save at once): that
+    # one may be lost with the node, the one before it stands
+    assert killed is not None and checkpoint_step(killed) in ((1, 2) if overlap else (2,)), killed
+    assert params_hash_of(killed) == hashes[checkpoint_step(killed) - 1]
 
 
 def assert_one_history(records: dict[str, list[dict]]) -> None:
