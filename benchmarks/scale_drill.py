@@ -7,8 +7,9 @@ drill.jsonl and its process tree, per n (medians over nodes and steps):
 - overhead_s: one outer step's sync (ready → election → all-reduce done), the inner phase excluded;
 - election_s: this node's ready record → the members of the completing attempt decided (it
   includes waiting for the others' inner phases);
-- decided_after_last_ready_s: the members decided, minus the last member's ready record (wall
-  clocks of one machine): what the control plane (DHT propagation, polling) costs a step;
+- decided_after_last_ready_s: the members decided, minus the moment the last member was ready
+  (before its record was stored or pushed; wall clocks of one machine): what the control plane
+  (stores, pushes, DHT propagation, polling) costs a step;
 - allreduce_s: the all-reduce itself;
 - dht_bytes_per_node_s, dht_calls_per_node_s: the payload bytes this node's own DHT stores and gets
   moved, and their number, per second (SwarmDHT.traffic; the DHT's replication comes on top);

@@ -1,7 +1,7 @@
 """A flooding client against one node's data port, run as its own process by the tests.
 
-    python -m tests.flooder --target HOST:PORT --mode idle|hellos|reaches|forged|relays [--count N]
-                            [--source 127.0.0.2] [--claim KEY]
+    python -m tests.flooder --target HOST:PORT --mode idle|hellos|reaches|forged|relays|records
+                            [--count N] [--source 127.0.0.2] [--claim KEY] [--run-id RUN]
 
 - `idle`: keeps `count` TCP connections open that never send a byte, opening a new one whenever
   the node closes one (a stranger's cheapest way to hold a node's handshake slots);
@@ -16,6 +16,11 @@
 - `relays`: keeps asking the node (whose key `--claim` gives) to relay an edge of its current or
   next outer step, each request validly signed by a fresh key, for a membership nobody has: a
   stranger trying to hold the slots where members behind NAT wait for their relay.
+- `records`: keeps pushing records (record_push.py), `count` connections at a time, in turn:
+  junk bytes; a validly signed ready record of run `--run-id` from a fresh key (a node nobody
+  knows); and a record in the name of `--claim` (a member) that says it is dead, with a sequence
+  number far ahead of the member's own and a fresh key's signature — were it taken, the member
+  would drop out of the steps.
 
 Connections come from `--source` (another loopback address than the honest nodes' 127.0.0.1, as a
 stranger's would come from another host). It runs until SIGTERM and prints one line per second:
@@ -32,13 +37,17 @@ import re
 import secrets
 import signal
 import sys
+import time
 from pathlib import Path
 
+import msgpack
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from p2ptrain.comm.record_push import RECORD_KIND
 from p2ptrain.comm.relay import RelayRequest
 from p2ptrain.comm.wire import encode_frame
 from p2ptrain.identity import NodeIdentity
+from p2ptrain.swarm.records import Heartbeat, NodeState
 
 FAR_STEP = 10**9
 
@@ -65,6 +74,24 @@ def relay_request(step: int, relay: bytes) -> bytes:
     return b"".join(bytes(part) for part in encode_frame(request.header(stranger)))
 
 
+def pushed_record(turn: int, run_id: str, claim: bytes, step: int) -> bytes:
+    stranger = NodeIdentity(Ed25519PrivateKey.generate(), Path("stranger"))
+    if turn % 3 == 0:
+        record = secrets.token_bytes(300)
+    else:
+        beat = Heartbeat(run_id, stranger.public_key, 2**62, time.time(), time.time() + 60, NodeState.READY,
+                         outer_step=step, data_addr="127.0.0.2:9", tokens=10**6)  # fmt: skip
+        record = beat.sign(stranger)
+        if turn % 3 == 2:  # the member's name, the stranger's signature
+            forged = msgpack.unpackb(record, raw=False)
+            body = msgpack.unpackb(forged[1], raw=False)
+            body.update(node_key=claim, state=NodeState.DEAD.value)
+            forged[1] = msgpack.packb(body, use_bin_type=True)
+            record = msgpack.packb(forged, use_bin_type=True)
+    frames = [*encode_frame({"kind": RECORD_KIND}), *encode_frame({"kind": "body"}, record)]
+    return b"".join(bytes(part) for part in frames)
+
+
 def reach_request() -> bytes:
     header = {"kind": "reach", "port": secrets.randbelow(60000) + 1024, "nonce": secrets.token_bytes(16)}
     return b"".join(bytes(part) for part in encode_frame(header))
@@ -78,6 +105,7 @@ class Flood:
         self.held = 0
         self.closed = 0
         self.step = 0
+        self.turn = 0
 
     async def learn_step(self) -> None:
         """The node's outer step, from its refusal of a hello far ahead ("… of this node's step N")."""
@@ -111,6 +139,10 @@ class Flood:
                 writer.write(reach_request())
             elif self.args.mode == "relays":
                 writer.write(relay_request(self.step + secrets.randbelow(2), bytes.fromhex(self.args.claim)))
+            elif self.args.mode == "records":
+                self.turn += 1
+                claim = bytes.fromhex(self.args.claim)
+                writer.write(pushed_record(self.turn, self.args.run_id, claim, self.step + 1))
             with contextlib.suppress(OSError):
                 await reader.read()  # until the node closes it
             self.held -= 1
@@ -122,7 +154,7 @@ class Flood:
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         tasks = [asyncio.create_task(self.one()) for _ in range(self.args.count)]
-        if self.args.mode in ("forged", "relays"):
+        if self.args.mode in ("forged", "relays", "records"):
             tasks.append(asyncio.create_task(self.learn_step()))
         while not stop.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
@@ -136,10 +168,15 @@ class Flood:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", required=True)
-    parser.add_argument("--mode", choices=["idle", "hellos", "reaches", "forged", "relays"], default="idle")
+    modes = ["idle", "hellos", "reaches", "forged", "relays", "records"]
+    parser.add_argument("--mode", choices=modes, default="idle")
     parser.add_argument(
-        "--claim", default="", metavar="KEY", help="forged: the member key to claim; relays: the node's"
+        "--claim",
+        default="",
+        metavar="KEY",
+        help="forged, records: the member key to claim; relays: the node's",
     )
+    parser.add_argument("--run-id", default="p2ptrain-debug", help="records: the run of the signed ones")
     parser.add_argument("--count", type=int, default=500)
     parser.add_argument("--source", default="127.0.0.2")
     args = parser.parse_args()

@@ -33,14 +33,16 @@ def start_drill(
     nodes: int = 3,
     env: dict[str, dict[str, str]] | None = None,
     bootstrap: bool = True,
+    extra_for: dict[str, list[str]] | None = None,
 ) -> list[str]:
-    """Bootstrap peer (unless started already) plus `nodes` drill nodes (`env` by name); returns
-    once node0 has done three steps."""
+    """Bootstrap peer (unless started already) plus `nodes` drill nodes (`env` and more flags
+    `extra_for` by name); returns once node0 has done three steps."""
     if bootstrap:
         swarm.start_bootstrap()
     names = [f"node{i}" for i in range(nodes)]
     for name in names:
-        swarm.start_node(name, None, *drill_args(steps, nodes), *extra, *DRILL, env=(env or {}).get(name))
+        flags = [*drill_args(steps, nodes), *extra, *(extra_for or {}).get(name, []), *DRILL]
+        swarm.start_node(name, None, *flags, env=(env or {}).get(name))
     wait_until(lambda: len(drill_log(swarm, "node0")) >= 3, timeout=120, what="three drill steps")
     return names
 
@@ -66,7 +68,16 @@ def test_four_nodes_two_with_clocks_5s_off_agree_on_members_order_and_result_for
     names = [f"node{i}" for i in range(4)]
     clocks = {"node1": BEHIND, "node2": AHEAD}
     for name in names:
-        drill = ["--drill", "20", "--drill-nodes", "4", "--drill-inner", "0.5"]
+        drill = [
+            "--drill",
+            "20",
+            "--drill-nodes",
+            "4",
+            "--drill-inner",
+            "0.5",
+            "--set",
+            "swarm.push_records=true",
+        ]
         swarm.start_node(name, None, *drill, *DRILL, env=clocks.get(name))
     for name in names:
         assert swarm.children.wait(name, timeout=180) == 0, swarm.log(name)
@@ -76,6 +87,10 @@ def test_four_nodes_two_with_clocks_5s_off_agree_on_members_order_and_result_for
     assert all(len(entry["members"]) == 4 for log in logs.values() for entry in log)
     orders = {tuple(entry["members"]) for entry in logs["node0"]}
     assert len(orders) > 1, "the ring order should rotate between steps"
+    # every node pushed its ready records to the others, and pushed records reached their views
+    # before the DHT's copies did (record_push.py)
+    pushed, taken = zip(*(log[-1]["records"] for log in logs.values()), strict=True)
+    assert all(sent > 0 for sent in pushed) and sum(taken) > 0, (pushed, taken)
 
 
 def test_survivors_go_on_after_a_member_is_killed(swarm: LocalSwarm):

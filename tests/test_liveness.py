@@ -104,3 +104,21 @@ def test_nodes_that_finished_the_run_are_remembered_after_they_left():
     clock.now += 60.0
     assert swarm.judge([]) == []  # the records are gone; the memory of who finished is not
     assert swarm.finished == {bytes([1]) * 32: 7, bytes([3]) * 32: 7}
+
+
+def test_a_pushed_record_counts_only_for_a_known_node_and_only_when_newer():
+    """Records pushed over the data plane (record_push.py) make news of known nodes arrive before the
+    DHT has them; they add no one, bring back nothing older, and the next DHT read keeps them."""
+    clock = Clock()
+    swarm = view(clock)
+    swarm.judge([beat(1, 10), beat(2, 20)])
+    assert not swarm.offer(beat(3, 99, NodeState.READY)), "a node this view does not know"
+    assert not swarm.offer(beat(1, 9, NodeState.READY)), "older than the record known"
+    assert not swarm.offer(beat(1, 10, NodeState.READY)), "the same seq: nothing new"
+    assert not swarm.offer(replace(beat(1, 11, NodeState.READY), run_id="another run"))
+    assert swarm.offer(beat(1, 11, NodeState.READY))
+    clock.now += 5.0
+    seen = {b.node_key[0]: b for b in swarm.judge([beat(1, 10), beat(2, 20)])}  # the DHT lags behind
+    assert (seen[1].seq, seen[1].state) == (11, NodeState.READY)
+    clock.now += 2.0  # node 2 silent for 7 s; node 1's pushed record came 7 s ago as well
+    assert [b.node_key[0] for b in swarm.judge([beat(1, 10), beat(2, 20)])] == []

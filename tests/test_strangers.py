@@ -11,6 +11,7 @@ import urllib.request
 
 import pytest
 
+from p2ptrain.identity import load_or_create_identity
 from tests.helpers import LocalSwarm, cli, metrics, read_address, wait_until
 from tests.test_drill import DRILL, assert_agreement, drill_args, finish, start_drill
 
@@ -64,17 +65,21 @@ def data_port(swarm: LocalSwarm, name: str) -> int:
     return int(match.group(1))
 
 
-@pytest.mark.parametrize("mode", ["idle", "hellos", "reaches"])
+@pytest.mark.parametrize("mode", ["idle", "hellos", "reaches", "records"])
 def test_a_flood_on_one_nodes_data_port_does_not_keep_it_out_of_the_steps(swarm: LocalSwarm, mode: str):
-    """500 connections from another address (idle ones, hellos for step 10⁹ from fresh keys, or
-    requests for reachability probes), reopened as fast as the node closes them: the node still
-    takes part in every step."""
-    names = start_drill(swarm, STEPS, "--set", "comm.failure_timeout=3")
-    target = f"127.0.0.1:{data_port(swarm, 'node0')}"
-    swarm.children.spawn(
-        "flooder",
-        [sys.executable, "-m", "tests.flooder", "--mode", mode, "--count", "500", "--target", target],
-        swarm.root / "flooder.log",
+    """500 connections from another address (idle ones, hellos for step 10⁹ from fresh keys,
+    requests for reachability probes, or pushed records: junk, a stranger's, and node1's death
+    forged far ahead of its sequence), reopened as fast as the node closes them: the node still
+    takes part in every step, with node1 in every one."""
+    swarm.start_bootstrap()
+    port = free_port()  # node0's data port: the flood is on before the drill's first step
+    claim = load_or_create_identity(swarm.root / "node1").public_key.hex()  # node1 starts with this key
+    flood = ["--mode", mode, "--count", "500", "--target", f"127.0.0.1:{port}", "--claim", claim]
+    flooder = [sys.executable, "-m", "tests.flooder", *flood]
+    swarm.children.spawn("flooder", flooder, swarm.root / "flooder.log")
+    node0 = ["--set", f"node.data_port={port}"]
+    names = start_drill(
+        swarm, STEPS, "--set", "comm.failure_timeout=3", bootstrap=False, extra_for={"node0": node0}
     )
     wait_until(lambda: "closed by the node" in swarm.log("flooder"), timeout=30, what="the flood")
     logs = finish(swarm, names)

@@ -36,6 +36,7 @@ from p2ptrain.comm.handshake import (
 )
 from p2ptrain.comm.members import RingMember
 from p2ptrain.comm.reach import REACH_KINDS, ReachService
+from p2ptrain.comm.record_push import RECORD_KIND, RecordSink, receive_record
 from p2ptrain.comm.relay import RELAY_KINDS
 from p2ptrain.comm.relay_service import RelayAdmit, RelayService
 from p2ptrain.comm.wire import ClosedBetweenFrames, WireError, read_frame
@@ -115,6 +116,8 @@ class DataPlaneServer:
         """Edges between members behind NAT that this node splices (relay.py)."""
         self._dialed = asyncio.Event()
         self._woken_for = -1
+        self.on_record: RecordSink | None = None
+        """Where pushed records go (record_push.py); None: they are read and dropped."""
         self.lanes_accepted = 0
         """Ring connections handed to a step so far (benchmarks.scale counts them per step)."""
 
@@ -326,11 +329,16 @@ class DataPlaneServer:
 
         try:
             first = await read_frame(reader, self.settings.failure_timeout, MAX_HANDSHAKE_FRAME)
+            if relayed and first.kind in REACH_KINDS | RELAY_KINDS | {RECORD_KIND}:
+                raise WireError(f"a {first.kind!r} frame through a relay (only a handshake comes that way)")
+            if first.kind == RECORD_KIND:
+                # a pushed record holds its pending slot until it is read: the budget bounds them
+                record = await receive_record(reader, self.settings.failure_timeout)
+                writer.close()
+                if self.on_record is not None:
+                    self.on_record(record, source)
+                return
             if first.kind in REACH_KINDS or first.kind in RELAY_KINDS:
-                if relayed:
-                    raise WireError(
-                        f"a {first.kind!r} frame through a relay (only a handshake comes that way)"
-                    )
                 idle_no_more()
                 service = self.reach if first.kind in REACH_KINDS else self.relay
                 await service.handle(first, reader, writer, source)

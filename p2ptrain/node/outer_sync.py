@@ -13,12 +13,15 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+from hivemind.utils import get_dht_time
 
 from p2ptrain.comm.dataplane import AllReduceError, DataPlaneServer, RingSettings
 from p2ptrain.comm.members import RingStats
 from p2ptrain.comm.reach import can_be_dialed
+from p2ptrain.comm.record_push import RecordPusher
 from p2ptrain.comm.ring import ring_all_reduce
 from p2ptrain.config import Config
 from p2ptrain.faults import Faults
@@ -34,12 +37,14 @@ from p2ptrain.swarm.election import (
     LeftOut,
     SwarmAhead,
     elect,
+    parse_address,
     ready_for,
 )
 from p2ptrain.swarm.evidence import BLAME_FIELD, Offences, blame_field
 from p2ptrain.swarm.membership import HeartbeatPublisher, SwarmView, live
-from p2ptrain.swarm.records import Heartbeat, NodeState
+from p2ptrain.swarm.records import Heartbeat, NodeState, RecordError, check_admitted, decode_heartbeat
 from p2ptrain.swarm.standby import StandbyRelays
+from p2ptrain.untrusted import ThrottledLog
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +54,8 @@ MAX_PUBLISHED_LINKS = 16
 
 MIN_READ_GAP = 0.05
 """Seconds between two reads of the records in an election, however often members dial us."""
+MIN_PUSH_GAP = 0.01
+"""Seconds between two looks at the records pushed to us (no DHT read: a decision on what we have)."""
 
 
 class StepGivenUp(RuntimeError):
@@ -68,7 +75,8 @@ class SyncResult:
     election_s: float = 0.0
     """From this node's ready record to the members of the attempt that completed being decided."""
     ready_time: float = 0.0
-    """Wall-clock time this node published its ready record (drills on one machine compare them)."""
+    """Wall-clock time this node was ready, before its record went out (drills on one machine
+    compare them)."""
 
 
 def node_server(config: Config, identity: NodeIdentity) -> DataPlaneServer:
@@ -116,12 +124,24 @@ class OuterSync:
         self._last_members: tuple[int, frozenset[bytes]] = (-1, frozenset())
         """The last step this node completed and its members."""
         self._seen: dict[bytes, Heartbeat] = {}
+        self.pusher = RecordPusher(config.comm.failure_timeout)
+        """Our ready records, pushed to the peers of the step beside the DHT store (record_push.py)."""
+        self._pushed = asyncio.Event()
+        """A peer's pushed record changed our view since the election last looked."""
+        self._push_refusals = ThrottledLog(log)
+        self.records_taken = 0
+        """Pushed records our view took (newer than the DHT's copy when they came)."""
+        server.on_record = self._record_pushed
 
     async def _live_heartbeats(self, step: int) -> list[Heartbeat]:
         """Live nodes of this run with this config (a node of another config is never a member),
         without those whose data port refuses connections: crashed, not worth waiting for."""
         digest, me = self.config.digest(), self.publisher.current.node_key
-        beats = [beat for beat in live(await self.view.read()) if beat.config_digest in (digest, "")]
+        pushed = self._pushed.is_set()
+        self._pushed.clear()
+        beats = [
+            beat for beat in live(await self.view.read(cached=pushed)) if beat.config_digest in (digest, "")
+        ]
         # our own record as we last signed it: the copy in the DHT may not show our newest evidence yet
         beats = sorted(
             [beat for beat in beats if beat.node_key != me] + [self.publisher.current],
@@ -141,12 +161,59 @@ class OuterSync:
         return self.crashes.alive(beats)
 
     async def _pause(self, seconds: float) -> None:
-        """The election's wait between two reads: cut short when a member dials us for the step
-        (it has decided, so the records it saw are in the DHT), but never below MIN_READ_GAP, so
-        hellos (anyone may send one) cannot make this node read the DHT more than 1/gap a second."""
-        gap = min(seconds, MIN_READ_GAP)
-        await asyncio.sleep(gap)
-        await self.server.dialed(seconds - gap)
+        """The election's wait between two reads: cut short when a peer pushes us a newer record
+        (the next read is of what we have, no DHT round trip) or when a member dials us for the
+        step (it has decided, so the records it saw are in the DHT). Never below MIN_PUSH_GAP and
+        MIN_READ_GAP: pushes and hellos (anyone may send them) cannot make this node decide or
+        read the DHT more often than that."""
+        started = time.monotonic()
+        await asyncio.sleep(min(seconds, MIN_PUSH_GAP))
+        if self._pushed.is_set():
+            return
+        waits = {
+            asyncio.ensure_future(self._pushed.wait()),
+            asyncio.ensure_future(self.server.dialed(seconds - MIN_PUSH_GAP)),
+        }
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+        if not self._pushed.is_set():
+            await asyncio.sleep(max(0.0, min(seconds, MIN_READ_GAP) - (time.monotonic() - started)))
+
+    def _record_pushed(self, value: bytes, source: str) -> None:
+        """A record a peer pushed to our data port: verified like one read from the DHT; the view
+        takes it only for a node it knows, and only when newer (`SwarmView.offer`)."""
+        try:
+            beat = decode_heartbeat(value)
+            check_admitted(beat, self.view.authority, get_dht_time())
+        except (RecordError, TypeError) as exc:
+            self._push_refusals.warning("record pushed from %s ignored: %s", source, exc)
+            return
+        if self.view.offer(beat):
+            self.records_taken += 1
+            self._pushed.set()
+
+    async def _announce(self, step: int, **changes: Any) -> None:
+        """Publish our record with `changes`: pushed at once to the nodes of the step we know of
+        (`swarm.push_records`), and stored in the DHT before we elect: once we decide we dial the
+        others, and the read our hello wakes them to must find our record (a node the push missed;
+        a store that failed under load left some nodes with our record, others without it, and
+        their views apart)."""
+        record, me = self.publisher.advance(**changes), self.publisher.current.node_key
+        addresses = [
+            address
+            for beat in self._seen.values()
+            if beat.node_key != me
+            and beat.state in IN_STEPS
+            and beat.outer_step in (step - 1, step)
+            and can_be_dialed(beat.data_reach)
+            and (address := parse_address(beat.data_addr)) is not None
+        ]
+        if self.config.swarm.push_records:
+            self.pusher.push(record, addresses)
+        await self.publisher.store_current()
 
     def _in_transit(self, step: int) -> frozenset[bytes]:
         """The members of our step - 1, on their way to `step` (election.expected_for)."""
@@ -155,6 +222,7 @@ class OuterSync:
 
     def close(self) -> None:
         self.crashes.close()
+        self.pusher.close()
 
     def _remember_links(self, rates: dict[bytes, float]) -> None:
         for key, rate in rates.items():
@@ -217,12 +285,10 @@ class OuterSync:
         ignored = self.offences.named_at(step)
         named = set(ignored)
         self.server.at_step(step)
-        # stored before we elect: once we decide we dial the others, and the read our hello wakes
-        # them to must find our record in the DHT
-        await self.publisher.publish(
-            state=NodeState.READY, outer_step=step, tokens=tokens, extra=self._extra_for(step, named)
-        )
         ready_at, ready_time = time.monotonic(), time.time()
+        await self._announce(
+            step, state=NodeState.READY, outer_step=step, tokens=tokens, extra=self._extra_for(step, named)
+        )
         try:
             result = await self._attempts(step, vector, named, ready_at)
         except StepGivenUp:
@@ -298,7 +364,7 @@ class OuterSync:
                 if culprit in others and culprit in self._seen and self.crashes.alive([self._seen[culprit]]):
                     log.warning("naming %s in the evidence of step %d", short_id(culprit), step)
                     named.add(culprit)
-                await self.publisher.publish(state=NodeState.READY, extra=self._extra_for(step, named, True))
+                await self._announce(step, state=NodeState.READY, extra=self._extra_for(step, named, True))
                 continue
             self._remember_links(stats.link_rates)
             for key, chunks in stats.clipped.items():

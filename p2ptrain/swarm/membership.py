@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
@@ -44,6 +45,9 @@ from p2ptrain.untrusted import ThrottledLog
 log = logging.getLogger(__name__)
 
 DEATHRATTLE_TIMEOUT = 2.0
+MAX_CACHED_AGE = 1.0
+"""A `cached` read older than this goes to the DHT after all: judged on an old read, the nodes whose
+records did not change since would look silent."""
 
 
 class HeartbeatPublisher:
@@ -88,6 +92,14 @@ class HeartbeatPublisher:
     async def publish(self, timeout: float | None = None, **changes: Any) -> bool:
         """Store a fresh record with `changes` applied; False when the DHT did not take it."""
         return await self._store(self._next(changes), timeout)
+
+    def advance(self, **changes: Any) -> bytes:
+        """Make a fresh record with `changes` the current one, not stored yet (`store_current`):
+        its signed bytes, for a push to the peers (record_push.py) while the store is under way."""
+        return self._next(changes).sign(self._identity)
+
+    async def store_current(self) -> bool:
+        return await self._store(self.current, None)
 
     def publish_soon(self, **changes: Any) -> None:
         """`publish` without waiting for the DHT (a store takes a round trip to the replicas, a
@@ -265,15 +277,32 @@ class SwarmView:
         """node key → the outer step at which it finished the run (never forgotten)."""
         self._refusals = ThrottledLog(log)
         self._verified = VerifiedRecords()
+        self._last_read: list[Heartbeat] = []
+        self._read_at = -math.inf
 
     @classmethod
     def for_run(cls, dht: SwarmDHT, config: Config) -> SwarmView:
         return cls(dht, config.run.id, config.swarm.heartbeat_timeout, authority=config.run.authority_key)
 
-    async def read(self) -> list[Heartbeat]:
-        """Every heartbeat in the DHT whose sender is not silent, ordered by node key."""
-        beats = await read_heartbeats(self._dht, self.run_id, self._refusals, self._verified, self.authority)
-        return self.judge(beats)
+    async def read(self, cached: bool = False) -> list[Heartbeat]:
+        """Every heartbeat in the DHT whose sender is not silent, ordered by node key. `cached`:
+        the last read's records again, without a DHT round trip (with what was `offer`ed since)."""
+        if not cached or self._clock() - self._read_at > MAX_CACHED_AGE:
+            self._last_read = await read_heartbeats(
+                self._dht, self.run_id, self._refusals, self._verified, self.authority
+            )
+            self._read_at = self._clock()
+        return self.judge(self._last_read)
+
+    def offer(self, beat: Heartbeat) -> bool:
+        """A verified record that came another way than the DHT (pushed by its sender): taken, and
+        True, only for a node this view knows and only when newer than its record here. So it
+        cannot add a node to the swarm, nor bring back an older record."""
+        known = self._newest.get(beat.node_key)
+        if known is None or known[0].seq >= beat.seq or beat.run_id != self.run_id:
+            return False
+        self._newest[beat.node_key] = (beat, self._clock())
+        return True
 
     def judge(self, heartbeats: list[Heartbeat]) -> list[Heartbeat]:
         """The non-silent subset of one DHT read (its records replaced by newer ones seen before)."""
