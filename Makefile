@@ -14,9 +14,8 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 # Tests run in parallel, one worker per core this process may use (at most 4): most of a
 # multi-process test is waiting (deadlines, timeouts, process start-up), and each test's bounds hold
-# on one core (checked with taskset -c 0). The longest tests come first (tests/conftest.py, from
-# tests/durations.json) and an idle worker takes tests queued for another (worksteal), so no worker
-# ends the run alone.
+# on one core (checked with taskset -c 0). The multi-process tests come first (tests/conftest.py) and
+# an idle worker takes tests queued for another (worksteal), so no worker ends the run alone.
 PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
 
 .PHONY: demo test lint format install clean browser netlab
