@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from hivemind.utils import get_dht_time
 
 from p2ptrain.comm.dataplane import AllReduceError, DataPlaneServer, RingSettings
 from p2ptrain.comm.members import RingStats
@@ -42,9 +41,8 @@ from p2ptrain.swarm.election import (
 )
 from p2ptrain.swarm.evidence import BLAME_FIELD, Offences, blame_field
 from p2ptrain.swarm.membership import HeartbeatPublisher, SwarmView, live
-from p2ptrain.swarm.records import Heartbeat, NodeState, RecordError, check_admitted, decode_heartbeat
+from p2ptrain.swarm.records import Heartbeat, NodeState
 from p2ptrain.swarm.standby import StandbyRelays
-from p2ptrain.untrusted import ThrottledLog
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +126,6 @@ class OuterSync:
         """Our ready records, pushed to the peers of the step beside the DHT store (record_push.py)."""
         self._pushed = asyncio.Event()
         """A peer's pushed record changed our view since the election last looked."""
-        self._push_refusals = ThrottledLog(log)
         self.records_taken = 0
         """Pushed records our view took (newer than the DHT's copy when they came)."""
         server.on_record = self._record_pushed
@@ -183,15 +180,9 @@ class OuterSync:
             await asyncio.sleep(max(0.0, min(seconds, MIN_READ_GAP) - (time.monotonic() - started)))
 
     def _record_pushed(self, value: bytes, source: str) -> None:
-        """A record a peer pushed to our data port: verified like one read from the DHT; the view
-        takes it only for a node it knows, and only when newer (`SwarmView.offer`)."""
-        try:
-            beat = decode_heartbeat(value)
-            check_admitted(beat, self.view.authority, get_dht_time())
-        except (RecordError, TypeError) as exc:
-            self._push_refusals.warning("record pushed from %s ignored: %s", source, exc)
-            return
-        if self.view.offer(beat):
+        """A record a peer pushed to our data port: the view verifies it and takes it only for a
+        node it knows, and only when newer (`SwarmView.offer_signed`)."""
+        if self.view.offer_signed(value, source):
             self.records_taken += 1
             self._pushed.set()
 
@@ -202,18 +193,20 @@ class OuterSync:
         a store that failed under load left some nodes with our record, others without it, and
         their views apart)."""
         record, me = self.publisher.advance(**changes), self.publisher.current.node_key
-        addresses = [
-            address
-            for beat in self._seen.values()
-            if beat.node_key != me
-            and beat.state in IN_STEPS
-            and beat.outer_step in (step - 1, step)
-            and can_be_dialed(beat.data_reach)
-            and (address := parse_address(beat.data_addr)) is not None
-        ]
         if self.config.swarm.push_records:
-            self.pusher.push(record, addresses)
-        await self.publisher.store_current()
+            self.pusher.push(
+                record,
+                [
+                    address
+                    for beat in self._seen.values()
+                    if beat.node_key != me
+                    and beat.state in IN_STEPS
+                    and beat.outer_step in (step - 1, step)
+                    and can_be_dialed(beat.data_reach)
+                    and (address := parse_address(beat.data_addr)) is not None
+                ],
+            )
+        await self.publisher.store_current(record)
 
     def _in_transit(self, step: int) -> frozenset[bytes]:
         """The members of our step - 1, on their way to `step` (election.expected_for)."""

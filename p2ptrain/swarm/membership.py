@@ -98,8 +98,9 @@ class HeartbeatPublisher:
         its signed bytes, for a push to the peers (record_push.py) while the store is under way."""
         return self._next(changes).sign(self._identity)
 
-    async def store_current(self) -> bool:
-        return await self._store(self.current, None)
+    async def store_current(self, signed: bytes) -> bool:
+        """Store the current record as `advance` signed it (signed once, pushed and stored)."""
+        return await self._store(self.current, None, signed)
 
     def publish_soon(self, **changes: Any) -> None:
         """`publish` without waiting for the DHT (a store takes a round trip to the replicas, a
@@ -119,11 +120,11 @@ class HeartbeatPublisher:
         )
         return self.current
 
-    async def _store(self, record: Heartbeat, timeout: float | None) -> bool:
+    async def _store(self, record: Heartbeat, timeout: float | None, signed: bytes | None = None) -> bool:
         return await self._dht.store(
             record.key,
             record.node_key,
-            record.sign(self._identity),
+            signed if signed is not None else record.sign(self._identity),
             record.expiration,
             timeout=timeout,
         )
@@ -303,6 +304,17 @@ class SwarmView:
             return False
         self._newest[beat.node_key] = (beat, self._clock())
         return True
+
+    def offer_signed(self, value: bytes, source: str) -> bool:
+        """`offer` for a record's signed bytes as they came (record_push.py): verified like a
+        record read from the DHT (signature, ticket in a closed run); refusals logged, throttled."""
+        try:
+            beat = decode_heartbeat(value)
+            check_admitted(beat, self.authority, get_dht_time())
+        except (RecordError, TypeError) as exc:
+            self._refusals.warning("record pushed from %s ignored: %s", source, exc)
+            return False
+        return self.offer(beat)
 
     def judge(self, heartbeats: list[Heartbeat]) -> list[Heartbeat]:
         """The non-silent subset of one DHT read (its records replaced by newer ones seen before)."""
