@@ -2,6 +2,7 @@
 
     python -m tests.flooder --target HOST:PORT --mode idle|hellos|reaches|forged|relays|records
                             [--count N] [--source 127.0.0.2] [--claim KEY] [--run-id RUN]
+                            [--from-step N]
 
 - `idle`: keeps `count` TCP connections open that never send a byte, opening a new one whenever
   the node closes one (a stranger's cheapest way to hold a node's handshake slots);
@@ -22,6 +23,8 @@
   number far ahead of the member's own and a fresh key's signature — were it taken, the member
   would drop out of the steps.
 
+With `--from-step N` the flood starts once the node says it is at outer step N (it learns the step as
+`forged` does); the process can so be started, and pay for its imports, before the node is there.
 Connections come from `--source` (another loopback address than the honest nodes' 127.0.0.1, as a
 stranger's would come from another host). It runs until SIGTERM and prints one line per second:
 the connections it holds and how many the node closed.
@@ -106,6 +109,10 @@ class Flood:
         self.closed = 0
         self.step = 0
         self.turn = 0
+        self.step_reached = asyncio.Event()
+        """Set once the node told a step ≥ `--from-step` (it tells once it has one): the flood waits
+        for it. Asks made once the flood is on compete with its connections for the node's
+        per-address handshake slots, and may all lose."""
 
     async def learn_step(self) -> None:
         """The node's outer step, from its refusal of a hello far ahead ("… of this node's step N")."""
@@ -118,6 +125,8 @@ class Flood:
                 found = re.search(rb"this node's step (\d+)", answer)
                 if found:
                     self.step = int(found.group(1))
+                    if self.step >= self.args.from_step:
+                        self.step_reached.set()
             await asyncio.sleep(0.2)
 
     async def one(self) -> None:
@@ -153,9 +162,17 @@ class Flood:
     async def run(self) -> None:
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-        tasks = [asyncio.create_task(self.one()) for _ in range(self.args.count)]
-        if self.args.mode in ("forged", "relays", "records"):
+        tasks: list[asyncio.Task[None]] = []
+        if self.args.mode in ("forged", "relays", "records") or self.args.from_step > 0:
             tasks.append(asyncio.create_task(self.learn_step()))
+        if self.args.from_step > 0:
+            reached = asyncio.create_task(self.step_reached.wait())
+            await asyncio.wait(
+                [reached, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED
+            )
+            reached.cancel()
+            print(f"flooder: the node is at step {self.step}, flooding", flush=True)
+        tasks += [asyncio.create_task(self.one()) for _ in range(self.args.count)]
         while not stop.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
@@ -168,6 +185,9 @@ class Flood:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", required=True)
+    parser.add_argument(
+        "--from-step", type=int, default=0, help="start flooding once the node is at this outer step"
+    )
     modes = ["idle", "hellos", "reaches", "forged", "relays", "records"]
     parser.add_argument("--mode", choices=modes, default="idle")
     parser.add_argument(

@@ -31,13 +31,12 @@ from p2ptrain.swarm.admission import (
 from p2ptrain.swarm.membership import VerifiedRecords, decode_all
 from p2ptrain.swarm.records import (
     Heartbeat,
-    HeartbeatValidator,
     NodeState,
     RecordError,
     decode_heartbeat,
     heartbeat_key,
-    key_id,
 )
+from p2ptrain.swarm.validator import HeartbeatValidator, key_id
 from p2ptrain.untrusted import ThrottledLog
 from tests.helpers import LocalSwarm, cli, free_port, read_address, wait_until
 from tests.test_drill import DRILL, assert_agreement, drill_args, drill_log, finish

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.helpers import LocalSwarm, wait_until
@@ -34,15 +35,19 @@ def start_drill(
     env: dict[str, dict[str, str]] | None = None,
     bootstrap: bool = True,
     extra_for: dict[str, list[str]] | None = None,
+    after_node0: Callable[[], None] | None = None,
 ) -> list[str]:
     """Bootstrap peer (unless started already) plus `nodes` drill nodes (`env` and more flags
-    `extra_for` by name); returns once node0 has done three steps."""
+    `extra_for` by name; `after_node0` runs once node0 is started, before the others, who hold
+    back step 0); returns once node0 has done three steps."""
     if bootstrap:
         swarm.start_bootstrap()
     names = [f"node{i}" for i in range(nodes)]
     for name in names:
         flags = [*drill_args(steps, nodes), *extra, *(extra_for or {}).get(name, []), *DRILL]
         swarm.start_node(name, None, *flags, env=(env or {}).get(name))
+        if name == "node0" and after_node0 is not None:
+            after_node0()
     wait_until(lambda: len(drill_log(swarm, "node0")) >= 3, timeout=120, what="three drill steps")
     return names
 

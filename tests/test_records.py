@@ -17,13 +17,12 @@ from p2ptrain.identity import load_or_create_identity
 from p2ptrain.swarm.records import (
     MAX_RECORD_BYTES,
     Heartbeat,
-    HeartbeatValidator,
     NodeState,
     RecordError,
     decode_heartbeat,
     heartbeat_key,
-    key_id,
 )
+from p2ptrain.swarm.validator import HeartbeatValidator, key_id
 
 RUN = "test-run"
 

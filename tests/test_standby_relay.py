@@ -28,8 +28,9 @@ from p2ptrain.identity import NodeIdentity, load_or_create_identity
 from p2ptrain.swarm.dht import DHTSettings, SwarmDHT
 from p2ptrain.swarm.election import decide
 from p2ptrain.swarm.membership import HeartbeatPublisher
-from p2ptrain.swarm.records import Heartbeat, HeartbeatValidator, NodeState
+from p2ptrain.swarm.records import Heartbeat, NodeState
 from p2ptrain.swarm.standby import StandbyRelays
+from p2ptrain.swarm.validator import HeartbeatValidator
 from tests.helpers import LocalSwarm, assert_one_line_error, cli, wait_until
 
 RUN = "p2ptrain-debug"  # the debug config's, which `status` reads

@@ -72,26 +72,40 @@ def test_a_flood_on_one_nodes_data_port_does_not_keep_it_out_of_the_steps(swarm:
     forged far ahead of its sequence), reopened as fast as the node closes them: the node still
     takes part in every step, with node1 in every one."""
     swarm.start_bootstrap()
-    port = free_port()  # node0's data port: the flood is on before the drill's first step
     claim = load_or_create_identity(swarm.root / "node1").public_key.hex()  # node1 starts with this key
-    flood = ["--mode", mode, "--count", "500", "--target", f"127.0.0.1:{port}", "--claim", claim]
-    flooder = [sys.executable, "-m", "tests.flooder", *flood]
-    swarm.children.spawn("flooder", flooder, swarm.root / "flooder.log")
-    node0 = ["--set", f"node.data_port={port}"]
+
+    def flood_node0() -> None:
+        """The flood is on before the drill's first step (node1 and node2 are not started yet): a
+        port chosen beforehand could be taken by another test's node before node0 binds it."""
+        wait_until(lambda: "data plane on port" in swarm.log("node0"), timeout=120, what="node0's data plane")
+        target = f"127.0.0.1:{data_port(swarm, 'node0')}"
+        flood = ["--mode", mode, "--count", "500", "--target", target, "--claim", claim]
+        swarm.children.spawn(
+            "flooder", [sys.executable, "-m", "tests.flooder", *flood], swarm.root / "flooder.log"
+        )
+        wait_until(lambda: flood_counts(swarm)[0] > 0, timeout=60, what="the flood")
+
     names = start_drill(
-        swarm, STEPS, "--set", "comm.failure_timeout=3", bootstrap=False, extra_for={"node0": node0}
+        swarm, STEPS, "--set", "comm.failure_timeout=3", bootstrap=False, after_node0=flood_node0
     )
-    wait_until(lambda: "closed by the node" in swarm.log("flooder"), timeout=30, what="the flood")
     logs = finish(swarm, names)
     assert_agreement(logs, range(STEPS))
     flooded = [entry for entry in logs["node0"] if entry["step"] >= 3]
     assert all(len(entry["members"]) == 3 for entry in flooded), flooded
-    counts = re.findall(r"holding (\d+), closed by the node (\d+)", swarm.log("flooder"))
-    assert counts and int(counts[-1][1]) > 0, "the node must close the flood's connections"
+    assert flood_counts(swarm)[1] > 0, "the node must close the flood's connections"
     refusals = [
         line for line in swarm.log("node0").splitlines() if "127.0.0.2" in line or "far ahead" in line
     ]
     assert 0 < len(refusals) < 30, "refusals are logged, a few lines per 10 s"
+
+
+def flood_counts(swarm: LocalSwarm) -> tuple[int, int]:
+    """(connections the flooder holds + has had closed, of those closed by the node), from its log."""
+    counts = re.findall(r"holding (\d+), closed by the node (\d+)", swarm.log("flooder"))
+    if not counts:
+        return 0, 0
+    held, closed = (int(count) for count in counts[-1])
+    return held + closed, closed
 
 
 def free_port() -> int:

@@ -10,7 +10,7 @@ from p2ptrain.errors import UserError
 from p2ptrain.identity import NodeIdentity, ensure_p2p_identity, load_or_create_identity, short_id
 from p2ptrain.swarm.admission import TicketError, check_admits, parse_ticket_text
 from p2ptrain.swarm.dht import DHTSettings, SwarmDHT
-from p2ptrain.swarm.records import HeartbeatValidator
+from p2ptrain.swarm.validator import HeartbeatValidator
 
 
 def dht_settings(config: Config, *, p2p_key: Path | None, client_mode: bool = False) -> DHTSettings:

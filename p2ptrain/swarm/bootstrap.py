@@ -16,8 +16,9 @@ from p2ptrain.config import SwarmConfig
 from p2ptrain.identity import NodeIdentity, ensure_p2p_identity
 from p2ptrain.swarm.dht import DHTSettings, SwarmDHT
 from p2ptrain.swarm.membership import HeartbeatPublisher, keep_alive
-from p2ptrain.swarm.records import HeartbeatValidator, NodeState
+from p2ptrain.swarm.records import NodeState
 from p2ptrain.swarm.standby import RunEnds
+from p2ptrain.swarm.validator import HeartbeatValidator
 
 DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/31337"
 

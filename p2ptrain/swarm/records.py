@@ -1,4 +1,4 @@
-"""Signed heartbeat records and the DHT validator that enforces them at every node that stores them.
+"""Signed heartbeat records: format, signature and ticket checks (validator.py enforces them in the DHT).
 
 A heartbeat lives in the DHT under the run's key `p2ptrain/<run id>/nodes` (a closed run's key also
 names its authority: admission.py), with the node's Ed25519 public key as subkey. Its value is a
@@ -13,32 +13,20 @@ import enum
 import functools
 import hashlib
 import logging
-from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import msgpack
-from hivemind.dht.routing import DHTID
-from hivemind.dht.validation import DHTRecord, RecordValidatorBase
-from hivemind.utils import get_dht_time
 
-import p2ptrain.swarm.quiet  # noqa: F401  (hivemind keeps quiet)
 from p2ptrain.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, NodeIdentity, short_id, verify
 from p2ptrain.swarm.admission import Ticket, TicketError, check_admits, decode_ticket, read_ticket
-from p2ptrain.untrusted import ThrottledLog, UndecodableError, unpack_untrusted
+from p2ptrain.untrusted import UndecodableError, unpack_untrusted
 
 log = logging.getLogger(__name__)
 
 RECORD_VERSION = 1
 MAX_RECORD_BYTES = 4096
 """Far below hivemind's ~16 KiB pipe limit; every heartbeat field is short."""
-MAX_FOREIGN_BYTES = 1024
-"""Values at keys that are not ours (a stranger's, or hivemind tooling's) are tolerated up to this."""
-MAX_LIFETIME_ANY_RUN = 600.0 + 2 * 3600.0
-"""The longest record life any node's settings allow (heartbeat_timeout + max_clock_skew, at their
-maxima), plus that clock skew. Nodes of one run may differ in these settings (they are not part of
-the shared config), so every validator uses this bound: about two hours, not ten years."""
-MAX_PROTECTED_KEYS = 4096
 _DOMAIN = b"p2ptrain/heartbeat/v1\0"
 _MAX_STRING = 512
 
@@ -77,11 +65,6 @@ def relays_key(run_id: str, authority: bytes | None = None) -> str:
     """The DHT key of a run's standby relays (records in state `relay`): kept apart from the
     nodes' key, so nothing that reads the nodes (elections, liveness, the end of the run) sees them."""
     return heartbeat_key(run_id, authority).removesuffix("/nodes") + "/relays"
-
-
-def key_id(key: str) -> bytes:
-    """The DHTID bytes hivemind hands to validators for `key`."""
-    return DHTID.generate(source=key).to_bytes()
 
 
 @dataclass(frozen=True)
@@ -164,7 +147,8 @@ _FIELDS = {
 }
 
 
-def _unpack(data: bytes, max_bytes: int = MAX_RECORD_BYTES) -> Any:
+def unpack_bounded(data: bytes, max_bytes: int = MAX_RECORD_BYTES) -> Any:
+    """msgpack from a stranger, at most `max_bytes`; RecordError with the reason otherwise."""
     try:
         return unpack_untrusted(data, max_bytes)
     except UndecodableError as exc:
@@ -175,7 +159,7 @@ def decode_heartbeat(value: bytes) -> Heartbeat:
     """Parse and verify a signed heartbeat value; raise RecordError with the reason otherwise."""
     if len(value) > MAX_RECORD_BYTES:
         raise RecordError(f"record of {len(value)} bytes exceeds {MAX_RECORD_BYTES}")
-    envelope = _unpack(value)
+    envelope = unpack_bounded(value)
     if not (isinstance(envelope, list) and len(envelope) == 3):
         raise RecordError("not a (version, body, signature) triple")
     version, body, signature = envelope
@@ -183,7 +167,7 @@ def decode_heartbeat(value: bytes) -> Heartbeat:
         raise RecordError(f"unsupported record version {version!r}")
     if not isinstance(body, bytes) or not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES:
         raise RecordError("malformed body or signature")
-    fields = _unpack(body)
+    fields = unpack_bounded(body)
     if not isinstance(fields, dict) or set(fields) != set(_FIELDS):
         raise RecordError("body does not have the heartbeat fields")
     for name, kind in _FIELDS.items():
@@ -234,106 +218,3 @@ def record_number(value: Any) -> float | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
         return round(float(value), 4)
     return None
-
-
-class HeartbeatValidator(RecordValidatorBase):
-    """Accepts only records whose signature, key, subkey, expiration and sequence all check out.
-
-    Runs inside every DHT node (bootstrap peers included), so a forged, replayed, oversized or
-    malformed heartbeat is refused where it would be stored, not only where it is read.
-    `run_ids` are the runs whose key must hold heartbeats only (closed by `authority`, if given).
-    A bootstrap peer serves any run: it cannot tell a run's key from a hash, so it protects every
-    key at which it has seen a valid heartbeat (DHT keys are hashes of the run id: junk stored
-    there first stays only until a heartbeat arrives, and never longer than its expiration). No
-    record may expire later than `max_lifetime` seconds from now. A closed run's key names its
-    authority, so every validator checks the tickets of its records without knowing the run.
-    """
-
-    def __init__(
-        self,
-        run_ids: tuple[str, ...] = (),
-        max_tracked: int = 65536,
-        max_lifetime: float = MAX_LIFETIME_ANY_RUN,
-        authority: bytes | None = None,
-    ):
-        self._protected = {
-            key_id(key(run, authority)) for run in run_ids for key in (heartbeat_key, relays_key)
-        }
-        self._learned: OrderedDict[bytes, None] = OrderedDict()
-        self._refusals = ThrottledLog(log)
-        self._max_lifetime = max_lifetime
-        self._latest: OrderedDict[tuple[bytes, bytes], tuple[int, bytes]] = OrderedDict()
-        self._max_tracked = max_tracked
-
-    def validate(self, record: DHTRecord) -> bool:
-        try:
-            self._check(record)
-        except StaleRecord as exc:
-            # An older replica, or a store that lost a race with a newer one: expected, and refused.
-            log.info("refused DHT record: %s", exc)
-            return False
-        except RecordError as exc:
-            self._refusals.warning("refused DHT record: %s", exc)
-            return False
-        return True
-
-    def _check(self, record: DHTRecord) -> None:
-        try:
-            heartbeat = decode_heartbeat(_unpack_value(record.value))
-        except RecordError:
-            if record.key in self._protected or record.key in self._learned:
-                raise
-            if len(record.value) > MAX_FOREIGN_BYTES:
-                raise RecordError(
-                    f"foreign value of {len(record.value)} bytes at a non-p2ptrain key"
-                ) from None
-            return  # a small value under some other key: not ours to judge
-        if record.key != key_id(heartbeat.key):
-            raise RecordError(f"heartbeat of run {heartbeat.run_id!r} stored under another key")
-        admission = heartbeat.admission
-        check_admitted(heartbeat, admission.authority if admission else None, get_dht_time())
-        if _unpack_value(record.subkey) != heartbeat.node_key:
-            raise RecordError(f"heartbeat of {heartbeat.node_key.hex()[:12]} under another node's subkey")
-        if record.expiration_time != heartbeat.expiration:
-            raise RecordError(f"heartbeat of {heartbeat.node_key.hex()[:12]} with altered expiration")
-        ahead = heartbeat.expiration - get_dht_time()
-        if ahead > self._max_lifetime:
-            raise RecordError(
-                f"heartbeat of {heartbeat.node_key.hex()[:12]} expires {ahead:.0f} s from now "
-                f"(at most {self._max_lifetime:.0f} s)"
-            )
-        self._check_sequence(record.key, heartbeat)
-        if record.key not in self._protected:
-            self._learned[record.key] = None
-            self._learned.move_to_end(record.key)
-            while len(self._learned) > MAX_PROTECTED_KEYS:
-                self._learned.popitem(last=False)
-
-    def _check_sequence(self, key: bytes, heartbeat: Heartbeat) -> None:
-        slot = (key, heartbeat.node_key)
-        digest = heartbeat.digest
-        seen = self._latest.get(slot)
-        if seen is not None:
-            seq, seen_digest = seen
-            if heartbeat.seq < seq:
-                raise StaleRecord(
-                    f"replayed heartbeat of {heartbeat.node_key.hex()[:12]} (seq {heartbeat.seq} < {seq})"
-                )
-            if heartbeat.seq == seq and digest != seen_digest:
-                raise RecordError(
-                    f"two different heartbeats of {heartbeat.node_key.hex()[:12]} with seq {seq}"
-                )
-        self._latest[slot] = (heartbeat.seq, digest)
-        self._latest.move_to_end(slot)
-        while len(self._latest) > self._max_tracked:
-            self._latest.popitem(last=False)
-
-
-def _unpack_value(data: bytes | None) -> bytes:
-    """hivemind msgpack-serializes values and subkeys; ours are always msgpack bin (bytes)."""
-    if data is None:
-        raise RecordError("record without subkey")
-    value = _unpack(data, MAX_RECORD_BYTES * 4)
-    if not isinstance(value, bytes):
-        raise RecordError(f"value is {type(value).__name__}, not bytes")
-    return value
