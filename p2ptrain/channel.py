@@ -179,6 +179,9 @@ class AgentChannel:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self.reader = reader
         self.writer = writer
+        self._reading: asyncio.Future[Message] | None = None
+        """The read in progress: a wait on it that is cancelled (a rank died, the node stops)
+        leaves it running, so no message is torn between its length and its body."""
 
     @classmethod
     async def open(cls, sock: socket.socket) -> AgentChannel:
@@ -190,6 +193,21 @@ class AgentChannel:
         await self.writer.drain()
 
     async def receive(self) -> Message:
+        """The next message; cancelling this call loses nothing (the next call gets it)."""
+        if self._reading is None:
+            self._reading = asyncio.ensure_future(self._read_one())
+        reading = self._reading
+        try:
+            message = await asyncio.shield(reading)
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            self._reading = None
+            raise
+        self._reading = None
+        return message
+
+    async def _read_one(self) -> Message:
         try:
             (size,) = _LENGTH.unpack(await self.reader.readexactly(_LENGTH.size))
             if size > MAX_MESSAGE:
@@ -199,4 +217,9 @@ class AgentChannel:
             raise ChannelError("rank 0 closed the channel") from None
 
     def close(self) -> None:
+        if self._reading is not None:
+            if self._reading.done() and not self._reading.cancelled():
+                self._reading.exception()  # retrieved: nobody will read it now
+            self._reading.cancel()
+            self._reading = None
         self.writer.close()
