@@ -2,7 +2,7 @@
 
     python -m tests.flooder --target HOST:PORT --mode idle|hellos|reaches|forged|relays|records
                             [--count N] [--source 127.0.0.2] [--claim KEY] [--run-id RUN]
-                            [--from-step N]
+                            [--from-step N] [--learn-source 127.0.0.3]
 
 - `idle`: keeps `count` TCP connections open that never send a byte, opening a new one whenever
   the node closes one (a stranger's cheapest way to hold a node's handshake slots);
@@ -26,8 +26,10 @@
 With `--from-step N` the flood starts once the node says it is at outer step N (it learns the step as
 `forged` does); the process can so be started, and pay for its imports, before the node is there.
 Connections come from `--source` (another loopback address than the honest nodes' 127.0.0.1, as a
-stranger's would come from another host). It runs until SIGTERM and prints one line per second:
-the connections it holds and how many the node closed.
+stranger's would come from another host); the asks for the node's step from `--learn-source` (the
+system's choice if not given), so that they do not compete with the flood for the node's slots. It
+runs until SIGTERM and prints one line per second: the connections it holds and how many the node
+closed.
 """
 
 from __future__ import annotations
@@ -118,7 +120,8 @@ class Flood:
         """The node's outer step, from its refusal of a hello far ahead ("… of this node's step N")."""
         while True:
             with contextlib.suppress(OSError, asyncio.TimeoutError):
-                reader, writer = await asyncio.open_connection(self.host, self.port)
+                source = (self.args.learn_source, 0) if self.args.learn_source else None
+                reader, writer = await asyncio.open_connection(self.host, self.port, local_addr=source)
                 writer.write(hello())
                 answer = await asyncio.wait_for(reader.read(), 5)  # the refusal, then the close
                 writer.close()
@@ -199,6 +202,7 @@ def main() -> None:
     parser.add_argument("--run-id", default="p2ptrain-debug", help="records: the run of the signed ones")
     parser.add_argument("--count", type=int, default=500)
     parser.add_argument("--source", default="127.0.0.2")
+    parser.add_argument("--learn-source", default="", help="the address the asks for the step come from")
     args = parser.parse_args()
     with contextlib.suppress(ValueError, OSError):
         import resource
