@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hivemind import DHT
+from hivemind.dht import DHT
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils.timed_storage import ValueWithExpiration
