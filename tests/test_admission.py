@@ -181,6 +181,7 @@ def test_a_closed_run_takes_its_ticketed_nodes_and_refuses_everyone_else(swarm: 
     assert "store refused" in swarm.log("stranger") and "store taken" not in swarm.log("stranger")
 
 
+@pytest.mark.slow
 def test_admission_mistakes_are_one_line_errors(tmp_path):
     key_file = str(tmp_path / "authority.key")
     assert cli("admit", "--new", "--authority-key", key_file).returncode == 0

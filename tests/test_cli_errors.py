@@ -41,6 +41,7 @@ def test_malformed_peer_in_environment(tmp_path: Path):
     assert_one_line_error(result, "/ip4/nothing")
 
 
+@pytest.mark.slow
 def test_unreachable_bootstrap_peer_gives_up_after_bounded_retries(tmp_path: Path, no_leftovers):
     # a real peer ID at a port where nobody listens
     key = ensure_p2p_identity(tmp_path / "ghost")
@@ -81,6 +82,7 @@ def test_key_readable_by_others(tmp_path: Path):
     assert_one_line_error(result, str(tmp_path / NODE_KEY_FILE), "chmod 600")
 
 
+@pytest.mark.slow
 def test_unreadable_key_file(tmp_path: Path):
     (tmp_path / NODE_KEY_FILE).write_text("garbage")
     os.chmod(tmp_path / NODE_KEY_FILE, 0o600)

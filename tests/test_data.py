@@ -31,6 +31,7 @@ def make_corpus(root: Path, files: int = 12) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_embedded_corpus_is_the_standard_library() -> None:
     files = list_files(DataConfig())
     assert len(files) > 500

@@ -53,6 +53,7 @@ def test_demo_trains_loses_a_node_takes_in_a_new_one(tmp_path: Path) -> None:
     assert latest is not None and params_hash_of(latest) == joined[-1]["params_hash"]
 
 
+@pytest.mark.slow
 def test_sigterm_stops_the_demo_and_every_process_it_started_within_five_seconds(tmp_path: Path) -> None:
     out = tmp_path / "demo.out"
     with out.open("w") as handle:

@@ -8,9 +8,10 @@ import sys
 CHECK = """
 import sys
 import p2ptrain.swarm.dht, p2ptrain.swarm.bootstrap, p2ptrain.node.agent
-print(sorted({name.split(".")[0] for name in sys.modules} & {"scipy"}), "hivemind.averaging" in sys.modules)
+averager = "hivemind.averaging"
+print(sorted({name.split(".")[0] for name in sys.modules} & {"scipy"}), averager in sys.modules)
 import hivemind
-print(hivemind.__version__ == "1.1.12", hivemind.DHT is p2ptrain.swarm.dht.DHT, "hivemind.averaging" in sys.modules)
+print(hivemind.__version__ == "1.1.12", hivemind.DHT is p2ptrain.swarm.dht.DHT, averager in sys.modules)
 """
 
 

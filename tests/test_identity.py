@@ -61,6 +61,7 @@ def test_p2p_identity_persists(tmp_path: Path):
     assert peer_id_of(path) == peer_id_of(ensure_p2p_identity(tmp_path))
 
 
+@pytest.mark.slow
 def test_identity_command_prints_stable_ids(tmp_path: Path):
     first = cli("identity", "--identity", str(tmp_path))
     second = cli("identity", "--identity", str(tmp_path))

@@ -55,6 +55,7 @@ def test_the_activation_count_is_what_autograd_keeps(config_name: str) -> None:
     assert per_token - rotary_tables_per_token == saved_per_token_layer(model, half=False)
 
 
+@pytest.mark.slow
 def test_micro_batches_give_the_one_batch_update(tmp_path: Path) -> None:
     torch.set_num_threads(1)  # one pytest worker per core: two threads each oversubscribe them
     params = {}
@@ -110,6 +111,7 @@ def test_an_allocator_refusal_counts_as_out_of_memory() -> None:
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
 
 
+@pytest.mark.slow
 def test_a_rank_that_cannot_allocate_says_it_ran_out_of_memory(tmp_path: Path) -> None:
     # 2^40 × 128 fp32 embedding weights: more than any address space, refused on every machine
     huge = ["--set", "model.vocab_size=1099511627776", "--set", "train.micro_batch=8"]
@@ -152,6 +154,7 @@ def memory_cgroup() -> Iterator[Path]:
                 os.sched_yield()
 
 
+@pytest.mark.slow
 def test_oom_killed_rank_is_said_plainly_and_auto_fits_the_limit(tmp_path: Path, memory_cgroup: Path) -> None:
     inside = ("sh", "-c", f'echo $$ > {memory_cgroup}/cgroup.procs && exec "$@"', "sh")
     # about 155 MB of activations per sequence: 8 in one pass need ~2 GiB, the cgroup has 1.5

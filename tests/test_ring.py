@@ -224,6 +224,7 @@ def test_shares_and_segments():
         shares([type("M", (), {"weight": -1.0})()])  # type: ignore[list-item]
 
 
+@pytest.mark.slow
 def test_a_slow_link_is_measured_and_fast_links_are_not(tmp_path: Path):
     """Member 2 reads one 256 KiB frame per 30 ms at most, so member 1's link to it runs below
     8.7 MB/s; the links 0 → 1 and 2 → 0 keep up (held up now and then by the two busy cores, at
@@ -264,6 +265,7 @@ def test_members_retrying_at_once_after_a_stale_view_converge(tmp_path: Path, n:
     assert max(outcome.attempts for outcome in outcomes.values()) <= 3, outcomes
 
 
+@pytest.mark.slow
 def test_robust_aggregation_clips_a_poisoner_and_leaves_honest_members_alone(tmp_path: Path):
     """4 members, butterfly with comm.clip = 2; member 3 sends 100 × its vector. Unclipped, the
     mean would be ~50× off; clipped, member 3 counts as at most two typical members."""

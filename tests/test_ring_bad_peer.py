@@ -196,6 +196,7 @@ def test_a_member_gets_through_a_full_pool_of_idle_connections(tmp_path: Path):
 
 
 @pytest.mark.parametrize(("offset", "phase"), [(2_000, "reduce-scatter"), (200_000, "all-gather")])
+@pytest.mark.slow
 def test_a_bit_flipped_on_the_path_fails_the_step_for_every_member(tmp_path: Path, offset: int, phase: str):
     """A TCP proxy (its own process) in front of member 1 flips one bit of a frame its predecessor
     sends, after the handshake. Unsealed, every member ended with the same wrong result (flip in
