@@ -137,8 +137,6 @@ def ensure_p2p_identity(directory: str | os.PathLike[str]) -> Path:
     from hivemind.proto import crypto_pb2
     from hivemind.utils.crypto import RSAPrivateKey
 
-    import p2ptrain.swarm  # noqa: F401  (hivemind without its package extras)
-
     path = Path(directory).expanduser() / P2P_KEY_FILE
     if not path.exists():
         blob = crypto_pb2.PrivateKey(
@@ -153,8 +151,6 @@ def ensure_p2p_identity(directory: str | os.PathLike[str]) -> Path:
 def peer_id_of(p2p_key_path: Path) -> str:
     """The libp2p peer ID (base58) that a p2p.key file gives the DHT."""
     from hivemind.p2p import PeerID
-
-    import p2ptrain.swarm  # noqa: F401  (hivemind without its package extras)
 
     try:
         return PeerID.from_identity(p2p_key_path.read_bytes()).to_base58()
