@@ -199,9 +199,7 @@ class AgentChannel:
         reading = self._reading
         try:
             message = await asyncio.shield(reading)
-        except asyncio.CancelledError:
-            raise
-        except BaseException:
+        except Exception:  # the read failed; a cancelled wait (BaseException) leaves it running
             self._reading = None
             raise
         self._reading = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -239,3 +240,12 @@ def params_hash_of(checkpoint: Path) -> str:
     layout = CanonicalLayout.of(Transformer(load_config("debug").model))
     flat, _, _ = load_state(checkpoint, layout)
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+
+
+def data_port(swarm: LocalSwarm, name: str, timeout: float) -> int:
+    """The data port a node says it listens on ("data plane on port N"), once it has said so."""
+    pattern = re.compile(r"data plane on port (\d+)")
+    wait_until(lambda: pattern.search(swarm.log(name)) is not None, timeout, what=f"{name}'s data plane")
+    match = pattern.search(swarm.log(name))
+    assert match, swarm.log(name)
+    return int(match.group(1))

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from p2ptrain.identity import load_or_create_identity
-from tests.helpers import LocalSwarm, wait_until
+from tests.helpers import LocalSwarm, data_port, wait_until
 from tests.netlab import NetLab, leftover_namespaces, missing
 from tests.test_drill import assert_agreement, drill_args, finish
 from tests.test_train_node import outer_records
@@ -108,11 +108,9 @@ def test_two_volunteers_behind_nat_reach_each_other_through_a_relay_even_under_a
     three members and one hash, and the relay counts the bytes it relayed."""
     steps = 8
     names = start_drill_swarm(lab, swarm, steps, homes=2, public=1)
-    wait_until(lambda: "data plane on port" in swarm.log("node0"), timeout=60, what="node0's data plane")
-    port = re.search(r"data plane on port (\d+)", swarm.log("node0"))
-    assert port is not None
+    port = data_port(swarm, "node0", timeout=60)
     relay = load_or_create_identity(swarm.root / "node0").public_key.hex()
-    flood_relays(lab, swarm, relay, port.group(1), from_step=1)  # started now: its imports take seconds
+    flood_relays(lab, swarm, relay, str(port), from_step=1)  # started now: its imports take seconds
     logs = finish(swarm, names)
     assert all(len(log) == steps for log in logs.values()), {name: len(log) for name, log in logs.items()}
     assert_agreement(logs, range(steps))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import signal
-import socket
 import sys
 import urllib.error
 import urllib.request
@@ -12,7 +11,7 @@ import urllib.request
 import pytest
 
 from p2ptrain.identity import load_or_create_identity
-from tests.helpers import LocalSwarm, cli, metrics, read_address, wait_until
+from tests.helpers import LocalSwarm, cli, data_port, free_port, metrics, read_address, wait_until
 from tests.test_drill import DRILL, assert_agreement, drill_args, finish, start_drill
 
 STEPS = 15
@@ -59,12 +58,6 @@ def test_a_stranger_ready_at_every_step_with_a_dead_address_does_not_stall_the_s
     assert len(retried) <= 4, retried
 
 
-def data_port(swarm: LocalSwarm, name: str) -> int:
-    match = re.search(r"data plane on port (\d+)", swarm.log(name))
-    assert match, swarm.log(name)
-    return int(match.group(1))
-
-
 @pytest.mark.parametrize("mode", ["idle", "hellos", "reaches", "records"])
 def test_a_flood_on_one_nodes_data_port_does_not_keep_it_out_of_the_steps(swarm: LocalSwarm, mode: str):
     """500 connections from another address (idle ones, hellos for step 10⁹ from fresh keys,
@@ -77,8 +70,7 @@ def test_a_flood_on_one_nodes_data_port_does_not_keep_it_out_of_the_steps(swarm:
     def flood_node0() -> None:
         """The flood is on before the drill's first step (node1 and node2 are not started yet): a
         port chosen beforehand could be taken by another test's node before node0 binds it."""
-        wait_until(lambda: "data plane on port" in swarm.log("node0"), timeout=120, what="node0's data plane")
-        target = f"127.0.0.1:{data_port(swarm, 'node0')}"
+        target = f"127.0.0.1:{data_port(swarm, 'node0', timeout=120)}"
         flood = ["--mode", mode, "--count", "500", "--target", target, "--claim", claim]
         swarm.children.spawn(
             "flooder", [sys.executable, "-m", "tests.flooder", *flood], swarm.root / "flooder.log"
@@ -106,12 +98,6 @@ def flood_counts(swarm: LocalSwarm) -> tuple[int, int]:
         return 0, 0
     held, closed = (int(count) for count in counts[-1])
     return held + closed, closed
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def get(url: str) -> int:
@@ -179,8 +165,7 @@ def test_hellos_forged_in_a_members_name_hold_no_slots_of_the_node_they_flood(sw
         swarm.start_node(name, None, *drill, prefix=limit)
     # the flood starts with the run (it learns node0's step as soon as node0 has one), so it lasts
     # the whole drill however fast this machine is
-    wait_until(lambda: "data plane on port" in swarm.log("node0"), timeout=60, what="node0's data plane")
-    target = f"127.0.0.1:{data_port(swarm, 'node0')}"
+    target = f"127.0.0.1:{data_port(swarm, 'node0', timeout=60)}"
     flood = ["--mode", "forged", "--claim", claimed, "--count", "2000", "--target", target]
     flood += ["--learn-source", "127.0.0.3"]
     flooder = [sys.executable, "-m", "tests.flooder", *flood]
