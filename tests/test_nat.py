@@ -86,9 +86,8 @@ def test_volunteers_behind_nat_are_members_of_every_drill_step(lab: NetLab, swar
     # others. The switch runs beside the steps and takes seconds (a DHT starts), so the drill runs
     # until both have switched and three more steps are done, whatever the machine's speed
     switched = [f"home{index}" for index in range(homes)]
-    wait_until(
-        lambda: all("DHT goes on as a client" in swarm.log(name) for name in switched), 120, what="DHT clients"
-    )
+    as_clients = lambda: all("DHT goes on as a client" in swarm.log(name) for name in switched)  # noqa: E731
+    wait_until(as_clients, 120, what="both home nodes going on as DHT clients")
     after = len(drill_log(swarm, "node0")) + 3
     wait_until(lambda: len(drill_log(swarm, "node0")) >= after, 60, what="three steps after the switch")
     done = min(len(drill_log(swarm, name)) for name in names)
