@@ -82,11 +82,13 @@ def test_volunteers_behind_nat_are_members_of_every_drill_step(lab: NetLab, swar
     others see (not 127.0.0.1), and status shows who is where."""
     homes = 2
     names = start_drill_swarm(lab, swarm, 1000, homes=homes)
+
     # nobody can dial their DHT peers either: they go on as DHT clients, publishing through the
     # others. The switch runs beside the steps and takes seconds (a DHT starts), so the drill runs
     # until both have switched and three more steps are done, whatever the machine's speed
-    switched = [f"home{index}" for index in range(homes)]
-    as_clients = lambda: all("DHT goes on as a client" in swarm.log(name) for name in switched)  # noqa: E731
+    def as_clients() -> bool:
+        return all("DHT goes on as a client" in swarm.log(f"home{index}") for index in range(homes))
+
     wait_until(as_clients, 120, what="both home nodes going on as DHT clients")
     after = len(drill_log(swarm, "node0")) + 3
     wait_until(lambda: len(drill_log(swarm, "node0")) >= after, 60, what="three steps after the switch")
