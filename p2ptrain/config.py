@@ -232,6 +232,10 @@ class OuterConfig(Section):
     eager: bool = True
     """With overlap: the next phase starts from the step the node's own fresh pseudo-gradient would
     take, in place of the pending average; False: the step the last average would take."""
+    overlap_steps: int = Field(0, ge=0, le=1_000_000)
+    """With overlap: apply step N's result after this many inner steps of phase N + 1 (the time the
+    sync has to hide in), moving the working weights by what the estimate missed; 0: at the end of
+    that phase. Fewer steps: less staleness (closer to blocking DiLoCo's loss), less time to hide."""
 
 
 class CommConfig(Section):

@@ -17,10 +17,13 @@ from p2ptrain.train.trainer import RankContext, Trainer
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overlap", [False, True])
-def test_n_steps_straight_equal_half_then_resume_then_half(tmp_path: Path, overlap: bool) -> None:
+@pytest.mark.parametrize(("overlap", "merge_after"), [(False, 0), (True, 0), (True, 3)])
+def test_n_steps_straight_equal_half_then_resume_then_half(
+    tmp_path: Path, overlap: bool, merge_after: int
+) -> None:
     """With outer.overlap a checkpoint of S holds the step this node had handed over (its Δ) and
-    where the next inner phase started: the resumed node hands it over again and goes on from there."""
+    where the next inner phase started: the resumed node hands it over again and goes on from there
+    (with outer.overlap_steps it takes the pending step that many inner steps in, as straight)."""
     torch.set_num_threads(1)
     config = load_config(
         "debug",
@@ -29,6 +32,7 @@ def test_n_steps_straight_equal_half_then_resume_then_half(tmp_path: Path, overl
             "checkpoint.keep=3",
             'checkpoint.staging=""',
             f"outer.overlap={str(overlap).lower()}",
+            f"outer.overlap_steps={merge_after}",
         ],
     )
     straight = Trainer(config, b"k" * 32, tmp_path / "straight", RankContext())

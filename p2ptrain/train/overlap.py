@@ -24,6 +24,12 @@ optimum) and cost 11 % of held-out loss on the debug model, where the node's own
 like blocking DiLoCo in the same model and cost 2.3 % (benchmarks.quality). One node alone has
 R = Δ, so its eager overlap is blocking DiLoCo up to float rounding.
 
+With `outer.overlap_steps = τ` > 0 the result is taken τ inner steps into phase N + 1 instead (the
+sync has those steps to hide in; Streaming DiLoCo's overlap, Douillard et al. 2025): S takes its step
+there, and the working weights move by what the estimate missed, w ← w + (θ_S − w_{N+1}), keeping the
+τ steps' progress; the rest of the phase runs from S's true params, so its Δ is measured from them.
+τ = 0 (the end of the phase) is the one-step overlap above; the smaller τ, the closer to blocking.
+
 Where no average is known (the first step, a step given up, a checkpoint reloaded) R̂_N = Δ_N. A
 step given up applies nothing to S (the agent has already tried to replay it from the swarm's
 result); the agent's answer to a node off track (reload a checkpoint) drops the pipeline.
@@ -119,6 +125,10 @@ class OverlappedOuter:
         self.pending: Pending | None = None
         """The step being synced now (every rank knows it: they all count the same steps)."""
         self.phase_counted = False
+        self.merge_after = trainer.config.outer.overlap_steps
+        """τ: inner steps into a phase after which the pending step is taken (0: at its end)."""
+        self._reloaded = False
+        """A merge mid-phase reloaded a checkpoint: the phase under way is void."""
         leader = trainer.leader
         self.state = OverlapState(trainer.layout.numel, trainer.config.outer.eager) if leader else None
         if self.state is not None:
@@ -129,10 +139,36 @@ class OverlappedOuter:
         """The outer step of the inner phase under way (S has taken the steps before the pending one)."""
         return self.trainer.outer_step + (self.pending is not None)
 
+    def merge_due(self, steps_done: int) -> bool:
+        """Whether the pending step is to be taken now, `steps_done` inner steps into the phase."""
+        return self.pending is not None and 0 < self.merge_after == steps_done
+
+    def merge(self) -> bool:
+        """Take the pending step τ steps into the phase: S takes its step, and the working weights
+        move by the difference between S's params and the estimate the phase started from (a step
+        given up moves S by nothing: the weights go back onto S). False when the agent answered
+        with a checkpoint to reload instead: the phase under way is void."""
+        trainer, leader, state = self.trainer, self.trainer.leader, self.state
+        pending = self.pending
+        averaged = trainer.link.collect(pending.step) if leader is not None and pending is not None else None
+        if not self._take(averaged):
+            self._reloaded = True
+            return False
+        trainer.layout.gather(trainer.model, trainer.flat if leader is not None else None)
+        if leader is not None and state is not None:
+            trainer.flat.add_(leader.outer.params).sub_(state.start)
+            state.start.copy_(leader.outer.params)
+        trainer.load_flat()
+        return True
+
     def end_of_phase(self, tokens: int, loss: float) -> bool:
         """Hand this phase's Δ over and start the next phase from the estimate; first apply the
-        pending step's result to S (StepDone). False when the agent answered with a checkpoint to
-        reload instead (the pipeline starts over, the next phase without inner steps)."""
+        pending step's result to S (StepDone), unless a merge took it already. False when the agent
+        answered with a checkpoint to reload instead, now or at the merge (the pipeline starts
+        over, the next phase without inner steps)."""
+        if self._reloaded:
+            self._reloaded = False
+            return False
         trainer, leader, state = self.trainer, self.trainer.leader, self.state
         phase = self.phase
         trainer.layout.gather(trainer.model, trainer.flat if leader is not None else None)

@@ -225,6 +225,9 @@ class Trainer:
                         tokens_per_s,
                     )
                 )
+            overlapped = self.overlapped
+            if overlapped is not None and overlapped.merge_due(len(losses)) and not overlapped.merge():
+                break  # reloaded a checkpoint: the phase is void (end_of_phase says so)
         self.last_loss = sum(losses) / len(losses) if losses else math.nan
         return len(losses) * self.tokens_per_step, self.last_loss
 
@@ -390,6 +393,7 @@ class Trainer:
                     self._checkpoint_if_due()
                     break
                 continue  # drained into a checkpoint to reload: training goes on from there
+            before = self.outer_step
             if self.skip_next_inner:
                 self.skip_next_inner = False
                 counted = self.overlapped is not None and self.overlapped.take_counted_phase()
@@ -397,8 +401,7 @@ class Trainer:
                 tokens, loss = 0, math.nan
             else:
                 tokens, loss = self.inner_phase()
-            if self.overlapped is not None:
-                before = self.outer_step
+            if self.overlapped is not None:  # S took a step at the merge or takes it now
                 if self.overlapped.end_of_phase(tokens, loss) and self.outer_step > before:
                     self._checkpoint_if_due()
                 continue

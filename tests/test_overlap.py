@@ -1,0 +1,73 @@
+"""outer.overlap_steps: the pending step is taken τ inner steps into the next phase, on a real
+trainer (one node, its own link): S takes its step there, and the working weights move by what the
+estimate they started from missed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from p2ptrain.channel import Averaged
+from p2ptrain.config import load_config
+from p2ptrain.train.agent_link import SoloLink
+from p2ptrain.train.overlap import OverlappedOuter
+from p2ptrain.train.trainer import RankContext, Trainer
+
+
+class RecordingLink(SoloLink):
+    """One node's link that notes when each step's result was asked for, and gives up `given_up`."""
+
+    def __init__(self, given_up: int | None = None):
+        self.given_up = given_up
+        self.trainer: Trainer | None = None
+        self.collected: list[tuple[int, int]] = []
+        """(outer step, the trainer's inner step when its result was asked for)."""
+
+    def collect(self, outer_step: int) -> Averaged:
+        assert self.trainer is not None
+        self.collected.append((outer_step, self.trainer.inner_step))
+        return Averaged(outer_step, 0 if outer_step == self.given_up else 1)
+
+
+@pytest.mark.parametrize("given_up", [None, 1])
+def test_the_pending_step_is_taken_tau_steps_into_the_next_phase(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, given_up: int | None
+) -> None:
+    """Delayed estimate (it differs from S's next params), H = 4, τ = 2: step N's result is asked
+    for two steps into phase N + 1 (the last one once the run is over); there w moves by S − w_start,
+    keeping its two steps' progress, and the phase goes on from S. A step given up leaves S as it
+    was and brings w back onto it."""
+    torch.set_num_threads(1)
+    overrides = ["train.max_steps=12", "train.inner_steps=4", 'checkpoint.staging=""']
+    overrides += ["checkpoint.interval=0", "outer.overlap=true", "outer.overlap_steps=2", "outer.eager=false"]
+    config = load_config("debug", overrides=overrides)
+    link = RecordingLink(given_up)
+    trainer = Trainer(config, b"m" * 32, tmp_path / "node", RankContext(), link=link)
+    link.trainer = trainer
+    merge = OverlappedOuter.merge
+    shifts: list[tuple[torch.Tensor, ...]] = []
+
+    def watched(overlapped: OverlappedOuter) -> bool:
+        state = overlapped.state
+        assert state is not None
+        before, start = torch.empty_like(trainer.flat), state.start.clone()
+        params = trainer.outer.params.clone()
+        trainer.layout.gather(trainer.model, before)
+        assert merge(overlapped)
+        after = torch.empty_like(trainer.flat)
+        trainer.layout.gather(trainer.model, after)
+        shifts.append((before, start, params, trainer.outer.params.clone(), after, state.start.clone()))
+        return True
+
+    monkeypatch.setattr(OverlappedOuter, "merge", watched)
+    trainer.run()
+    assert link.collected == [(0, 6), (1, 10), (2, 12)]
+    assert len(shifts) == 2
+    for step, (before, start, params, taken, after, new_start) in enumerate(shifts):
+        assert torch.equal(after, before.clone().add_(taken).sub_(start))
+        assert torch.equal(new_start, taken)
+        assert not torch.equal(start, taken)  # the estimate missed: the shift is real
+        assert torch.equal(taken, params) == (step == given_up)  # S moved unless given up
+    assert trainer.outer_step == 3
