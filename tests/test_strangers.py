@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from p2ptrain.identity import load_or_create_identity
-from tests.helpers import LocalSwarm, cli, data_port, free_port, metrics, read_address, wait_until
+from tests.helpers import LocalSwarm, cli, data_port, metrics, read_address, wait_until
 from tests.test_drill import DRILL, assert_agreement, drill_args, finish, start_drill
 
 STEPS = 15
@@ -114,11 +114,13 @@ def test_two_thousand_slow_http_connections_leave_the_sidecar_up_and_serving(swa
     """A training node limited to 1024 open files; 2,000 connections from 4 other addresses
     trickle request heads at it. It keeps serving an honest client, trains on, and stops cleanly."""
     swarm.start_bootstrap()
-    port = free_port()
-    settings = ["train.max_steps=100000", f"node.ckpt_port={port}", 'node.data_host="127.0.0.1"']
+    settings = ["train.max_steps=100000", 'node.data_host="127.0.0.1"']
     settings.append("swarm.straggler_deadline=1")  # alone: a step every second, not every ten
     run = [item for setting in settings for item in ("--set", setting)]
     swarm.start_node("a", None, *run, train=True, prefix=("prlimit", "--nofile=1024:1024"))
+    served = re.compile(r"checkpoints served on port (\d+)")
+    wait_until(lambda: served.search(swarm.log("a")) is not None, timeout=120, what="the sidecar's port")
+    port = int(served.search(swarm.log("a")).group(1))  # type: ignore[union-attr]
     url = f"http://127.0.0.1:{port}/config"
     wait_until(lambda: get(url) == 200, timeout=120, what="the sidecar")
     swarm.children.spawn(

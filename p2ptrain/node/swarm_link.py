@@ -143,15 +143,13 @@ class SwarmLink(SoloSwarm):
         node = self.config.node
         _, port = await self.server.start(node.data_host, node.data_port)
         ckpt_port = await self.sidecar.start(node.data_host, node.ckpt_port)
-        host = data_address(self.config, port).rpartition(":")[0]
+        data_addr = data_address(self.config, port)
+        ckpt_addr = node.ckpt_announce or f"http://{data_addr.rpartition(':')[0]}:{ckpt_port}"
         self.publisher = HeartbeatPublisher.for_run(
-            self.dht,
-            self.identity,
-            self.config,
-            data_addr=data_address(self.config, port),
-            ckpt_addr=node.ckpt_announce or f"http://{host}:{ckpt_port}",
+            self.dht, self.identity, self.config, data_addr=data_addr, ckpt_addr=ckpt_addr
         )
         await self.publisher.publish(state=NodeState.JOINING)
+        print(f"checkpoints served on port {ckpt_port} (announced as {ckpt_addr})", file=out, flush=True)
         self.sync = OuterSync(self.config, self.dht, self.publisher, self.server)
         self._keeper = asyncio.create_task(
             keep_alive(self.publisher, self.config.swarm.heartbeat_interval, stop)
