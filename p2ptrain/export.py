@@ -12,13 +12,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import save_file
-
 from p2ptrain.ckpt.format import DIVERGED_FIELD, META_FILE, CheckpointError, latest_checkpoint
 from p2ptrain.config import ModelConfig
 from p2ptrain.errors import UserError
-from p2ptrain.train.checkpoint import load_params
 
 _LAYER_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -37,7 +33,8 @@ _TOP_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+"""--dtype → the torch dtype's name (torch is imported once the arguments are checked)."""
 
 
 def hf_name(name: str) -> str:
@@ -68,7 +65,7 @@ def hf_config(model: ModelConfig, dtype: str, eos_id: int | None = None) -> dict
         "tie_word_embeddings": model.tie_embeddings,
         "attention_bias": False,
         "mlp_bias": False,
-        "torch_dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
+        "torch_dtype": DTYPES[dtype],
         "bos_token_id": None,
         "eos_token_id": eos_id,
     }
@@ -85,6 +82,21 @@ def resolve_checkpoint(path: Path) -> Path:
     raise UserError(f"{path}: no checkpoint there (expected meta.json, or step-* folders)")
 
 
+def _read_meta(source: Path) -> dict[str, Any]:
+    """The checkpoint's meta.json, or {} where it cannot be read (load_params then says why)."""
+    try:
+        meta = json.loads((source / META_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def _refuse_diverged(source: Path, meta: dict[str, Any]) -> None:
+    diverged = meta.get(DIVERGED_FIELD)
+    if diverged:
+        raise UserError(f"{source} is not the swarm's model ({diverged}); --allow-diverged exports it anyway")
+
+
 def export(checkpoint: Path, out_dir: Path, dtype: str = "fp32", allow_diverged: bool = False) -> Path:
     """Write config.json and model.safetensors for `checkpoint` into `out_dir`; returns `out_dir`.
 
@@ -93,12 +105,17 @@ def export(checkpoint: Path, out_dir: Path, dtype: str = "fp32", allow_diverged:
     if dtype not in DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
     source = resolve_checkpoint(checkpoint)
+    if not allow_diverged:
+        _refuse_diverged(source, _read_meta(source))  # before torch loads: a refusal takes a moment
+    import torch
+    from safetensors.torch import save_file
+
+    from p2ptrain.train.checkpoint import load_params
+
     tensors, meta = load_params(source)
-    diverged = meta.get(DIVERGED_FIELD)
-    if diverged and not allow_diverged:
-        raise UserError(f"{source} is not the swarm's model ({diverged}); --allow-diverged exports it anyway")
     model = ModelConfig.model_validate(meta["model"])
-    renamed = {hf_name(name): tensor.to(DTYPES[dtype]).contiguous() for name, tensor in tensors.items()}
+    torch_dtype = getattr(torch, DTYPES[dtype])
+    renamed = {hf_name(name): tensor.to(torch_dtype).contiguous() for name, tensor in tensors.items()}
     out_dir.mkdir(parents=True, exist_ok=True)
     if any(out_dir.iterdir()) and not (out_dir / "config.json").exists():
         raise UserError(f"{out_dir}: exists and holds other files; choose an empty or new folder")

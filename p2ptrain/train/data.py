@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -102,6 +103,21 @@ def embedded_corpus_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+INSTALLED_PACKAGES = {"site-packages", "dist-packages"}
+
+
+def _walk_files(root: Path, skip: set[str]) -> Iterator[Path]:
+    """Every non-directory entry below `root`, as `root.rglob("*")` finds them (symbolic links to
+    folders are not followed), without descending into folders named in `skip`: the embedded
+    corpus's walk would otherwise read every package installed beside the standard library (tens of
+    thousands of entries, seconds of every node's and rank's start) only to drop them."""
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = [name for name in subfolders if name not in skip]
+        base = Path(folder)
+        for name in files:
+            yield base / name
+
+
 def list_files(config: DataConfig) -> list[tuple[str, Path]]:
     """(key, path) of every corpus file, sorted by key; the key names the file in shard hashing."""
     roots = [Path(p).expanduser() for p in config.paths] if config.paths else [embedded_corpus_root()]
@@ -113,10 +129,10 @@ def list_files(config: DataConfig) -> list[tuple[str, Path]]:
         if not root.is_dir():
             raise DataError(f"data.paths: {root} does not exist")
         suffixes = {".py"} if not config.paths else TEXT_SUFFIXES | RECORD_SUFFIXES
-        for path in root.rglob("*"):
+        for path in _walk_files(root, skip=set() if config.paths else INSTALLED_PACKAGES):
             if path.suffix not in suffixes or not path.is_file():
                 continue
-            if not config.paths and {"site-packages", "dist-packages"} & set(path.parts):
+            if not config.paths and INSTALLED_PACKAGES & set(path.parts):
                 continue  # the embedded corpus is the standard library, not what pip installed
             found[f"{root.name}/{path.relative_to(root).as_posix()}"] = path
     if not found:

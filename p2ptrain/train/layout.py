@@ -9,12 +9,16 @@ once — so their pseudo-gradients are the same vector, element for element, and
 from __future__ import annotations
 
 import hashlib
+import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,7 @@ class CanonicalLayout:
         """`gather` for any tensors shaped and sharded like the parameters (e.g. AdamW's moments)."""
         for entry in self.entries:
             tensor = tensors[entry.name]
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            full = tensor.full_tensor() if _is_dtensor(tensor) else tensor
             if out is not None:
                 out[entry.offset : entry.offset + entry.numel].copy_(full.detach().reshape(-1))
 
@@ -82,12 +86,22 @@ class CanonicalLayout:
         for entry in self.entries:
             tensor = tensors[entry.name]
             full = flat[entry.offset : entry.offset + entry.numel].view(entry.shape)
-            if isinstance(tensor, DTensor):
+            if _is_dtensor(tensor):
+                from torch.distributed.tensor import distribute_tensor
+
                 # src_data_rank=None: each rank cuts its own shard out of its copy, no communication
                 shard = distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None)
                 tensor.to_local().copy_(shard.to_local())
             else:
                 tensor.copy_(full)
+
+
+def _is_dtensor(tensor: torch.Tensor) -> TypeGuard[DTensor]:
+    """Whether `tensor` is an FSDP shard (a DTensor). Until FSDP has sharded a model its module is
+    not even imported (a one-rank node never pays the ~1 s of CPU that importing it costs), and
+    then no tensor can be one."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def broadcast_flat(flat: torch.Tensor, group: dist.ProcessGroup | None) -> None:

@@ -21,8 +21,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 from p2ptrain.channel import Averaged, CheckpointWritten, Hello, Progress, Ready, StepDone
 from p2ptrain.ckpt.format import STAGED_KEEP, checkpoint_places
@@ -63,7 +61,10 @@ def build_model(config: Config, ctx: RankContext) -> Transformer:
         loss_chunk=loss_chunk_tokens(config),
     )
     model.to(ctx.device)
-    if ctx.world_size > 1:
+    if ctx.world_size > 1:  # imported here: FSDP's import costs a one-rank node ~1 s of CPU at start
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
