@@ -121,8 +121,9 @@ def test_a_straggler_past_the_deadline_is_left_out_then_replays_the_step_and_rej
     swarm: LocalSwarm, overlap: bool
 ) -> None:
     swarm.start_bootstrap()
-    run = ["--set", "train.max_steps=30", "--set", "swarm.wait_nodes=3", *overlap_flags(overlap)]
-    run += ["--set", "swarm.straggler_deadline=4"]
+    # 3 outer steps of H=5: c's lateness counts from the others' ready(1), not from how long a phase is
+    run = ["--set", "train.inner_steps=5", "--set", "train.max_steps=15", "--set", "swarm.wait_nodes=3"]
+    run += [*overlap_flags(overlap), "--set", "swarm.straggler_deadline=4"]
     for name in ("a", "b", "c"):
         env = {"P2PTRAIN_INJECT_LATE": "1:8"} if name == "c" else None  # ready(1) 8 s after the others
         swarm.start_node(name, None, *run, train=True, env=env)
@@ -144,7 +145,8 @@ def test_a_node_that_cannot_catch_up_says_it_diverged_and_its_checkpoint_is_not_
     swarm: LocalSwarm, tmp_path: Path
 ) -> None:
     swarm.start_bootstrap()
-    run = ["--set", "train.max_steps=30", "--set", "swarm.wait_nodes=3"]
+    # 3 outer steps of H=5: c's lateness counts from the others' ready(2), not from how long a phase is
+    run = ["--set", "train.inner_steps=5", "--set", "train.max_steps=15", "--set", "swarm.wait_nodes=3"]
     run += ["--set", "swarm.straggler_deadline=4", "--set", "swarm.finish_grace=0"]
     for name in ("a", "b", "c"):
         # c is ready for the last step 15 s after the others, who finish without it and leave at once

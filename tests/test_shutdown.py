@@ -63,8 +63,15 @@ def test_status_shows_killed_nodes_as_gone_or_silent_at_once(swarm: LocalSwarm):
     drill = ["--drill", "1000", "--drill-nodes", "1", "--set", 'node.data_host="127.0.0.1"']
     read_address(swarm.start_node("trainer", None, *drill), timeout=60)
     read_address(swarm.start_node("watcher"), timeout=60)
-    wait_until(lambda: len(swarm.live_ids()) == 2, timeout=30, what="both heartbeats")
-    ids = {entry["id"]: entry for entry in swarm.status()["nodes"]}
+    ids: dict[str, dict] = {}
+
+    def both_heartbeats() -> bool:  # one `status` run a poll: it reads the records the test uses
+        ids.clear()
+        ids.update((entry["id"], entry) for entry in swarm.status()["nodes"])
+        live = [entry for entry in ids.values() if entry["state"] != "dead"]
+        return len(live) == 2 and any(entry["state"] != "idle" for entry in live)
+
+    wait_until(both_heartbeats, timeout=30, what="both heartbeats")
     trainer = next(key for key, entry in ids.items() if entry["state"] != "idle")
     for name in ("trainer", "watcher"):
         swarm.children.signal(name, signal.SIGKILL)

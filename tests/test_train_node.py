@@ -25,6 +25,9 @@ from p2ptrain.train.metrics import read_metrics
 from tests.helpers import LocalSwarm, assert_one_line_error, cli, wait_until
 
 SHORT = ["--set", "train.max_steps=30"]  # 3 outer steps of H=10 on the debug config
+SOLO = ["--set", "train.inner_steps=5", "--set", "train.max_steps=15"]
+"""3 outer steps of H=5: alone, what is tested is the outer steps (checkpoints, resume, export), not
+how long each inner phase is."""
 
 
 def outer_records(work_dir: Path) -> list[dict]:
@@ -101,7 +104,7 @@ def test_a_nan_contribution_is_left_out_and_another_config_is_refused(swarm: Loc
 def test_alone_then_export_to_hugging_face(tmp_path: Path) -> None:
     work = tmp_path / "node"
     remote = f'checkpoint.remote="file://{tmp_path}/bucket/run"'
-    result = cli("join", "--config", "debug", "--work-dir", str(work), *SHORT, "--set", remote, timeout=180)
+    result = cli("join", "--config", "debug", "--work-dir", str(work), *SOLO, "--set", remote, timeout=180)
     assert result.returncode == 0, result.stderr
     assert "training alone" in result.stdout
     assert "finished after 3 outer steps" in result.stdout
@@ -120,7 +123,7 @@ def test_alone_then_export_to_hugging_face(tmp_path: Path) -> None:
     )
 
     resumed = cli("join", "--config", "debug", "--work-dir", str(work), "--resume", "latest",
-                  "--set", "train.max_steps=40", timeout=180)  # fmt: skip
+                  *SOLO[:2], "--set", "train.max_steps=20", timeout=180)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed at outer step 3" in resumed.stdout and "finished after 4 outer steps" in resumed.stdout
     checkpoints = sorted((work / "checkpoints").glob("step-*"))
