@@ -167,6 +167,24 @@ cdef extern from *:
             out[i] = mine + decoded;
         }
     }
+
+    /* The same with 4-bit codes, two to a byte: out[i] = own[i] * scale + (low + nibble(i) * step),
+       each value in the 8-bit hop's order of operations. */
+    P2P_CLONES
+    static void p2p_scaled_add4(const float *own, float scale, const unsigned char *codes, float low,
+                                float step, float *out, Py_ssize_t n) {
+        Py_ssize_t pairs = n / 2;
+        for (Py_ssize_t k = 0; k < pairs; k++) {
+            float even = low + (codes[k] & 15) * step, odd = low + (codes[k] >> 4) * step;
+            float mine_even = own[2 * k] * scale, mine_odd = own[2 * k + 1] * scale;
+            out[2 * k] = mine_even + even;
+            out[2 * k + 1] = mine_odd + odd;
+        }
+        if (n & 1) {
+            float last = low + (codes[pairs] & 15) * step, mine = own[n - 1] * scale;
+            out[n - 1] = mine + last;
+        }
+    }
     """
     void p2p_scan(const float* x, Py_ssize_t n, float* lo_out, float* hi_out, float* poison_out) nogil
     void p2p_quantize(const float* x, Py_ssize_t n, float scale, float low, float inv,
@@ -179,6 +197,8 @@ cdef extern from *:
                        unsigned char* codes) nogil
     void p2p_decode4(const unsigned char* codes, Py_ssize_t n, float low, float step, float* out,
                      int accumulate) nogil
+    void p2p_scaled_add4(const float* own, float scale, const unsigned char* codes, float low, float step,
+                         float* out, Py_ssize_t n) nogil
 
 
 def max_threads() -> int:
@@ -315,20 +335,11 @@ def scaled_add_quantize(const float[::1] own, float scale, const unsigned char[:
                 p2p_scaled_add(mine + start, scale, received + start, received_min[b], received_step[b],
                                local, length)
             else:
-                p2p_decode4(received + start // 2, length, received_min[b], received_step[b], local, 0)
-                _scale_add(mine + start, scale, local, length)
+                p2p_scaled_add4(mine + start, scale, received + start // 2, received_min[b],
+                                received_step[b], local, length)
             bad += _encode_block(local, length, 1, target + _code_at(start, bits), min_out + b,
                                  step_out + b, bits)
     return bad
-
-
-cdef inline void _scale_add(const float* own, float scale, float* acc, Py_ssize_t n) noexcept nogil:
-    """acc[i] = own[i] * scale + acc[i]: the 4-bit hop's sum, in the 8-bit hop's order of operations."""
-    cdef Py_ssize_t i
-    cdef float mine
-    for i in range(n):
-        mine = own[i] * scale
-        acc[i] = mine + acc[i]
 
 
 cdef inline int _team(int threads) noexcept nogil:
