@@ -227,8 +227,10 @@ def test_shares_and_segments():
 @pytest.mark.slow
 def test_a_slow_link_is_measured_and_fast_links_are_not(tmp_path: Path):
     """Member 2 reads one 256 KiB frame per 30 ms at most, so member 1's link to it runs below
-    8.7 MB/s; the links 0 → 1 and 2 → 0 keep up (held up now and then by the two busy cores, at
-    90 MB/s or more). 24 MB cross each link: more than the socket buffers hide."""
+    8.7 MB/s; the links 0 → 1 and 2 → 0 keep up, limited only by the CPU (90 MB/s or more on an idle
+    machine; 7 MB/s against 1.7 under a full suite's load on 2 cores, so the margin asserted is 2×,
+    and what the measurement is for, a ring order that avoids the slow link). 24 MB cross each link:
+    more than the socket buffers hide."""
     settings = RingSettings(chunk_bytes=1 << 20, topology="ring")
     outcomes, results, _ = run_ring(
         tmp_path, 3, 18_000_000, settings=settings, faults={2: ("slow", 30)}, timeout=120
@@ -238,7 +240,7 @@ def test_a_slow_link_is_measured_and_fast_links_are_not(tmp_path: Path):
     ceiling = (1 << 18) / 0.030  # one frame (256 Ki values, 1 byte each) per 30 ms, plus its decoding
     assert 0 < slow <= ceiling * 1.2, slow
     for sender, receiver in [(0, 1), (2, 0)]:
-        assert outcomes[sender].link_rates[receiver] > 5 * slow, outcomes[sender].link_rates
+        assert outcomes[sender].link_rates[receiver] > 2 * slow, outcomes[sender].link_rates
     keys = [bytes([i]) * 32 for i in range(3)]
     measured = {
         (keys[s], keys[r]): rate
