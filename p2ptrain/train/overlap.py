@@ -149,9 +149,7 @@ class OverlappedOuter:
         given up moves S by nothing: the weights go back onto S). False when the agent answered
         with a checkpoint to reload instead: the phase under way is void."""
         trainer, leader, state = self.trainer, self.trainer.leader, self.state
-        pending = self.pending
-        averaged = trainer.link.collect(pending.step) if leader is not None and pending is not None else None
-        if not self._take(averaged):
+        if not self._take(self._collect()):
             self._reloaded = True
             return False
         trainer.layout.gather(trainer.model, trainer.flat if leader is not None else None)
@@ -176,8 +174,7 @@ class OverlappedOuter:
         if leader is not None and state is not None:
             torch.sub(state.start, trainer.flat, out=trainer.flat)  # Δ = w − y: this phase's progress
             ready = trainer.checked_ready(phase, tokens, trainer.flat)
-            if self.pending is not None:
-                averaged = trainer.link.collect(self.pending.step)
+            averaged = self._collect()
         if not self._take(averaged):
             return False
         if leader is not None and state is not None and ready is not None:
@@ -194,13 +191,19 @@ class OverlappedOuter:
         """The last phase is over: wait for the pending step and take it, then every rank holds S's
         params. False when a checkpoint was reloaded instead (training goes on from it)."""
         trainer, leader = self.trainer, self.trainer.leader
-        averaged = trainer.link.collect(self.pending.step) if leader is not None and self.pending else None
-        if not self._take(averaged):
+        if not self._take(self._collect()):
             return False
         if leader is not None:
             trainer.flat.copy_(leader.outer.params)
         trainer.load_flat()
         return True
+
+    def _collect(self) -> Averaged | None:
+        """Wait for the pending step's answer: on rank 0, where the agent link is (None elsewhere,
+        and with nothing pending)."""
+        if self.trainer.leader is None or self.pending is None:
+            return None
+        return self.trainer.link.collect(self.pending.step)
 
     def _take(self, averaged: Averaged | None) -> bool:
         """Apply the pending step's answer (on rank 0 `averaged`): S's step and StepDone, or a reload."""
