@@ -1,7 +1,7 @@
 """Process-tree housekeeping (Linux /proc): find, signal and reap a process's descendants.
 
-hivemind's DHT runs in a forked child which starts the p2pd daemon; neither dies with its parent
-on its own. These helpers let every p2ptrain process take its whole tree down with it.
+The DHT node runs in a forked child (swarm/dht_process.py) which starts the p2pd daemon; neither
+dies with its parent on its own. These helpers let every p2ptrain process take its whole tree down with it.
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ def stale_sockets(before: set[Path], settle: float = 3.0) -> set[Path]:
     Other tests may run beside this one (pytest -n): their daemons' sockets are in use, and those of
     a daemon that just died are removed by its DHT process within a moment; a leaked socket stays."""
     from p2ptrain.procs import is_alive
-    from p2ptrain.swarm.dht import p2pd_sockets
+    from p2ptrain.swarm.dht_process import p2pd_sockets
 
     deadline = time.monotonic() + settle
     while True:

@@ -1,18 +1,18 @@
-"""The DHT handle: hivemind.DHT started with retries, bounded calls, and a shutdown that leaves nothing.
+"""The DHT handle: a hivemind DHT node started with retries, bounded calls, and a shutdown that
+leaves nothing.
 
-hivemind runs its DHT node in a forked child, and that child runs the p2pd daemon. On their own
-both outlive a parent that is killed, and p2pd leaves its unix sockets in /tmp. `ManagedDHT`
-ties the child's life to its parent's (PR_SET_PDEATHSIG) and makes SIGTERM take p2pd and the
-sockets down with it; `SwarmDHT.shutdown` reaps whatever is left by PID.
+The node runs in a forked child (dht_process.py), and that child runs the p2pd daemon. The child
+dies with its parent and takes p2pd and its sockets down with it; `SwarmDHT.shutdown` reaps
+whatever is left by PID.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
-import signal
 import socket
 import threading
 import time
@@ -21,7 +21,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hivemind.dht import DHT
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils.timed_storage import ValueWithExpiration
@@ -29,44 +28,17 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 import p2ptrain.swarm.quiet  # noqa: F401  (hivemind keeps quiet)
 from p2ptrain import procs
 from p2ptrain.errors import IdentityError, NetworkError, UserError
+from p2ptrain.swarm.dht_process import (
+    ConnectedPeers,
+    DHTProcess,
+    Get,
+    Request,
+    Store,
+    VisibleAddresses,
+    p2pd_sockets,
+)
 
 log = logging.getLogger(__name__)
-
-
-class ManagedDHT(DHT):
-    """hivemind.DHT whose child process dies with its parent and takes p2pd with it."""
-
-    def run(self) -> None:
-        # Own session: a Ctrl+C at the terminal reaches the node, which shuts the DHT down in
-        # order (deathrattle first); it must not kill p2pd under the node's feet.
-        os.setsid()
-        procs.set_parent_death_signal(signal.SIGTERM)
-        if os.getppid() != self._parent_pid:  # the parent died before prctl took effect
-            os._exit(0)
-        signal.signal(signal.SIGTERM, _stop_daemon_and_exit)
-        super().run()
-
-
-def _stop_daemon_and_exit(signum: int, frame: Any) -> None:
-    """SIGTERM in the DHT child: stop p2pd, remove its unix sockets, exit at once."""
-    daemons = procs.descendants(os.getpid())
-    sockets = [path for pid in daemons for path in p2pd_sockets(pid)]
-    procs.terminate(daemons, timeout=2.0)
-    for path in sockets:
-        with contextlib.suppress(OSError):
-            os.remove(path)
-    os._exit(0)
-
-
-def p2pd_sockets(pid: int) -> list[str]:
-    """The daemon and client unix sockets a p2pd process was started with."""
-    paths = []
-    for arg in procs.command_line(pid):
-        if arg.startswith("-listen=/unix"):
-            daemon_socket = arg.removeprefix("-listen=/unix")
-            paths.append(daemon_socket)
-            paths.append(daemon_socket.replace("p2pd-", "p2pclient-"))
-    return paths
 
 
 @dataclass
@@ -96,13 +68,13 @@ class DHTTraffic:
 class SwarmDHT:
     """A started DHT node. Every store and get is bounded by `settings.timeout`."""
 
-    def __init__(self, dht: ManagedDHT, settings: DHTSettings):
+    def __init__(self, dht: DHTProcess, settings: DHTSettings):
         self._dht = dht
         self.settings = settings
         self._pid = dht.pid
         self._closed = False
         self.traffic = DHTTraffic()
-        self._retired: list[tuple[ManagedDHT, int | None]] = []
+        self._retired: list[tuple[DHTProcess, int | None]] = []
         """Full peers replaced by a client (become_client), until they are stopped."""
         self._retiring: asyncio.Task[None] | None = None
 
@@ -148,10 +120,14 @@ class SwarmDHT:
 
     @property
     def peer_id(self) -> str:
-        return self._dht.peer_id.to_base58()
+        return self._dht.peer_id
 
     def visible_maddrs(self) -> list[str]:
-        return [str(addr) for addr in self._dht.get_visible_maddrs()]
+        _, answer = self._dht.call(VisibleAddresses())
+        try:
+            return list(answer.result(timeout=self.settings.timeout))
+        except (concurrent.futures.TimeoutError, ConnectionError) as exc:
+            raise NetworkError(f"the DHT did not tell its addresses: {exc or 'timed out'}") from None
 
     async def store(
         self, key: str, subkey: bytes, value: bytes, expiration: float, timeout: float | None = None
@@ -164,13 +140,9 @@ class SwarmDHT:
         timeout = self.settings.timeout if timeout is None else timeout
         self.traffic.stored += len(key) + len(subkey) + len(value)
         self.traffic.calls += 1
-        future = self._dht.store(
-            key, value, expiration, subkey=subkey, return_future=True, await_all_replicas=False
-        )
         try:
-            return bool(await asyncio.wait_for(_awaitable(future), timeout))
+            return bool(await self._ask(Store(key, subkey, value, expiration), timeout))
         except asyncio.TimeoutError:
-            future.cancel()
             log.warning("DHT store of %s timed out after %.1f s", key, timeout)
             return False
         except Exception as exc:  # e.g. the full peer stopped under it (become_client)
@@ -179,11 +151,9 @@ class SwarmDHT:
 
     async def get(self, key: str) -> dict[bytes, ValueWithExpiration] | None:
         """The latest subkey dictionary under `key`, or None when absent or on timeout."""
-        future = self._dht.get(key, latest=True, return_future=True)
         try:
-            found = await asyncio.wait_for(_awaitable(future), self.settings.timeout)
+            found = await self._ask(Get(key), self.settings.timeout)
         except asyncio.TimeoutError:
-            future.cancel()
             log.warning("DHT get of %s timed out after %.1f s", key, self.settings.timeout)
             return None
         except Exception as exc:  # e.g. the full peer stopped under it (become_client)
@@ -207,8 +177,7 @@ class SwarmDHT:
         if self.settings.client_mode:
             return True
         try:
-            found = self._dht.run_coroutine(_connected_peers, return_future=True)
-            connected = await asyncio.wait_for(_awaitable(found), self.settings.timeout)
+            connected = list(await self._ask(ConnectedPeers(), self.settings.timeout))
         except Exception as exc:  # the peer list is a hint: the bootstrap peers may do
             log.debug("no connected peers from the DHT: %s", exc)
             connected = []
@@ -247,7 +216,16 @@ class SwarmDHT:
             self._stop(*self._retired.pop())
         self._stop(self._dht, self._pid)
 
-    def _stop_started(self, starting: asyncio.Future[ManagedDHT]) -> None:
+    async def _ask(self, request: Request, timeout: float) -> Any:
+        """The DHT child's answer to `request`; TimeoutError (the request cancelled there) past `timeout`."""
+        call_id, answer = self._dht.call(request)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(answer), timeout)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            self._dht.cancel(call_id)
+            raise
+
+    def _stop_started(self, starting: asyncio.Future[DHTProcess]) -> None:
         """A client whose start outlived its caller: stop it by PID, off the event loop."""
         if not starting.cancelled() and starting.exception() is None:
             client = starting.result()
@@ -260,10 +238,10 @@ class SwarmDHT:
         while self._retired:
             await asyncio.to_thread(self._stop, *self._retired.pop())
 
-    def _stop(self, dht: ManagedDHT, pid: int | None) -> None:
+    def _stop(self, dht: DHTProcess, pid: int | None) -> None:
         tree = procs.descendants(pid) if pid else []
         with contextlib.suppress(Exception):
-            dht.shutdown()
+            dht.shutdown(self.settings.shutdown_timeout)
         leftovers = [process for process in [pid, *tree] if process and procs.is_alive(process)]
         if leftovers:
             stubborn = procs.terminate(leftovers, timeout=self.settings.shutdown_timeout)
@@ -281,12 +259,10 @@ class SwarmDHT:
         self.shutdown()
 
 
-def _start_once(settings: DHTSettings) -> ManagedDHT:
+def _start_once(settings: DHTSettings) -> DHTProcess:
     kwargs: dict[str, Any] = {
         "host_maddrs": list(settings.listen),
         "client_mode": settings.client_mode,
-        "record_validators": list(settings.validators),
-        "shutdown_timeout": settings.shutdown_timeout,
         # hivemind refuses a bootstrap peer whose clock differs from ours by over 3 s; nothing of
         # ours compares clocks across hosts (see membership.py), so a skewed clock only warns
         "strict": False,
@@ -297,7 +273,7 @@ def _start_once(settings: DHTSettings) -> ManagedDHT:
         kwargs["identity_path"] = str(settings.p2p_key)
     before = _socket_files()
     try:
-        return ManagedDHT(initial_peers=list(settings.peers) or None, start=True, **kwargs)
+        return DHTProcess.start(settings.peers, settings.validators, kwargs)
     except P2PDaemonError:
         _remove_dead_sockets(_socket_files() - before)  # hivemind leaves them when p2pd fails
         raise
@@ -339,18 +315,8 @@ def _remove_dead_sockets(paths: set[Path], settle: float = 3.0) -> None:
         time.sleep(0.05)
 
 
-async def _connected_peers(_dht: DHT, node: Any) -> list[str]:
-    """Multiaddresses of the peers this DHT node is connected to (runs in the DHT's process)."""
-    infos = await node.p2p.list_peers()
-    return [f"{address}/p2p/{info.peer_id.to_base58()}" for info in infos for address in info.addrs]
-
-
 def _size(value: Any) -> int:
     return len(value) if isinstance(value, (bytes, bytearray, str)) else 0
-
-
-async def _awaitable(future: Any) -> Any:
-    return await future
 
 
 def _first_line(text: str) -> str:
