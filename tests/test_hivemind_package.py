@@ -8,7 +8,8 @@ import sys
 CHECK = """
 import sys
 import p2ptrain.swarm.dht, p2ptrain.swarm.bootstrap, p2ptrain.node.agent, p2ptrain.cli.join
-print(sorted({name.split(".")[0] for name in sys.modules} & {"scipy", "torch"}), "hivemind.averaging" in sys.modules)
+heavy = {name.split(".")[0] for name in sys.modules} & {"scipy", "torch"}
+print(sorted(heavy), "hivemind.averaging" in sys.modules)
 import hivemind
 from hivemind.utils import get_dht_time, ValueWithExpiration
 from hivemind.utils.timed_storage import get_dht_time as defined

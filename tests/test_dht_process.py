@@ -1,0 +1,42 @@
+"""The DHT child (swarm/dht_process.py): answers through the pipe, and fails calls at once once gone."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+from hivemind.utils import get_dht_time
+
+from p2ptrain import procs
+from p2ptrain.swarm.dht import DHTSettings, SwarmDHT
+from tests.helpers import wait_until
+
+
+def test_a_dht_child_answers_then_fails_every_call_at_once_when_it_is_gone() -> None:
+    timeout = 60.0  # far above what a call to a dead child may take
+    with SwarmDHT.start(DHTSettings(listen=["/ip4/127.0.0.1/tcp/0"], timeout=timeout)) as dht:
+        child = dht._pid
+        assert child is not None
+        daemons = procs.descendants(child)
+        assert daemons, "the DHT child runs p2pd"
+        assert any(address.startswith("/ip4/127.0.0.1/tcp/") for address in dht.visible_maddrs())
+
+        async def store_then_get() -> bytes:
+            assert await dht.store("key", b"subkey", b"value", get_dht_time() + 60)
+            found = await dht.get("key")
+            assert found is not None
+            return bytes(found[b"subkey"].value)
+
+        assert asyncio.run(store_then_get()) == b"value"
+        os.kill(child, signal.SIGTERM)  # as the kernel does when the agent dies (PR_SET_PDEATHSIG)
+        wait_until(
+            lambda: not any(procs.is_alive(pid) for pid in [child, *daemons]),
+            30,
+            what="the DHT child and p2pd to exit",
+        )
+        started = time.monotonic()
+        assert asyncio.run(dht.get("key")) is None
+        assert not asyncio.run(dht.store("key", b"subkey", b"again", get_dht_time() + 60))
+        assert time.monotonic() - started < timeout / 4
