@@ -91,6 +91,24 @@ def test_frame_round_trip_over_tcp():
     assert frame.header == {"kind": "chunk", "step": 3, "index": 7} and frame.payload == payload
 
 
+def test_a_frame_without_payload_is_sent_and_its_connection_closes():
+    """No empty buffer reaches writelines: Python 3.12's transport would keep it queued and spin on
+    it, and the connection would never close (a node that finished hung at 100 % CPU)."""
+    assert all(len(part) for part in encode_frame({"kind": "bye"}))
+
+    async def server(reader, writer):
+        frame = await read_frame(reader, timeout=5)
+        return frame, await asyncio.wait_for(reader.read(), 5)
+
+    async def client(reader, writer):
+        await write_frame(writer, {"kind": "bye"})
+        writer.close()
+        await asyncio.wait_for(writer.wait_closed(), 5)
+
+    (frame, rest), _ = run(with_server(server, client))
+    assert frame.header == {"kind": "bye"} and frame.payload == b"" and rest == b""
+
+
 def frame_bytes(header: dict, payload: bytes = b"") -> bytes:
     return b"".join(bytes(part) for part in encode_frame(header, payload))
 

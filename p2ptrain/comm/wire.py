@@ -73,9 +73,13 @@ def encode_head(header: Mapping[str, Any], payload_bytes: int) -> bytes:
 def encode_frame(
     header: Mapping[str, Any], payload: bytes | bytearray | memoryview = b""
 ) -> list[bytes | memoryview]:
-    """The frame as buffers for `writer.writelines`; the payload is passed through without a copy."""
+    """The frame as buffers for `writer.writelines`; the payload is passed through without a copy.
+
+    Never an empty buffer: Python 3.12's selector transport keeps an empty one queued after
+    sendmsg, so the writer spins on a writable socket and the connection never closes."""
     body = memoryview(payload).cast("B")
-    return [encode_head(header, body.nbytes), body]
+    head = encode_head(header, body.nbytes)
+    return [head, body] if body.nbytes else [head]
 
 
 def parse_prefix(data: bytes, max_payload: int) -> tuple[int, int]:
