@@ -3,6 +3,7 @@ with overlap on, through the real swarm (bootstrap peer, DHT, int8 all-reduce ov
 
     python -m benchmarks.gpu --json [--config 150m] [--steps 4] [--inner 20] [--nproc N]
                                     [--overlap true|false] [--set KEY=VALUE ...] [--timeout 280]
+                                    [--beside-blocking] [--logs DIR]
 
 Each node is `p2ptrain join` with its ranks on the GPU(s) (FSDP2 over N local GPUs with NCCL when N > 1,
 bf16 autocast as the config says). It reads every node's metrics.jsonl and reports:
@@ -11,8 +12,10 @@ bf16 autocast as the config says). It reads every node's metrics.jsonl and repor
 - mfu: median model FLOPs utilisation of the inner steps (the trainer's own figure: 6·N·tokens plus
   attention, over the GPU's bf16 peak);
 - sync_s: median seconds of the agents' syncs (election + all-reduce); outer_wait_s: median seconds
-  the training loop spent between two inner phases; hidden_fraction = 1 − outer_wait_s / sync_s
-  (with overlap the sync runs during the next phase: near 1 when it is hidden);
+  the training loop spent between two inner phases (the sync when blocking, plus the outer step's
+  own work: Δ off the GPU, S's step and hash on the CPU, the weights back);
+- with --beside-blocking, the same run with overlap off under "blocking", and hidden_fraction =
+  (blocking outer_wait_s − outer_wait_s) / blocking sync_s: near 1 when overlap hides the sync;
 - params_hash_agree: both nodes held the same S (θ_outer's hash) after every outer step.
 
 Built to end within 5 minutes on one H100/H200 (--timeout bounds it: it stops every process it
@@ -26,6 +29,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -42,11 +46,11 @@ from p2ptrain.train.metrics import read_metrics
 NODES = ("a", "b")
 
 
-def node_command(root: Path, name: str, peer: str, args: Any, shard: int) -> list[str]:
+def node_command(root: Path, name: str, peer: str, args: Any, shard: int, overlap: str) -> list[str]:
     settings = [
         f"train.inner_steps={args.inner}",
         f"train.max_steps={args.inner * args.steps}",
-        f"outer.overlap={args.overlap}",
+        f"outer.overlap={overlap}",
         f"data.shard={shard}",
         "swarm.wait_nodes=2",
         'node.data_host="127.0.0.1"',
@@ -80,37 +84,42 @@ def figures(records: dict[str, list[dict[str, Any]]], tokens_per_step: int) -> d
     common = set(hashes[0]) & set(hashes[1])
     sync_s = statistics.median(syncs) if syncs else None
     wait_s = statistics.median(waits) if waits else None
-    hidden = 1 - wait_s / sync_s if sync_s and wait_s is not None else None
     return {
         "outer_steps": min(len(outer[name]) for name in NODES),
         "inner_step_s": round(statistics.median(step_s), 4) if step_s else None,
         "mfu": round(statistics.median(mfu), 4) if mfu else None,
         "sync_s": round(sync_s, 3) if sync_s is not None else None,
         "outer_wait_s": round(wait_s, 3) if wait_s is not None else None,
-        "hidden_fraction": round(hidden, 3) if hidden is not None else None,
         "params_hash_agree": bool(common) and all(hashes[0][step] == hashes[1][step] for step in common),
     }
 
 
-def main() -> None:
-    cli = parser(__doc__.splitlines()[0])
-    cli.add_argument("--config", default="150m", help="model config (default %(default)s)")
-    cli.add_argument("--steps", type=int, default=4, help="outer steps (default %(default)s)")
-    cli.add_argument("--inner", type=int, default=20, help="inner steps per outer step (default %(default)s)")
-    cli.add_argument("--nproc", type=int, default=0, help="ranks per node (default: one per visible GPU)")
-    cli.add_argument("--overlap", choices=["true", "false"], default="true")
-    cli.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
-    cli.add_argument("--timeout", type=float, default=280.0, help="stop everything after S seconds")
-    args = cli.parse_args()
-    if args.steps < 2 or args.inner < 1 or args.nproc < 0 or args.timeout <= 0:
-        cli.error("--steps must be at least 2, --inner at least 1, --nproc and --timeout not negative")
-    try:
-        config = load_config(args.config, overrides=args.set)
-    except ConfigError as exc:
-        cli.error(str(exc))
-    import torch  # after the arguments: a typo answers at once
+def hidden_fraction(overlapped: dict[str, Any], blocking: dict[str, Any]) -> float | None:
+    """The share of the blocking run's sync that overlap took off the training loop: the loop's
+    wait between phases also holds work that is not the sync (Δ off the GPU, S's step and hash on
+    the CPU, the weights back), so it is compared with the same wait without overlap."""
+    waits = overlapped["outer_wait_s"], blocking["outer_wait_s"]
+    if None in waits or not blocking["sync_s"]:
+        return None
+    return round((waits[1] - waits[0]) / blocking["sync_s"], 3)
 
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+def keep_logs(root: Path, into: Path) -> None:
+    """Every process's log and each node's metrics.jsonl, flat in `into` (the work dir is temporary)."""
+    into.mkdir(parents=True, exist_ok=True)
+    for log in root.glob("*.log"):
+        shutil.copy(log, into / log.name)
+    for name in NODES:
+        if (root / name / "metrics.jsonl").exists():
+            shutil.copy(root / name / "metrics.jsonl", into / f"{name}-metrics.jsonl")
+
+
+Metrics = dict[str, list[dict[str, Any]]]
+"""Each node's metrics.jsonl records, by node name."""
+
+
+def run_swarm(args: Any, overlap: str, logs: Path | None) -> tuple[bool, Metrics, dict[str, str]]:
+    """Bootstrap peer plus both nodes until they finish or --timeout: (finished, metrics, log tails)."""
     started = time.monotonic()
     children = ChildProcesses()
     with tempfile.TemporaryDirectory(prefix="p2ptrain-gpu-") as tmp:
@@ -120,31 +129,64 @@ def main() -> None:
             peer = start_bootstrap(children, root, "gpu")
             for shard, name in enumerate(NODES):
                 env = {**os.environ, "OMP_NUM_THREADS": "4"}
-                children.spawn(
-                    name, node_command(root, name, peer, args, shard), root / f"{name}.log", env=env
-                )
+                command = node_command(root, name, peer, args, shard, overlap)
+                children.spawn(name, command, root / f"{name}.log", env=env)
             deadline = started + args.timeout
             while time.monotonic() < deadline and not finished:
                 codes = [children.wait(name, 1.0) for name in NODES]
                 finished = all(code is not None for code in codes)
         finally:
             children.stop_all()
-        records = {
-            name: read_metrics(root / name / "metrics.jsonl")
-            if (root / name / "metrics.jsonl").exists()
-            else []
-            for name in NODES
-        }
+        metrics = {name: read_metrics(root / name / "metrics.jsonl") for name in NODES}
         tails = {name: (root / f"{name}.log").read_text(errors="replace")[-600:] for name in NODES}
+        if logs is not None:
+            keep_logs(root, logs)
+    return finished, metrics, tails
+
+
+def main() -> None:
+    cli = parser(__doc__.splitlines()[0])
+    cli.add_argument("--config", default="150m", help="model config (default %(default)s)")
+    cli.add_argument("--steps", type=int, default=4, help="outer steps (default %(default)s)")
+    cli.add_argument("--inner", type=int, default=20, help="inner steps per outer step (default %(default)s)")
+    cli.add_argument("--nproc", type=int, default=0, help="ranks per node (default: one per visible GPU)")
+    cli.add_argument("--overlap", choices=["true", "false"], default="true")
+    cli.add_argument(
+        "--beside-blocking",
+        action="store_true",
+        help="then the same with overlap off, and the sync time hidden measured side by side",
+    )
+    cli.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    cli.add_argument("--timeout", type=float, default=280.0, help="stop each run after S seconds")
+    cli.add_argument("--logs", type=Path, help="copy every process's log and each node's metrics here")
+    args = cli.parse_args()
+    if args.steps < 2 or args.inner < 1 or args.nproc < 0 or args.timeout <= 0:
+        cli.error("--steps must be at least 2, --inner at least 1, --nproc and --timeout not negative")
+    try:
+        config = load_config(args.config, overrides=args.set)
+    except ConfigError as exc:
+        cli.error(str(exc))
+    import torch  # after the arguments: a typo answers at once
+
+    tokens_per_step = config.train.batch_size * config.model.seq_len
+    started = time.monotonic()
+    finished, metrics, tails = run_swarm(args, args.overlap, args.logs)
     result = {
-        "device": device,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "config": args.config,
         "overlap": args.overlap == "true",
         "finished": finished,
-        **figures(records, config.train.batch_size * config.model.seq_len),
-        "seconds": round(time.monotonic() - started, 1),
+        **figures(metrics, tokens_per_step),
     }
     result["ok"] = finished and result["params_hash_agree"] and result["outer_steps"] == args.steps
+    if args.beside_blocking:
+        finished, metrics, blocking_tails = run_swarm(args, "false", None)
+        blocking = figures(metrics, tokens_per_step)
+        result["blocking"] = blocking
+        result["hidden_fraction"] = hidden_fraction(result, blocking)
+        result["ok"] = result["ok"] and finished and blocking["params_hash_agree"]
+        tails |= {f"blocking {name}": tail for name, tail in blocking_tails.items()}
+    result["seconds"] = round(time.monotonic() - started, 1)
     if not result["ok"]:
         result["logs"] = tails
     report(result, args.json)
