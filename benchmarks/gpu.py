@@ -10,7 +10,8 @@ bf16 autocast as the config says). It reads every node's metrics.jsonl and repor
 
 - inner_step_s: median seconds of one inner step (both nodes share the GPU, so about half its speed);
 - mfu: median model FLOPs utilisation of the inner steps (the trainer's own figure: 6·N·tokens plus
-  attention, over the GPU's bf16 peak);
+  attention, over the GPU's bf16 peak); gpu_peak_gib: the most GPU memory a rank had allocated
+  (each node's log gives the estimate it was sized by, "memory: about … per rank");
 - sync_s: median seconds of the agents' syncs (election + all-reduce); outer_wait_s: median seconds
   the training loop spent between two inner phases (the sync when blocking, plus the outer step's
   own work: Δ off the GPU, S's step and hash on the CPU, the weights back);
@@ -71,11 +72,12 @@ def node_command(root: Path, name: str, peer: str, args: Any, shard: int, overla
 def figures(records: dict[str, list[dict[str, Any]]], tokens_per_step: int) -> dict[str, Any]:
     """The report's figures from both nodes' metrics (see the module docstring)."""
     outer = {name: [r for r in records[name] if r["kind"] == "outer"] for name in NODES}
-    step_s, waits, mfu = [], [], []
+    step_s, waits, mfu, peak = [], [], [], []
     for name in NODES:
         inner = [r for r in records[name] if r["kind"] == "inner" and r.get("tokens_per_s")]
         step_s += [tokens_per_step / r["tokens_per_s"] for r in inner]
         mfu += [r["mfu"] for r in inner if "mfu" in r]
+        peak += [r["gpu_peak_gib"] for r in inner if "gpu_peak_gib" in r]
         for before, after in itertools.pairwise(inner):
             if after["outer_step"] == before["outer_step"] + 1:  # the loop between two phases
                 waits.append(after["time"] - tokens_per_step / after["tokens_per_s"] - before["time"])
@@ -88,6 +90,7 @@ def figures(records: dict[str, list[dict[str, Any]]], tokens_per_step: int) -> d
         "outer_steps": min(len(outer[name]) for name in NODES),
         "inner_step_s": round(statistics.median(step_s), 4) if step_s else None,
         "mfu": round(statistics.median(mfu), 4) if mfu else None,
+        "gpu_peak_gib": max(peak) if peak else None,
         "sync_s": round(sync_s, 3) if sync_s is not None else None,
         "outer_wait_s": round(wait_s, 3) if wait_s is not None else None,
         "params_hash_agree": bool(common) and all(hashes[0][step] == hashes[1][step] for step in common),

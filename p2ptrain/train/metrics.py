@@ -97,3 +97,14 @@ def peak_flops(device: torch.device) -> float | None:
     """Dense bf16 peak of the GPU (for MFU), from its name; None when unknown."""
     name = torch.cuda.get_device_name(device)
     return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def gpu_memory(device: torch.device) -> dict[str, float]:
+    """A rank's peak GPU memory so far, allocated and reserved by the caching allocator, in GiB (the
+    memory estimate is checked against them); nothing on the CPU."""
+    if device.type != "cuda":
+        return {}
+    return {
+        "gpu_peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3),
+        "gpu_reserved_gib": round(torch.cuda.max_memory_reserved(device) / 2**30, 3),
+    }

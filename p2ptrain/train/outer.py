@@ -49,7 +49,7 @@ class OuterNesterov:
     def params_hash(self) -> str:
         """sha256 of the outer parameters' bytes: equal on two nodes iff their models are identical.
         Hashed in place (a copy of a 1B model's params is 4 GB and a second of memcpy)."""
-        return hashlib.sha256(memoryview(self.params.numpy()).cast("B")).hexdigest()
+        return hashlib.sha256(self.params.numpy().data.cast("B")).hexdigest()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"params": self.params, "momentum": self.momentum_buffer}

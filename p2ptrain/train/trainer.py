@@ -32,7 +32,7 @@ from p2ptrain.train.agent_link import AgentLink, SoloLink
 from p2ptrain.train.data import node_batches
 from p2ptrain.train.layout import CanonicalLayout, broadcast_flat
 from p2ptrain.train.memory import loss_chunk_tokens, resolve_micro_batch
-from p2ptrain.train.metrics import MetricsWriter, peak_flops
+from p2ptrain.train.metrics import MetricsWriter, gpu_memory, peak_flops
 from p2ptrain.train.model import Transformer, parameter_count
 from p2ptrain.train.optim import adam_moments, build_inner_optimizer, set_schedule_position
 from p2ptrain.train.outer import OuterNesterov
@@ -216,6 +216,7 @@ class Trainer:
                     lr=self.schedule.get_last_lr()[0],
                     tokens_per_s=round(tokens_per_s, 1),
                     **({"mfu": round(mfu, 4)} if mfu is not None else {}),
+                    **gpu_memory(self.ctx.device),
                 )
                 self.link.progress(
                     Progress(
