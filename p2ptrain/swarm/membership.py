@@ -144,7 +144,15 @@ class HeartbeatPublisher:
         extra = self.current.extra
         if self.current.state is NodeState.FINISHED:
             extra = {**extra, FINISHED_FIELD: True}
-        return await self.publish(timeout=timeout, state=NodeState.DEAD, extra=extra)
+        deadline = time.monotonic() + timeout
+        # A store that no replica took is tried once more, with a fresh record, within the same
+        # bound (a finished node's first try came back refused once in CI, within the bound).
+        for _ in range(2):
+            if await self.publish(timeout=deadline - time.monotonic(), state=NodeState.DEAD, extra=extra):
+                return True
+            if deadline - time.monotonic() < 0.2:
+                break
+        return False
 
 
 async def keep_alive(publisher: HeartbeatPublisher, interval: float, stop: asyncio.Event) -> None:
