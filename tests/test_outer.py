@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import math
+
+import pytest
 import torch
 
-from p2ptrain.train.outer import OuterNesterov
+from p2ptrain.train.outer import OuterNesterov, all_finite
 
 
 def test_two_steps_by_hand() -> None:
@@ -39,3 +43,18 @@ def test_pseudo_gradient_and_plain_momentum() -> None:
     outer.step(delta)  # without Nesterov, θ moves by lr·m: back to the inner params on the first step
     torch.testing.assert_close(outer.params, torch.tensor([0.75, 1.5]))
     assert outer.params_hash() != OuterNesterov(torch.tensor([1.0, 1.0]), 1.0, 0.5).params_hash()
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_all_finite_finds_one_nan_or_inf_anywhere(bad: float) -> None:
+    vector = torch.full((1001,), -3.0e38)  # huge but finite values are finite
+    assert all_finite(vector)
+    for index in (0, 500, 1000):
+        spoiled = vector.clone()
+        spoiled[index] = bad
+        assert not all_finite(spoiled)
+
+
+def test_the_params_hash_is_the_sha256_of_the_params_bytes() -> None:
+    outer = OuterNesterov(torch.arange(10, dtype=torch.float32), lr=0.7, momentum=0.9)
+    assert outer.params_hash() == hashlib.sha256(outer.params.numpy().tobytes()).hexdigest()

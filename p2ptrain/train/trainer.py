@@ -35,7 +35,7 @@ from p2ptrain.train.memory import loss_chunk_tokens, resolve_micro_batch
 from p2ptrain.train.metrics import MetricsWriter, gpu_memory, peak_flops
 from p2ptrain.train.model import Transformer, parameter_count
 from p2ptrain.train.optim import adam_moments, build_inner_optimizer, set_schedule_position
-from p2ptrain.train.outer import OuterNesterov
+from p2ptrain.train.outer import OuterNesterov, all_finite
 from p2ptrain.train.overlap import OverlappedOuter
 from p2ptrain.train.trainer_state import resume_trainer, save_trainer_checkpoint
 from p2ptrain.train.writer import CheckpointWriter
@@ -254,7 +254,7 @@ class Trainer:
         """Rank 0's Ready for `delta`: never send NaN/Inf; contribute nothing (weight 0) instead."""
         if step == self.faults.nan_step:
             delta[0] = math.nan  # fault injection: P2PTRAIN_INJECT_NAN_STEP
-        finite = bool(torch.isfinite(delta).all())
+        finite = all_finite(delta)
         if not finite:
             log.error("outer step %d: pseudo-gradient holds NaN/Inf; contributing zero", step)
             delta.zero_()
