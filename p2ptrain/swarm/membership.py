@@ -146,7 +146,7 @@ class HeartbeatPublisher:
             extra = {**extra, FINISHED_FIELD: True}
         deadline = time.monotonic() + timeout
         # A store that no replica took is tried once more, with a fresh record, within the same
-        # bound (a finished node's first try came back refused once in CI, within the bound).
+        # bound (a finished node's only try came back unconfirmed once in CI, cause not found).
         for _ in range(2):
             if await self.publish(timeout=deadline - time.monotonic(), state=NodeState.DEAD, extra=extra):
                 return True
