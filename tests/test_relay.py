@@ -17,7 +17,7 @@ from p2ptrain.comm.relay import RelayRefused, RelayRequest, open_relayed, relay_
 from p2ptrain.comm.relay_service import MAX_PER_SIGNER, RateCap
 from p2ptrain.comm.wire import WireError, read_frame, write_frame
 from p2ptrain.identity import NodeIdentity, load_or_create_identity
-from tests.test_ring_bad_peer import settle
+from tests.test_ring_bad_peer import discard, settle
 
 STEP = 7
 
@@ -212,7 +212,7 @@ def test_an_end_whose_partner_never_asks_is_told_who_did_not_come(tmp_path: Path
             with pytest.raises(RelayRefused, match="another attempt") as refused:
                 await asyncio.wait_for(behind, 5)
             assert refused.value.attempt == 3
-            later.cancel()
+            await discard(later)
         finally:
             await swarm.server.close()
 
@@ -275,8 +275,7 @@ def test_one_member_cannot_fill_the_relays_waiting_room(tmp_path: Path):
             _, w0 = await asks[0]
             w0.close()
             w1.close()
-            for task in asks:
-                task.cancel()
+            await discard(*asks)
         finally:
             await swarm.server.close()
 
