@@ -80,8 +80,8 @@ def _member(
             if fault == "slow":
                 time.sleep(fault_after / 1000)  # reads one frame per fault_after ms: a slow link into us
 
-        if fault == "nan":
-            buffer[length // 2] = np.nan
+        if fault in ("nan", "inf"):
+            buffer[length // 2] = np.nan if fault == "nan" else -np.inf
         if fault in ("scale", "lying_owner", "low_claims"):  # a poisoner: fault_after times its own
             buffer *= np.float32(fault_after)
         if fault in ("lying_owner", "low_claims", "tamper_forward"):

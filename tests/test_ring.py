@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from p2ptrain.comm.ring import RingSettings, segment_bounds, shares
+from p2ptrain.comm.ring import RingSettings, all_finite, segment_bounds, shares
 from p2ptrain.swarm.election import ring_order
 from tests.ring_procs import run_ring
 
@@ -206,12 +206,25 @@ def test_stalled_member_times_out(tmp_path: Path):
     assert max(o.failed_at for o in outcomes.values()) - started < 30
 
 
-def test_nan_contribution_is_never_sent(tmp_path: Path):
+@pytest.mark.parametrize(("n", "fault"), [(3, "nan"), (3, "inf"), (1, "nan"), (1, "inf")])
+def test_nan_contribution_is_never_sent(tmp_path: Path, n: int, fault: str):
+    """NaN or Inf in our own vector fails the step here, whether others are there to receive it or not
+    (a member alone keeps its vector: the step is given up, not averaged)."""
     outcomes, _results, _ = run_ring(
-        tmp_path, 3, 10_000, faults={0: ("nan", 0)}, settings=RingSettings(failure_timeout=2.0)
+        tmp_path, n, 10_000, faults={0: (fault, 0)}, settings=RingSettings(failure_timeout=2.0)
     )
-    assert "NaN" in outcomes[0].error
+    assert "NaN or Inf" in outcomes[0].error
     assert not any(outcome.ok for outcome in outcomes.values())  # the others fail too, none averages NaN
+
+
+def test_all_finite_sees_nan_and_inf_anywhere():
+    values = np.full(1000, 3.0e38, dtype=np.float32)  # huge but finite
+    assert all_finite(values) and all_finite(values[:0])
+    for index in (0, 500, 999):
+        for bad in (np.nan, np.inf, -np.inf):
+            spoiled = values.copy()
+            spoiled[index] = bad
+            assert not all_finite(spoiled), (index, bad)
 
 
 def test_shares_and_segments():

@@ -107,7 +107,9 @@ class DataPlaneServer:
         self._completed_step = -1
         self.pending = PendingBudget()
         self.waiting = WaitingBudget()
+        # one throttle per kind, so a flood of one kind never hides the other from the log
         self._refusals = ThrottledLog(log)
+        self._over_cap = ThrottledLog(log)
         self._drops = ThrottledLog(log)
         self.address: tuple[str, int] = ("", 0)
         self.reach = ReachService()
@@ -286,7 +288,7 @@ class DataPlaneServer:
         source = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
         ticket = self.pending.enter(source, writer)
         if ticket is None:
-            self._refusals.warning(
+            self._over_cap.warning(
                 "data-plane connection from %s refused: %d of its handshakes already pending",
                 source,
                 self.pending.per_source,
