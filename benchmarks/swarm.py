@@ -50,11 +50,10 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import parser, report
-from p2ptrain.config import load_config
+from p2ptrain.config import load_config, parameter_count
 from p2ptrain.demo import Host, Placement, run_demo
 from p2ptrain.errors import ConfigError
 from p2ptrain.train.metrics import read_metrics
-from p2ptrain.train.model import parameter_count
 
 
 def node_figures(records: list[dict[str, Any]], tokens_per_step: int) -> tuple[float, list[float]]:

@@ -65,6 +65,9 @@ class NodeConfig(Section):
     """Serve the status page at PORT (127.0.0.1) or HOST:PORT; empty: no page."""
     relay_mbps: float = Field(100.0, gt=0, le=100000)
     """Cap on the bytes this node relays between members behind NAT, in Mbit/s (both ways)."""
+    serve_mbps: float = Field(0.0, ge=0, le=100000)
+    """Cap on the checkpoint files this node serves to joiners, in Mbit/s (0: none): on a slow uplink,
+    what keeps a joiner's download from slowing the swarm's all-reduce (it runs meanwhile)."""
     ticket: str = ""
     """This node's admission ticket for a closed run (`p2ptrain admit` prints it)."""
     nproc: int = Field(0, ge=0, le=64)
@@ -128,6 +131,16 @@ class ModelConfig(Section):
     tie_embeddings: bool = True
     rope_theta: float = Field(10000.0, gt=0)
     norm_eps: float = Field(1e-5, gt=0)
+
+
+def parameter_count(config: ModelConfig) -> int:
+    """Parameters of the model `config` describes, without building it (for the 10B shapes; and in
+    the agent, which never imports torch)."""
+    head_dim = config.dim // config.n_heads
+    attention = 2 * config.dim * config.n_heads * head_dim + 2 * config.dim * config.n_kv_heads * head_dim
+    block = attention + 3 * config.dim * config.ffn_dim + 2 * config.dim
+    embeddings = config.vocab_size * config.dim * (1 if config.tie_embeddings else 2)
+    return config.n_layers * block + embeddings + config.dim
 
 
 class TrainConfig(Section):

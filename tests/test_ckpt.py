@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import aiohttp
@@ -17,6 +18,7 @@ from p2ptrain.ckpt.fetch import RecoveryError, fetch_checkpoint, majority_checkp
 from p2ptrain.ckpt.format import checkpoint_name
 from p2ptrain.ckpt.manifest import ManifestError, build_manifest, parse_manifest
 from p2ptrain.ckpt.sidecar import CheckpointSidecar
+from p2ptrain.rate import RateCap
 from p2ptrain.swarm.records import Heartbeat, NodeState
 
 STEP = 7
@@ -49,10 +51,10 @@ class Peers:
         self.sidecars: list[CheckpointSidecar] = []
         self.urls: list[str] = []
 
-    async def add(self, root: Path, node: int, step: int = STEP) -> tuple[str, str]:
+    async def add(self, root: Path, node: int, step: int = STEP, cap: float = 0.0) -> tuple[str, str]:
         folder = make_checkpoint(root, node, step)
         manifest = build_manifest(folder, step)
-        sidecar = CheckpointSidecar(root / "checkpoints")
+        sidecar = CheckpointSidecar(root / "checkpoints", serve_bytes_per_s=cap)
         sidecar.announce(manifest)
         port = await sidecar.start("127.0.0.1", 0)
         self.sidecars.append(sidecar)
@@ -162,6 +164,42 @@ def test_a_holder_behind_nat_votes_but_is_no_source(tmp_path: Path) -> None:
     assert [h.ckpt_addr for h in holders] == ["u2"]
     with pytest.raises(RecoveryError, match="nobody can reach"):
         asyncio.run(fetch_checkpoint("D1", [], tmp_path / "joiner", timeout=5))
+
+
+def test_a_capped_sidecar_serves_files_and_ranges_no_faster_than_its_cap(tmp_path: Path) -> None:
+    """node.serve_mbps: 3 MiB at 2 MB/s cannot come in much less than 1.5 s, however fast the machine;
+    ranges (a resumed download) and the whole checkpoint come through intact."""
+
+    async def scenario() -> tuple[float, Path]:
+        peers = Peers()
+        try:
+            url, digest = await peers.add(tmp_path / "peer", 1, cap=2e6)
+            async with aiohttp.ClientSession() as session:
+                file = f"{url}/ckpt/{STEP}/params.safetensors"
+                async with session.get(file, headers={"Range": f"bytes={len(SHARED) - 1000}-"}) as response:
+                    assert response.status == 206
+                    assert (
+                        response.headers["Content-Range"]
+                        == f"bytes {len(SHARED) - 1000}-{len(SHARED) - 1}/{len(SHARED)}"
+                    )
+                    assert await response.read() == SHARED[-1000:]
+                async with session.get(file, headers={"Range": "bytes=1000-1999"}) as response:
+                    assert response.status == 206 and await response.read() == SHARED[1000:2000]
+                for bad in (f"bytes={len(SHARED) + 5}-", "bytes=x-y"):
+                    async with session.get(file, headers={"Range": bad}) as response:
+                        assert response.status in (404, 416), bad
+            started = time.monotonic()
+            folder = await fetch_checkpoint(
+                digest, [heartbeat(1, url, digest)], tmp_path / "joiner", timeout=5
+            )
+            return time.monotonic() - started, folder
+        finally:
+            await peers.close()
+
+    elapsed, folder = run(scenario())
+    assert (folder / "params.safetensors").read_bytes() == SHARED
+    assert (folder / "inner.safetensors").read_bytes() == bytes([1]) * 5000
+    assert elapsed >= len(SHARED) / 2e6 - RateCap.BURST_S - 0.05, elapsed
 
 
 def test_tampered_copy_is_refused_and_fetched_elsewhere(

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2ptrain.config import CONFIG_DIR, load_config
-from p2ptrain.train.model import Transformer, parameter_count, validate_shape
+from p2ptrain.config import CONFIG_DIR, load_config, parameter_count
+from p2ptrain.train.model import Transformer, validate_shape
 from p2ptrain.train.optim import lr_factor
 from p2ptrain.train.trainer import RankContext, Trainer
 

@@ -14,9 +14,10 @@ import pytest
 from p2ptrain.comm.dataplane import MAX_ATTEMPT_JUMP, DataPlaneServer, RingSettings
 from p2ptrain.comm.members import RingMember, membership_digest
 from p2ptrain.comm.relay import RelayRefused, RelayRequest, open_relayed, relay_for, route
-from p2ptrain.comm.relay_service import MAX_PER_SIGNER, RateCap
+from p2ptrain.comm.relay_service import MAX_PER_SIGNER
 from p2ptrain.comm.wire import WireError, read_frame, write_frame
 from p2ptrain.identity import NodeIdentity, load_or_create_identity
+from p2ptrain.rate import RateCap
 from tests.test_ring_bad_peer import discard, settle
 
 STEP = 7

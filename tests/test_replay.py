@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from p2ptrain.ckpt.replay import (
     RecentResults,
     ReplayError,
+    ResultCollector,
     StepResult,
     fetch_result,
     pack_result,
@@ -18,6 +20,8 @@ from p2ptrain.ckpt.replay import (
 )
 from p2ptrain.ckpt.sidecar import CheckpointSidecar
 from p2ptrain.comm import quant
+from p2ptrain.swarm.records import Heartbeat, NodeState
+from tests.test_ring_bad_peer import settle
 
 BLOCK = 256
 
@@ -131,3 +135,45 @@ def test_the_sidecar_serves_kept_results_and_fetch_skips_peers_without_them(tmp_
 
     asyncio.run(scenario())
     assert "no all-reduce result of step 4 kept" in caplog.text
+
+
+def test_a_collector_keeps_every_result_of_a_download_while_members_keep_two(tmp_path, caplog) -> None:
+    """A swarm takes six steps while a node downloads its checkpoint; its members keep the last two
+    results only, the collector all six (until its bound), each fetched over HTTP as it is made."""
+
+    async def scenario() -> None:
+        kept = RecentResults(2)
+        sidecar = CheckpointSidecar(tmp_path, results=kept)
+        port = await sidecar.start("127.0.0.1", 0)
+        beat = Heartbeat(
+            "run", bytes(32), 1, 0.0, 0.0, NodeState.TRAINING, outer_step=3,
+            ckpt_addr=f"http://127.0.0.1:{port}", ckpt_reach="open",
+        )  # fmt: skip
+        peers = [beat]
+
+        async def read() -> list[Heartbeat]:
+            return list(peers)
+
+        size = len(pack_result(0, BLOCK, BLOCK, one_chunk(0).chunks))
+        collector = ResultCollector(read, 1 << 20, 4 * size, 5.0, 0.01)
+        collector.start(3)
+        try:
+            for step in range(3, 9):  # the member takes step `step`: its result is made, its record moves on
+                kept.add(step, one_chunk(step))
+                peers[0] = replace(beat, outer_step=step + 1)
+                wanted = min(4, step - 2)
+                await settle(lambda wanted=wanted: collector.kept == wanted, f"the result of step {step}")
+            await settle(lambda: not collector.collecting, "the collector stopping at its bound")
+            assert kept.packed(3) is None and kept.packed(8) is not None  # the member moved on
+            assert collector.take(4) == pack_result(4, BLOCK, BLOCK, one_chunk(4).chunks)
+            assert collector.take(3) is None  # older than one taken: dropped
+            assert [collector.take(s) for s in (5, 6)] == [
+                pack_result(s, BLOCK, BLOCK, one_chunk(s).chunks) for s in (5, 6)
+            ]
+            assert collector.take(7) is None  # past the bound of 4 results: not collected
+        finally:
+            collector.stop()
+            await sidecar.close()
+
+    asyncio.run(scenario())
+    assert "no more are collected" in caplog.text

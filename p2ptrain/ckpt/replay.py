@@ -17,18 +17,20 @@ encoding) in that order.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import struct
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import aiohttp
 import msgpack
 import numpy as np
 
-from p2ptrain.ckpt.fetch import read_body, stall_timeout
+from p2ptrain.ckpt.fetch import checkpoint_source, read_body, stall_timeout
 from p2ptrain.comm import quant
+from p2ptrain.swarm.records import Heartbeat
 from p2ptrain.untrusted import unpack_untrusted
 
 log = logging.getLogger(__name__)
@@ -144,3 +146,69 @@ async def fetch_result(urls: Sequence[str], step: int, limit: int, timeout: floa
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
                 log.warning("%s: no result of step %d (%s)", url, step, exc)
     return None
+
+
+class ResultCollector:
+    """The results of the outer steps the swarm takes while this node downloads a checkpoint.
+
+    Members keep only their last `checkpoint.replay_steps` results. A download that spans more
+    steps than that (a joiner on a slow link: a checkpoint is ~16 bytes a parameter, a result 1)
+    used to end with the swarm past every result kept, so the node downloaded a newer checkpoint,
+    and again, chasing the swarm. Each result is fetched here as soon as a member has it, and
+    replayed from here once the checkpoint is loaded. At most `max_bytes` are kept (then collecting
+    stops: the steps after would be no use without the ones before)."""
+
+    def __init__(
+        self,
+        peers: Callable[[], Awaitable[list[Heartbeat]]],
+        limit: int,
+        max_bytes: int,
+        timeout: float,
+        interval: float,
+    ):
+        self._peers, self._limit, self._timeout, self._interval = peers, limit, timeout, interval
+        self.max_bytes = max_bytes
+        self._results: OrderedDict[int, bytes] = OrderedDict()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self, first_step: int) -> None:
+        """Collect the results of `first_step` on (once); the caller stops it."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._collect(max(0, first_step)))
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self._results.clear()
+
+    @property
+    def kept(self) -> int:
+        return len(self._results)
+
+    @property
+    def collecting(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def take(self, step: int) -> bytes | None:
+        """The result of `step`, if collected; older ones are dropped (never needed again)."""
+        while self._results and next(iter(self._results)) < step:
+            self._results.popitem(last=False)
+        return self._results.pop(step, None)
+
+    async def _collect(self, step: int) -> None:
+        while True:
+            beats = await self._peers()
+            # a member at a step past `step` has completed its all-reduce, and keeps its result a while
+            holders = [b for b in beats if b.outer_step > step and checkpoint_source(b)]
+            if holders:
+                urls = [b.ckpt_addr.rstrip("/") for b in holders]
+                packed = await fetch_result(urls, step, self._limit, self._timeout)
+                if packed is not None:
+                    held = sum(len(result) for result in self._results.values())
+                    if held + len(packed) > self.max_bytes:
+                        log.warning("collected results hold %d bytes: no more are collected", held)
+                        return
+                    self._results[step] = packed
+                step += 1
+                continue
+            await asyncio.sleep(self._interval)

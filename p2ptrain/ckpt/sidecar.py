@@ -5,7 +5,9 @@
                                `?digest=D`: of the kept checkpoint with that digest (a joiner that
                                read D from a heartbeat just before this node saved a newer one)
     GET /ckpt/{step}/{name}    one file of checkpoint step-N; Range requests work, so a download
-                               can resume and be split across peers
+                               can resume and be split across peers; all of them together at most
+                               `node.serve_mbps` (0: no cap), so a joiner's download leaves the
+                               node's own all-reduce its share of the uplink
     GET /delta/{step}          the encoded all-reduce result of outer step N, while kept in RAM
                                (ckpt/replay.py)
     GET /reach/{nonce}         a peer's dial-back probe of this sidecar (comm/reach.py): 204
@@ -29,10 +31,13 @@ from p2ptrain.ckpt.format import MANIFEST_FILE, STAGED_KEEP, checkpoint_name
 from p2ptrain.ckpt.manifest import Manifest, ManifestError, parse_manifest
 from p2ptrain.ckpt.replay import RecentResults
 from p2ptrain.comm.reach import NONCE_BYTES
+from p2ptrain.rate import RateCap
 from p2ptrain.untrusted import ThrottledLog, decimal
 from p2ptrain.web.server import Served, start_app
 
 log = logging.getLogger(__name__)
+SERVE_BLOCK = 1 << 18
+"""Bytes read and sent at a time under a serving cap."""
 
 
 class CheckpointSidecar:
@@ -42,8 +47,11 @@ class CheckpointSidecar:
         shared_config: dict[str, Any] | None = None,
         results: RecentResults | None = None,
         reach_proof: Callable[[bytes], None] | None = None,
+        serve_bytes_per_s: float = 0.0,
     ):
         self.checkpoint_dir = checkpoint_dir
+        self.cap = RateCap(serve_bytes_per_s) if serve_bytes_per_s > 0 else None
+        """Shared by every checkpoint file this sidecar sends (None: sendfile at full speed)."""
         self.reach_proof = reach_proof
         """Called with the nonce of a peer's dial-back GET (comm/reach.py): our sidecar can be reached."""
         self.shared_config = shared_config or {}
@@ -107,7 +115,42 @@ class CheckpointSidecar:
         path = (folder / name).resolve()
         if name not in manifest.files or path.parent != folder.resolve() or not path.is_file():
             return self._refuse(request, f"{name!r} is not a file of checkpoint {step}")
-        return web.FileResponse(path, headers={"X-Checkpoint-Digest": manifest.digest})
+        if self.cap is None:
+            return web.FileResponse(path, headers={"X-Checkpoint-Digest": manifest.digest})
+        return await self._capped_file(request, path, manifest.digest, self.cap)
+
+    async def _capped_file(
+        self, request: web.Request, path: Path, digest: str, cap: RateCap
+    ) -> web.StreamResponse:
+        """`path` (or the range asked for) in blocks, each taken from the cap first."""
+        size = path.stat().st_size
+        try:
+            wanted = request.http_range
+        except ValueError:
+            return self._refuse(request, "malformed Range header")
+        start = wanted.start or 0
+        start = max(0, size + start) if start < 0 else start
+        stop = size if wanted.stop is None else min(wanted.stop, size)
+        if start > stop or (start == stop and size):
+            return web.Response(status=416, headers={"Content-Range": f"bytes */{size}"})
+        partial = "Range" in request.headers
+        response = web.StreamResponse(status=206 if partial else 200, headers={"X-Checkpoint-Digest": digest})
+        response.content_length = stop - start
+        if partial:
+            response.headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
+        await response.prepare(request)
+        with path.open("rb") as handle:
+            handle.seek(start)
+            left = stop - start
+            while left > 0:
+                block = await asyncio.to_thread(handle.read, min(SERVE_BLOCK, left))
+                if not block:
+                    break  # the file shrank under us: the fetcher sees a short body and moves on
+                await cap.take(len(block))
+                await response.write(block)
+                left -= len(block)
+        await response.write_eof()
+        return response
 
     async def _delta(self, request: web.Request) -> web.Response:
         step = decimal(request.match_info["step"])

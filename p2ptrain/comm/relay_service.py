@@ -19,6 +19,7 @@ from p2ptrain.comm.members import RingMember
 from p2ptrain.comm.relay import RelayRequest, Stream, needs_relay, relay_for
 from p2ptrain.comm.wire import Frame, WireError, write_frame
 from p2ptrain.identity import NodeIdentity, short_id
+from p2ptrain.rate import RateCap
 from p2ptrain.untrusted import ThrottledLog
 
 if TYPE_CHECKING:  # dataplane.py imports this module
@@ -44,22 +45,6 @@ RelayAdmit = Callable[[RelayRequest, float], Awaitable[str | None]]
 KEPT_MEMBERSHIPS = 8
 """Memberships (step, digest) remembered for requests that arrive after this node's own attempt
 ended: a fast relay may be done with the step while its edges still carry the last frames."""
-
-
-class RateCap:
-    """A token bucket over every splice of this node: at most `bytes_per_s`, bursts of 50 ms."""
-
-    BURST_S = 0.05
-
-    def __init__(self, bytes_per_s: float):
-        self.bytes_per_s = bytes_per_s
-        self._free_at = 0.0
-
-    async def take(self, count: int) -> None:
-        now = time.monotonic()
-        self._free_at = max(now - self.BURST_S, self._free_at) + count / self.bytes_per_s
-        if self._free_at > now:
-            await asyncio.sleep(self._free_at - now)
 
 
 @dataclass(frozen=True)

@@ -35,13 +35,14 @@ from p2ptrain.ckpt.manifest import build_manifest
 from p2ptrain.ckpt.replay import (
     RecentResults,
     ReplayError,
+    ResultCollector,
     StepResult,
     fetch_result,
     max_result_bytes,
     unpack_into,
 )
 from p2ptrain.ckpt.sidecar import CheckpointSidecar
-from p2ptrain.config import Config, config_differences
+from p2ptrain.config import Config, config_differences, parameter_count
 from p2ptrain.errors import UserError
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.identity import short_id as short_key
@@ -131,8 +132,14 @@ class SwarmLink(SoloSwarm):
         self.server = node_server(config, identity)
         self.results = RecentResults(config.checkpoint.replay_steps)
         self.sidecar = CheckpointSidecar(
-            checkpoint_dir, config.shared(), self.results, reach_proof=self.server.reach.proof_arrived
+            checkpoint_dir,
+            config.shared(),
+            self.results,
+            reach_proof=self.server.reach.proof_arrived,
+            serve_bytes_per_s=config.node.serve_mbps * 1e6 / 8,
         )
+        self.collector: ResultCollector | None = None
+        """Results of the steps the swarm takes while this node downloads a checkpoint (replayed after)."""
         self.publisher: HeartbeatPublisher | None = None
         self.sync: OuterSync | None = None
         self._keeper: asyncio.Task[None] | None = None
@@ -240,6 +247,7 @@ class SwarmLink(SoloSwarm):
         peers = await self._peers()
         if swarm_ahead(peers, step, self.identity.public_key, self._view().finished):
             return f"the swarm is past outer step {step}"
+        self._stop_collecting()  # in time for this step: nothing left to replay
         at_step = [b for b in peers if b.outer_step == step]
         hashes = Counter(b.params_hash for b in at_step if b.params_hash)
         if params_hash and hashes:
@@ -258,17 +266,43 @@ class SwarmLink(SoloSwarm):
         # announce the step we aim for at once, so the others, soon ready for it, wait for us
         await self.training(step + 1)
         urls = [b.ckpt_addr.rstrip("/") for b in peers if b.outer_step > step and checkpoint_source(b)]
-        comm = self.config.comm
-        limit = max_result_bytes(vector.shape[0], comm.quant_block, comm.chunk_bytes // 4, comm.bits)
-        packed = await fetch_result(urls, step, limit, self.config.checkpoint.fetch_timeout)
+        packed = self.collector.take(step) if self.collector is not None else None
+        if packed is None:
+            limit = self._result_limit(vector.shape[0])
+            packed = await fetch_result(urls, step, limit, self.config.checkpoint.fetch_timeout)
         if packed is None:
             return False
         try:
+            comm = self.config.comm
             await asyncio.to_thread(unpack_into, packed, step, vector, comm.quant_block, comm.bits)
         except ReplayError as exc:
             log.warning("result of step %d refused: %s", step, exc)
             return False
         return True
+
+    def _result_limit(self, numel: int) -> int:
+        comm = self.config.comm
+        return max_result_bytes(numel, comm.quant_block, comm.chunk_bytes // 4, comm.bits)
+
+    def _collect_results(self, holders: list[Heartbeat]) -> None:
+        """While the checkpoint downloads, collect the results of the steps the swarm takes meanwhile,
+        from the step before the holders' (the checkpoint's own step at the latest) on; at most the
+        size of the fp32 vector twice in RAM (8 results at int8)."""
+        if self.collector is None:
+            numel = parameter_count(self.config.model)
+            self.collector = ResultCollector(
+                self._peers,
+                self._result_limit(numel),
+                8 * numel,
+                self.config.checkpoint.fetch_timeout,
+                self.config.swarm.heartbeat_interval,
+            )
+        self.collector.start(min(b.outer_step for b in holders) - 1)
+
+    def _stop_collecting(self) -> None:
+        if self.collector is not None:
+            self.collector.stop()
+            self.collector = None
 
     async def recover(self, stop: asyncio.Event, dest: Path, wait: bool) -> Path | None:
         """Download the majority's checkpoint; None when no live member has one (a fresh run).
@@ -286,6 +320,7 @@ class SwarmLink(SoloSwarm):
             found = majority_checkpoint(beats, self.identity.public_key, self.config.digest())
             if found is not None:
                 digest, holders = found
+                self._collect_results([b for b in beats if b.ckpt_digest == digest])
                 try:
                     return await fetch_checkpoint(digest, holders, dest, self.config.checkpoint.fetch_timeout)
                 except RecoveryError as exc:
@@ -330,6 +365,7 @@ class SwarmLink(SoloSwarm):
         return len(self.sync.crashes.alive(pending))
 
     async def close(self, out: TextIO, short_id: str) -> None:
+        self._stop_collecting()
         for task in (self._keeper, self._rechecks):
             if task is not None:
                 task.cancel()

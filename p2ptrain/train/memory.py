@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from p2ptrain.config import Config, ModelConfig
+from p2ptrain.config import Config, ModelConfig, parameter_count
 from p2ptrain.memory_limits import current_rss, gib, ram_available
 
 log = logging.getLogger(__name__)
@@ -108,8 +108,6 @@ class MemoryEstimate:
 
 def estimate(config: Config, micro_batch: int, world_size: int = 1, on_gpu: bool = False) -> MemoryEstimate:
     """The peak memory of rank 0 of a node with `world_size` local ranks, at `micro_batch`."""
-    from p2ptrain.train.model import parameter_count
-
     model = config.model
     total = parameter_count(model)
     block = parameter_count(model.model_copy(update={"n_layers": 1, "vocab_size": 1})) - 2 * model.dim

@@ -198,12 +198,3 @@ def validate_shape(config: ModelConfig) -> None:
         )
     if (config.dim // config.n_heads) % 2:
         raise ValueError("model.dim / model.n_heads must be even for rotary embeddings")
-
-
-def parameter_count(config: ModelConfig) -> int:
-    """Parameters of the model `config` describes, without building it (for the 10B shapes)."""
-    head_dim = config.dim // config.n_heads
-    attention = 2 * config.dim * config.n_heads * head_dim + 2 * config.dim * config.n_kv_heads * head_dim
-    block = attention + 3 * config.dim * config.ffn_dim + 2 * config.dim
-    embeddings = config.vocab_size * config.dim * (1 if config.tie_embeddings else 2)
-    return config.n_layers * block + embeddings + config.dim

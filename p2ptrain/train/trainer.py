@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from p2ptrain.channel import Averaged, CheckpointWritten, Hello, Progress, Ready, StepDone
 from p2ptrain.ckpt.format import STAGED_KEEP, checkpoint_places
-from p2ptrain.config import Config
+from p2ptrain.config import Config, parameter_count
 from p2ptrain.faults import Faults
 from p2ptrain.identity import short_id
 from p2ptrain.train.accumulate import accumulate_gradients
@@ -33,7 +33,7 @@ from p2ptrain.train.data import node_batches
 from p2ptrain.train.layout import CanonicalLayout, broadcast_flat
 from p2ptrain.train.memory import loss_chunk_tokens, resolve_micro_batch
 from p2ptrain.train.metrics import MetricsWriter, gpu_memory, peak_flops
-from p2ptrain.train.model import Transformer, parameter_count
+from p2ptrain.train.model import Transformer
 from p2ptrain.train.optim import adam_moments, build_inner_optimizer, set_schedule_position
 from p2ptrain.train.outer import OuterNesterov, all_finite
 from p2ptrain.train.overlap import OverlappedOuter
