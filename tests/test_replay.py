@@ -139,17 +139,22 @@ def test_the_sidecar_serves_kept_results_and_fetch_skips_peers_without_them(tmp_
 
 def test_a_collector_keeps_every_result_of_a_download_while_members_keep_two(tmp_path, caplog) -> None:
     """A swarm takes six steps while a node downloads its checkpoint; its members keep the last two
-    results only, the collector all six (until its bound), each fetched over HTTP as it is made."""
+    results only, the collector all six (until its bound), each fetched over HTTP as it is made. A
+    liar's record at a far step (its sidecar serves nothing) does not move it past a step the honest
+    members have not done."""
 
     async def scenario() -> None:
         kept = RecentResults(2)
-        sidecar = CheckpointSidecar(tmp_path, results=kept)
-        port = await sidecar.start("127.0.0.1", 0)
+        sidecar, liars_sidecar = CheckpointSidecar(tmp_path, results=kept), CheckpointSidecar(tmp_path)
+        port, liars_port = await sidecar.start("127.0.0.1", 0), await liars_sidecar.start("127.0.0.1", 0)
         beat = Heartbeat(
             "run", bytes(32), 1, 0.0, 0.0, NodeState.TRAINING, outer_step=3,
             ckpt_addr=f"http://127.0.0.1:{port}", ckpt_reach="open",
         )  # fmt: skip
-        peers = [beat]
+        liar = replace(
+            beat, node_key=bytes([1]) * 32, outer_step=10**9, ckpt_addr=f"http://127.0.0.1:{liars_port}"
+        )
+        peers = [beat, liar]
 
         async def read() -> list[Heartbeat]:
             return list(peers)
@@ -174,6 +179,7 @@ def test_a_collector_keeps_every_result_of_a_download_while_members_keep_two(tmp
         finally:
             collector.stop()
             await sidecar.close()
+            await liars_sidecar.close()
 
     asyncio.run(scenario())
     assert "no more are collected" in caplog.text

@@ -30,6 +30,7 @@ import numpy as np
 
 from p2ptrain.ckpt.fetch import checkpoint_source, read_body, stall_timeout
 from p2ptrain.comm import quant
+from p2ptrain.swarm.election import swarm_ahead
 from p2ptrain.swarm.records import Heartbeat
 from p2ptrain.untrusted import unpack_untrusted
 
@@ -148,6 +149,10 @@ async def fetch_result(urls: Sequence[str], step: int, limit: int, timeout: floa
     return None
 
 
+COLLECT_TRIES = 3
+"""Tries (a heartbeat interval apart) at a step's result before the collector moves on without it."""
+
+
 class ResultCollector:
     """The results of the outer steps the swarm takes while this node downloads a checkpoint.
 
@@ -196,19 +201,26 @@ class ResultCollector:
         return self._results.pop(step, None)
 
     async def _collect(self, step: int) -> None:
+        misses = 0
         while True:
             beats = await self._peers()
-            # a member at a step past `step` has completed its all-reduce, and keeps its result a while
-            holders = [b for b in beats if b.outer_step > step and checkpoint_source(b)]
-            if holders:
-                urls = [b.ckpt_addr.rstrip("/") for b in holders]
-                packed = await fetch_result(urls, step, self._limit, self._timeout)
+            # a strict majority past `step` has done its all-reduce (one record claiming a far step, a
+            # stranger's, moves nothing on); a member past it keeps its result a while
+            if swarm_ahead(beats, step, b""):
+                past = [b for b in beats if b.outer_step > step and checkpoint_source(b)]
+                packed = await fetch_result(
+                    [b.ckpt_addr.rstrip("/") for b in past], step, self._limit, self._timeout
+                )
                 if packed is not None:
                     held = sum(len(result) for result in self._results.values())
                     if held + len(packed) > self.max_bytes:
                         log.warning("collected results hold %d bytes: no more are collected", held)
                         return
                     self._results[step] = packed
-                step += 1
-                continue
+                if packed is not None or misses >= COLLECT_TRIES - 1:
+                    if packed is None:
+                        log.info("no member served the result of step %d: not collected", step)
+                    step, misses = step + 1, 0
+                    continue
+                misses += 1
             await asyncio.sleep(self._interval)
