@@ -312,6 +312,15 @@ class SwarmLink(SoloSwarm):
         fails (the holders moved on to a newer checkpoint meanwhile, or went away) starts over from
         a fresh read, within the same bound.
         """
+        path = None
+        try:
+            path = await self._download_majority(stop, dest, wait)
+            return path
+        finally:
+            if path is None:
+                self._stop_collecting()  # nothing downloaded: nothing to replay onto
+
+    async def _download_majority(self, stop: asyncio.Event, dest: Path, wait: bool) -> Path | None:
         deadline = time.monotonic() + self.config.swarm.election_timeout
         while not stop.is_set():
             beats = await self._peers()
