@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import statistics
 import time
 from collections import Counter
 from pathlib import Path
@@ -287,7 +288,7 @@ class SwarmLink(SoloSwarm):
     def _collect_results(self, holders: list[Heartbeat]) -> None:
         """While the checkpoint downloads, collect the results of the steps the swarm takes meanwhile,
         from the step before the holders' (the checkpoint's own step at the latest) on; at most the
-        size of the fp32 vector twice in RAM (8 results at int8)."""
+        size of the fp32 vector twice in RAM (8 results at int8). `holders`: not empty."""
         if self.collector is None:
             numel = parameter_count(self.config.model)
             self.collector = ResultCollector(
@@ -297,7 +298,8 @@ class SwarmLink(SoloSwarm):
                 self.config.checkpoint.fetch_timeout,
                 self.config.swarm.heartbeat_interval,
             )
-        self.collector.start(min(b.outer_step for b in holders) - 1)
+        # the median: a stranger announcing the same digest at step 0 cannot send it back to the start
+        self.collector.start(statistics.median_low(b.outer_step for b in holders) - 1)
 
     def _stop_collecting(self) -> None:
         if self.collector is not None:
