@@ -117,11 +117,16 @@ class Flood:
         per-address handshake slots, and may all lose."""
 
     async def learn_step(self) -> None:
-        """The node's outer step, from its refusal of a hello far ahead ("… of this node's step N")."""
+        """The node's outer step, from its refusal of a hello far ahead ("… of this node's step N").
+
+        Under the flood the node's listen backlog is full and SYNs are dropped; the kernel would
+        retry ours 1, 3, 7 … s later (seen on a slow machine: no step learned in a whole run), so a
+        connect that is not through within a second starts again with a fresh one."""
         while True:
             with contextlib.suppress(OSError, asyncio.TimeoutError):
                 source = (self.args.learn_source, 0) if self.args.learn_source else None
-                reader, writer = await asyncio.open_connection(self.host, self.port, local_addr=source)
+                connecting = asyncio.open_connection(self.host, self.port, local_addr=source)
+                reader, writer = await asyncio.wait_for(connecting, 1.0)
                 writer.write(hello())
                 answer = await asyncio.wait_for(reader.read(), 5)  # the refusal, then the close
                 writer.close()

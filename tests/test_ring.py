@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from p2ptrain.comm.ring import RingSettings, all_finite, segment_bounds, shares
+from p2ptrain.comm.quant import all_finite
+from p2ptrain.comm.ring import RingSettings, segment_bounds, shares
 from p2ptrain.swarm.election import ring_order
 from tests.ring_procs import run_ring
 

@@ -86,6 +86,12 @@ def quantize(
     return out
 
 
+def all_finite(values: np.ndarray) -> bool:
+    """No NaN and no ±Inf in `values`: NaN propagates through min and max, and an infinity is one of
+    them, so two passes without a mask do (isfinite().all() allocates one bool per value)."""
+    return bool(values.size == 0 or (np.isfinite(values.min()) and np.isfinite(values.max())))
+
+
 def _refuse_non_finite(bad: int) -> None:
     if bad:
         raise NonFiniteError(f"{bad} non-finite value(s) in the vector")

@@ -336,12 +336,6 @@ def _identity(header: dict) -> tuple:
     return tuple(header.get(key) for key in ("kind", "step", "round", "chunk", "n"))
 
 
-def all_finite(values: np.ndarray) -> bool:
-    """No NaN and no ±Inf in `values`: NaN propagates through min and max, and an infinity is one of
-    them, so two passes without a mask do (isfinite().all() allocates one bool per value)."""
-    return bool(values.size == 0 or (np.isfinite(values.min()) and np.isfinite(values.max())))
-
-
 async def ring_all_reduce(
     server: DataPlaneServer,
     step: int,
@@ -363,7 +357,7 @@ async def ring_all_reduce(
         raise ValueError("members must be distinct and include this node")
     started = time.monotonic()
     if len(members) == 1:
-        if not all_finite(buffer):
+        if not quant.all_finite(buffer):
             raise AllReduceError(f"step {step}: this node's contribution holds NaN or Inf")
         return RingStats(seconds=time.monotonic() - started)
     # NaN/Inf of ours are caught where a chunk is encoded, before anything is sent; the error then
