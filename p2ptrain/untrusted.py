@@ -53,11 +53,14 @@ class ThrottledLog:
         self.interval = interval
         self._last = -1e9
         self._skipped = 0
+        self._latest: tuple[str, tuple[object, ...]] = ("", ())
+        """The last event counted but not logged (its line, at a flush)."""
 
     def warning(self, message: str, *args: object) -> None:
         now = time.monotonic()
         if now - self._last < self.interval:
             self._skipped += 1
+            self._latest = (message, args)
             return
         suffix = (
             f" (and {self._skipped} more like it in the last {now - self._last:.0f} s)"
@@ -66,3 +69,12 @@ class ThrottledLog:
         )
         self._last, self._skipped = now, 0
         self.logger.warning(message + suffix, *args)
+
+    def flush(self) -> None:
+        """Log the events counted since the last line, if any (at close, so none go unsaid)."""
+        if self._skipped:
+            (message, args), others = self._latest, self._skipped - 1
+            seconds = time.monotonic() - self._last
+            suffix = f" (and {others} more like it in the last {seconds:.0f} s)" if others else ""
+            self._skipped = 0
+            self.logger.warning(message + suffix, *args)

@@ -76,6 +76,7 @@ class CheckpointSidecar:
     async def close(self) -> None:
         if self._served is not None:
             await self._served.close()
+        self._refusals.flush()
 
     def announce(self, manifest: Manifest) -> None:
         self.latest = manifest

@@ -171,6 +171,8 @@ class DataPlaneServer:
             for future in registration.incoming.values():
                 if not future.done():
                     future.cancel()
+        for refusals in (self._refusals, self._over_cap, self._drops):
+            refusals.flush()  # what a flood's last seconds did, counted, not lost
 
     def expect(
         self,
