@@ -203,7 +203,12 @@ class ResultCollector:
     async def _collect(self, step: int) -> None:
         misses = 0
         while True:
-            beats = await self._peers()
+            try:
+                beats = await self._peers()
+            except Exception as exc:  # a DHT read that failed: the next one may not
+                log.info("result collector: could not read the swarm (%s)", exc)
+                await asyncio.sleep(self._interval)
+                continue
             # a strict majority past `step` has done its all-reduce (one record claiming a far step, a
             # stranger's, moves nothing on); a member past it keeps its result a while
             if swarm_ahead(beats, step, b""):

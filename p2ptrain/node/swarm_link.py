@@ -266,15 +266,18 @@ class SwarmLink(SoloSwarm):
             return False
         # announce the step we aim for at once, so the others, soon ready for it, wait for us
         await self.training(step + 1)
+        collected = self.collector.take(step) if self.collector is not None else None
+        if collected is not None and await self._decode(collected, step, vector):
+            return True
         urls = [b.ckpt_addr.rstrip("/") for b in peers if b.outer_step > step and checkpoint_source(b)]
-        packed = self.collector.take(step) if self.collector is not None else None
-        if packed is None:
-            limit = self._result_limit(vector.shape[0])
-            packed = await fetch_result(urls, step, limit, self.config.checkpoint.fetch_timeout)
-        if packed is None:
-            return False
+        limit = self._result_limit(vector.shape[0])
+        packed = await fetch_result(urls, step, limit, self.config.checkpoint.fetch_timeout)
+        return packed is not None and await self._decode(packed, step, vector)
+
+    async def _decode(self, packed: bytes, step: int, vector: np.ndarray) -> bool:
+        """Step `step`'s packed result into `vector`; False (vector unchanged) if it does not decode."""
+        comm = self.config.comm
         try:
-            comm = self.config.comm
             await asyncio.to_thread(unpack_into, packed, step, vector, comm.quant_block, comm.bits)
         except ReplayError as exc:
             log.warning("result of step %d refused: %s", step, exc)
