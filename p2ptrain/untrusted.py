@@ -62,19 +62,15 @@ class ThrottledLog:
             self._skipped += 1
             self._latest = (message, args)
             return
-        suffix = (
-            f" (and {self._skipped} more like it in the last {now - self._last:.0f} s)"
-            if self._skipped
-            else ""
-        )
-        self._last, self._skipped = now, 0
-        self.logger.warning(message + suffix, *args)
+        self._emit(message, args, self._skipped, now)
 
     def flush(self) -> None:
         """Log the events counted since the last line, if any (at close, so none go unsaid)."""
         if self._skipped:
-            (message, args), others = self._latest, self._skipped - 1
-            seconds = time.monotonic() - self._last
-            suffix = f" (and {others} more like it in the last {seconds:.0f} s)" if others else ""
-            self._skipped = 0
-            self.logger.warning(message + suffix, *args)
+            message, args = self._latest
+            self._emit(message, args, self._skipped - 1, time.monotonic())
+
+    def _emit(self, message: str, args: tuple[object, ...], others: int, now: float) -> None:
+        suffix = f" (and {others} more like it in the last {now - self._last:.0f} s)" if others else ""
+        self._last, self._skipped = now, 0
+        self.logger.warning(message + suffix, *args)

@@ -21,7 +21,7 @@ import asyncio
 import logging
 import struct
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -132,6 +132,12 @@ class RecentResults:
         return pack_result(step, result.numel, result.block, result.chunks, result.bits)
 
 
+def result_sources(beats: Iterable[Heartbeat], step: int) -> list[str]:
+    """Sidecar URLs of the nodes past `step` (their all-reduce of it is done, its result kept a
+    while) whose sidecars can be reached."""
+    return [b.ckpt_addr.rstrip("/") for b in beats if b.outer_step > step and checkpoint_source(b)]
+
+
 async def fetch_result(urls: Sequence[str], step: int, limit: int, timeout: float) -> bytes | None:
     """The packed result of `step` from the first of `urls` (sidecar base URLs) that serves it."""
     async with aiohttp.ClientSession(timeout=stall_timeout(timeout)) as session:
@@ -212,10 +218,7 @@ class ResultCollector:
             # a strict majority past `step` has done its all-reduce (one record claiming a far step, a
             # stranger's, moves nothing on); a member past it keeps its result a while
             if swarm_ahead(beats, step, b""):
-                past = [b for b in beats if b.outer_step > step and checkpoint_source(b)]
-                packed = await fetch_result(
-                    [b.ckpt_addr.rstrip("/") for b in past], step, self._limit, self._timeout
-                )
+                packed = await fetch_result(result_sources(beats, step), step, self._limit, self._timeout)
                 if packed is not None:
                     held = sum(len(result) for result in self._results.values())
                     if held + len(packed) > self.max_bytes:

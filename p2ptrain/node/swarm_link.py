@@ -27,7 +27,6 @@ from p2ptrain.channel import Averaged
 from p2ptrain.ckpt.fetch import (
     ACTIVE,
     RecoveryError,
-    checkpoint_source,
     fetch_checkpoint,
     majority_checkpoint,
     read_body,
@@ -40,6 +39,7 @@ from p2ptrain.ckpt.replay import (
     StepResult,
     fetch_result,
     max_result_bytes,
+    result_sources,
     unpack_into,
 )
 from p2ptrain.ckpt.sidecar import CheckpointSidecar
@@ -269,9 +269,10 @@ class SwarmLink(SoloSwarm):
         collected = self.collector.take(step) if self.collector is not None else None
         if collected is not None and await self._decode(collected, step, vector):
             return True
-        urls = [b.ckpt_addr.rstrip("/") for b in peers if b.outer_step > step and checkpoint_source(b)]
         limit = self._result_limit(vector.shape[0])
-        packed = await fetch_result(urls, step, limit, self.config.checkpoint.fetch_timeout)
+        packed = await fetch_result(
+            result_sources(peers, step), step, limit, self.config.checkpoint.fetch_timeout
+        )
         return packed is not None and await self._decode(packed, step, vector)
 
     async def _decode(self, packed: bytes, step: int, vector: np.ndarray) -> bool:
