@@ -194,16 +194,22 @@ class AgentChannel:
 
     async def receive(self) -> Message:
         """The next message; cancelling this call loses nothing (the next call gets it)."""
+        await asyncio.shield(self.pending())  # a cancelled wait leaves the read running
+        return self.take()
+
+    def pending(self) -> asyncio.Future[Message]:
+        """The read of the next message (started if none is in progress). Wait on it with
+        asyncio.wait beside other events, then `take` it in the same turn of the loop: a waiter
+        cancelled before that loses nothing, the next call gets the message."""
         if self._reading is None:
             self._reading = asyncio.ensure_future(self._read_one())
-        reading = self._reading
-        try:
-            message = await asyncio.shield(reading)
-        except Exception:  # the read failed; a cancelled wait (BaseException) leaves it running
-            self._reading = None
-            raise
-        self._reading = None
-        return message
+        return self._reading
+
+    def take(self) -> Message:
+        """The message of the finished read (or its ChannelError); the next read starts afresh."""
+        reading, self._reading = self._reading, None
+        assert reading is not None and reading.done(), "take() before the read finished"
+        return reading.result()
 
     async def _read_one(self) -> Message:
         try:

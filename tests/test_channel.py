@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
+from types import SimpleNamespace
 
 import pytest
 
 from p2ptrain.channel import AgentChannel, ChannelError, Finished, RankChannel, StepDone, encode
+from p2ptrain.node.agent import TrainingNode
+from p2ptrain.node.interrupt import Interrupted, unless
 
 
 def test_a_cancelled_receive_loses_no_message_even_between_its_length_and_its_body():
@@ -55,3 +59,40 @@ def test_messages_cross_both_ways():
         rank_end.close()
 
     asyncio.run(scenario())
+
+
+def test_the_agent_loses_no_message_when_a_rank_exit_interrupts_its_wait_for_the_next_one():
+    """A rank that exits (rank 1 after the final barrier) interrupts the agent's wait for rank 0's
+    next message. Where that message (Finished) was read in the same turn of the event loop, it
+    must still be the next one the agent gets: seen lost on 2 cores, the node then exited 1 with
+    "trainer rank 1 exited with code 0". Interruptions here land at every point of the read."""
+
+    async def scenario() -> list[int]:
+        agent_end, rank_end = socket.socketpair()
+        channel = await AgentChannel.open(agent_end)
+        rank = RankChannel(rank_end)
+        node = SimpleNamespace(syncing=None)  # the one attribute _next_message reads
+        sent = asyncio.ensure_future(
+            asyncio.to_thread(lambda: [rank.send(StepDone(i, "ab", 1.0)) for i in range(COUNT)])
+        )
+        got: list[int] = []
+        turns = 0
+        deadline = time.monotonic() + 30  # a bound for a failing run: lost messages never come
+        while len(got) < COUNT and time.monotonic() < deadline:
+            turns += 1
+            interruption = asyncio.sleep(0) if turns % 3 else asyncio.sleep(0.0005)
+            try:
+                message = await unless(TrainingNode._next_message(node, channel), interruption)
+            except Interrupted:
+                continue
+            assert isinstance(message, StepDone)
+            got.append(message.outer_step)
+        await sent
+        channel.close()
+        rank_end.close()
+        return got
+
+    assert asyncio.run(scenario()) == list(range(COUNT))
+
+
+COUNT = 300

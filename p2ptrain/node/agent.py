@@ -281,22 +281,21 @@ class TrainingNode:
 
     async def _next_message(self, channel: AgentChannel) -> Message:
         """Rank 0's next message; what ended an overlapped sync badly (Interrupted: a rank died or
-        the node stops) is raised here as soon as it happens."""
-        receive = asyncio.ensure_future(channel.receive())
-        try:
-            while True:
-                waits: set[asyncio.Future[Any]] = {receive}
-                if self.syncing is not None:
-                    waits.add(self.syncing)
-                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                syncing = self.syncing
-                if syncing is not None and syncing in done:
-                    self.syncing = None
-                    syncing.result()
-                if receive in done:
-                    return receive.result()
-        finally:
-            receive.cancel()
+        the node stops) is raised here as soon as it happens. Cancelled (a rank exited), it leaves
+        a message read meanwhile in the channel: rank 0's last one (Finished) comes just before
+        rank 1's exit."""
+        while True:
+            reading = channel.pending()
+            waits: set[asyncio.Future[Any]] = {reading}
+            if self.syncing is not None:
+                waits.add(self.syncing)
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            syncing = self.syncing
+            if syncing is not None and syncing in done:
+                self.syncing = None
+                syncing.result()
+            if reading in done:
+                return channel.take()
 
     async def _read_what_is_left(self, channel: AgentChannel) -> None:
         """A rank exited: where none failed, rank 0 may have sent its last messages (Finished) just
