@@ -143,6 +143,19 @@ def parameter_count(config: ModelConfig) -> int:
     return config.n_layers * block + embeddings + config.dim
 
 
+def validate_shape(config: ModelConfig) -> None:
+    """Raise ValueError naming the field when the shape cannot form a model (here, not in the model
+    file, so that the agent checks it without importing torch)."""
+    if config.dim % config.n_heads:
+        raise ValueError(f"model.dim ({config.dim}) must be a multiple of model.n_heads ({config.n_heads})")
+    if config.n_heads % config.n_kv_heads:
+        raise ValueError(
+            f"model.n_heads ({config.n_heads}) must be a multiple of model.n_kv_heads ({config.n_kv_heads})"
+        )
+    if (config.dim // config.n_heads) % 2:
+        raise ValueError("model.dim / model.n_heads must be even for rotary embeddings")
+
+
 class TrainConfig(Section):
     inner_steps: int = Field(10, gt=0)
     """H: inner AdamW steps between two outer steps."""

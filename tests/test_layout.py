@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -69,3 +71,20 @@ def test_no_module_is_too_long_to_read() -> None:
         if (lines := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert long == {}
+
+
+def test_a_training_nodes_agent_loads_no_torch_on_a_machine_without_gpu() -> None:
+    """The agent checks the model and the corpus and counts its ranks without torch: importing it
+    costs 3 s of CPU and ~300 MB in every node, and the agent computes nothing with it."""
+    code = """if True:
+        import os, sys
+        import p2ptrain.node.agent
+        from p2ptrain.cli.join import check_trainable
+        from p2ptrain.config import load_config
+        from p2ptrain.node.rank_launcher import GPU_DRIVER_FILES, default_nproc
+        check_trainable(load_config("debug"))
+        gpu = any(os.path.exists(path) for path in GPU_DRIVER_FILES)
+        print(1 if gpu else default_nproc(), "torch" in sys.modules)
+    """
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert loaded.stdout.split() == ["1", "False"], loaded.stderr

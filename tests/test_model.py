@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2ptrain.config import CONFIG_DIR, load_config, parameter_count
-from p2ptrain.train.model import Transformer, validate_shape
+from p2ptrain.config import CONFIG_DIR, load_config, parameter_count, validate_shape
+from p2ptrain.train.model import Transformer
 from p2ptrain.train.optim import lr_factor
 from p2ptrain.train.trainer import RankContext, Trainer
+from tests.helpers import LIGHT_SETTINGS
 
 
 def test_forward_shapes_and_causality() -> None:
@@ -72,7 +73,7 @@ def test_schedule_warms_up_then_decays() -> None:
 @pytest.mark.slow
 def test_loss_decreases_on_the_debug_config(tmp_path: Path) -> None:
     torch.set_num_threads(1)  # one pytest worker per core: two threads each oversubscribe them
-    config = load_config("debug", overrides=["train.max_steps=40", 'checkpoint.staging=""'])
+    config = load_config("debug", overrides=[*LIGHT_SETTINGS, "train.max_steps=40", 'checkpoint.staging=""'])
     trainer = Trainer(config, b"n" * 32, tmp_path, RankContext())
     first, _ = trainer.inner_step_once(), None
     trainer.run()

@@ -15,7 +15,7 @@ from p2ptrain.cli.common import (
     validate_dashboard,
     validate_listen,
 )
-from p2ptrain.config import Config
+from p2ptrain.config import Config, validate_shape
 from p2ptrain.errors import UserError
 
 
@@ -79,7 +79,6 @@ def check_trainable(config: Config) -> None:
     """Refuse a config whose model or data cannot work, before any process starts."""
     from p2ptrain.node.checkpoint_copies import check_remote
     from p2ptrain.train.data import list_files, load_tokenizer
-    from p2ptrain.train.model import validate_shape
 
     try:
         validate_shape(config.model)

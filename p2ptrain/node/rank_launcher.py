@@ -17,10 +17,16 @@ from p2ptrain.node.rank_memory import RankMemoryWatch
 from p2ptrain.procs import free_port, is_alive
 
 RANK_STOP_TIMEOUT = 10.0
+GPU_DRIVER_FILES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+"""Where any one exists, torch may see a GPU (NVIDIA, ROCm, WSL); where none does, it sees none."""
 
 
 def default_nproc() -> int:
-    import torch  # only here: the agent itself computes nothing with torch
+    """One rank per visible GPU, else one. torch (3 s of CPU, ~300 MB) is loaded only to count GPUs
+    where a GPU driver is present: the agent itself computes nothing with torch."""
+    if not any(Path(device).exists() for device in GPU_DRIVER_FILES):
+        return 1
+    import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 1
 

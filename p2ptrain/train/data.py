@@ -19,13 +19,15 @@ import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-import torch
 
 from p2ptrain.config import DataConfig
 from p2ptrain.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".c", ".h", ".js", ".ts", ".html", ".tex", ".json"}
 RECORD_SUFFIXES = {".jsonl", ".parquet"}
@@ -258,6 +260,8 @@ class Batches:
         self.world_size = world_size
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch  # here: the agent imports this module to check the corpus, and never loads torch
+
         tokens = self.stream.take(self.batch_size * (self.seq_len + 1))
         rows = torch.from_numpy(tokens).view(self.batch_size, self.seq_len + 1)
         per_rank = self.batch_size // self.world_size

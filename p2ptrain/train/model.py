@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from p2ptrain.config import ModelConfig
+from p2ptrain.config import ModelConfig, validate_shape
 
 INIT_STD = 0.02
 
@@ -186,15 +186,3 @@ def summed_cross_entropy(
 
 def _token_losses(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(F.linear(hidden, weight).float(), targets, reduction="sum")
-
-
-def validate_shape(config: ModelConfig) -> None:
-    """Raise ValueError naming the field when the shape cannot form a model."""
-    if config.dim % config.n_heads:
-        raise ValueError(f"model.dim ({config.dim}) must be a multiple of model.n_heads ({config.n_heads})")
-    if config.n_heads % config.n_kv_heads:
-        raise ValueError(
-            f"model.n_heads ({config.n_heads}) must be a multiple of model.n_kv_heads ({config.n_kv_heads})"
-        )
-    if (config.dim // config.n_heads) % 2:
-        raise ValueError("model.dim / model.n_heads must be even for rotary embeddings")
