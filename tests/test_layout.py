@@ -73,18 +73,25 @@ def test_no_module_is_too_long_to_read() -> None:
     assert long == {}
 
 
-def test_a_training_nodes_agent_loads_no_torch_on_a_machine_without_gpu() -> None:
-    """The agent checks the model and the corpus and counts its ranks without torch: importing it
-    costs 3 s of CPU and ~300 MB in every node, and the agent computes nothing with it."""
+def test_a_training_nodes_agent_and_the_identity_command_load_no_torch_without_a_gpu(tmp_path: Path) -> None:
+    """The agent checks the model and the corpus and counts its ranks, and `p2ptrain identity`
+    derives the DHT peer ID, without torch: importing it costs 3 s of CPU and ~300 MB in every
+    node, and neither computes anything with it."""
     code = """if True:
         import os, sys
+        from argparse import Namespace
+        from p2ptrain.cli.commands import cmd_identity
+        cmd_identity(Namespace(identity=sys.argv[1]))  # first: the agent's imports would hide it
+        identity_loaded = "torch" in sys.modules
         import p2ptrain.node.agent
         from p2ptrain.cli.join import check_trainable
         from p2ptrain.config import load_config
         from p2ptrain.node.rank_launcher import GPU_DRIVER_FILES, default_nproc
         check_trainable(load_config("debug"))
         gpu = any(os.path.exists(path) for path in GPU_DRIVER_FILES)
-        print(1 if gpu else default_nproc(), "torch" in sys.modules)
+        print(identity_loaded, 1 if gpu else default_nproc(), "torch" in sys.modules)
     """
-    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert loaded.stdout.split() == ["1", "False"], loaded.stderr
+    loaded = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert loaded.stdout.splitlines()[-1].split() == ["False", "1", "False"], loaded.stdout + loaded.stderr
