@@ -16,6 +16,12 @@ from p2ptrain.procs import ChildProcesses, free_port  # noqa: F401 - the tests' 
 from p2ptrain.train.metrics import read_metrics
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+LIGHT_SETTINGS = ("model.seq_len=64", "train.batch_size=4")
+"""What the tests' training nodes take per inner step: 4 sequences of 64 tokens of the debug model,
+not its 8 of 256. A multi-process test checks the protocol (steps, members, hashes, faults), not the
+model, and at 8 × 256 the ranks' arithmetic was most of the suite's CPU time."""
+LIGHT = tuple(flag for setting in LIGHT_SETTINGS for flag in ("--set", setting))
+"""LIGHT_SETTINGS as command-line flags."""
 SOCKET_DIR = Path("/tmp")
 
 
@@ -148,6 +154,8 @@ class LocalSwarm:
         address_file = self.root / f"{name}.addr"
         if not train:
             extra = ("--observe", *extra)
+        elif "--drill" not in extra:
+            extra = (*LIGHT, *extra)
         self.children.spawn(
             name,
             [

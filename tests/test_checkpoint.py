@@ -14,6 +14,7 @@ from p2ptrain.node.checkpoint_copies import flush_leftovers
 from p2ptrain.train import checkpoint as checkpoint_module
 from p2ptrain.train.checkpoint import load_state
 from p2ptrain.train.trainer import RankContext, Trainer
+from tests.helpers import LIGHT_SETTINGS
 
 
 @pytest.mark.slow
@@ -28,6 +29,7 @@ def test_n_steps_straight_equal_half_then_resume_then_half(
     config = load_config(
         "debug",
         overrides=[
+            *LIGHT_SETTINGS,
             "train.max_steps=40",
             "checkpoint.keep=3",
             'checkpoint.staging=""',

@@ -14,7 +14,7 @@ import pytest
 from p2ptrain.ckpt.format import latest_checkpoint
 from p2ptrain.procs import descendants, is_alive
 from p2ptrain.train.metrics import read_metrics
-from tests.helpers import cli, params_hash_of, socket_files, stale_sockets, stalls, wait_until
+from tests.helpers import LIGHT, cli, params_hash_of, socket_files, stale_sockets, stalls, wait_until
 
 
 @pytest.mark.slow
@@ -23,8 +23,8 @@ def test_demo_trains_loses_a_node_takes_in_a_new_one(tmp_path: Path) -> None:
     # the members serve the joiner's checkpoint through the capped path (16 Mbit/s: the 6 MB of a
     # node's own files take about 3 s), and it collects the results of the steps taken meanwhile
     work = str(tmp_path / "demo")
-    capped = ("--set", "node.serve_mbps=16")
-    result = cli("demo", "--json", "--steps", "6", "--kill-at", "2", "--work-dir", work, *capped, timeout=600)
+    extra = ("--set", "node.serve_mbps=16", *LIGHT)  # and the tests' light batches
+    result = cli("demo", "--json", "--steps", "6", "--kill-at", "2", "--work-dir", work, *extra, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["ok"] is True, summary
@@ -64,7 +64,7 @@ def test_sigterm_stops_the_demo_and_every_process_it_started_within_five_seconds
     with out.open("w") as handle:
         demo = subprocess.Popen(
             [sys.executable, "-m", "p2ptrain", "demo", "--nodes", "1", "--steps", "50", "--kill-at", "0",
-             "--work-dir", str(tmp_path / "d")],
+             "--work-dir", str(tmp_path / "d"), *LIGHT],
             stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )  # fmt: skip
     try:

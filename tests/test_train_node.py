@@ -22,12 +22,12 @@ from p2ptrain.node.checkpoint_copies import flush_leftovers
 from p2ptrain.node.rank_launcher import remove_stale_buffers
 from p2ptrain.procs import command_line, descendants, is_alive
 from p2ptrain.train.metrics import read_metrics
-from tests.helpers import LocalSwarm, assert_one_line_error, cli, wait_until
+from tests.helpers import LIGHT, LIGHT_SETTINGS, LocalSwarm, assert_one_line_error, cli, wait_until
 
 SHORT = ["--set", "train.max_steps=30"]  # 3 outer steps of H=10 on the debug config
-SOLO = ["--set", "train.inner_steps=5", "--set", "train.max_steps=15"]
-"""3 outer steps of H=5: alone, what is tested is the outer steps (checkpoints, resume, export), not
-how long each inner phase is."""
+SOLO = [*LIGHT, "--set", "train.inner_steps=5", "--set", "train.max_steps=15"]
+"""3 outer steps of H=5 (of the tests' light batches): alone, what is tested is the outer steps
+(checkpoints, resume, export), not how long each inner phase is."""
 
 
 def outer_records(work_dir: Path) -> list[dict]:
@@ -123,7 +123,7 @@ def test_alone_then_export_to_hugging_face(tmp_path: Path) -> None:
     )
 
     resumed = cli("join", "--config", "debug", "--work-dir", str(work), "--resume", "latest",
-                  *SOLO[:2], "--set", "train.max_steps=20", timeout=180)  # fmt: skip
+                  *SOLO[:-2], "--set", "train.max_steps=20", timeout=180)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed at outer step 3" in resumed.stdout and "finished after 4 outer steps" in resumed.stdout
     checkpoints = sorted((work / "checkpoints").glob("step-*"))
@@ -138,7 +138,7 @@ def test_alone_then_export_to_hugging_face(tmp_path: Path) -> None:
     from p2ptrain.train.model import Transformer
 
     hf_model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"))
-    ours = Transformer(load_config("debug").model)
+    ours = Transformer(load_config("debug", overrides=list(LIGHT_SETTINGS)).model)
     ours.load_state_dict(load_params(checkpoints[-1])[0])
     tokens = torch.randint(0, 256, (2, 48))
     with torch.no_grad():
