@@ -26,6 +26,10 @@ that the swarm computed without this node (the next outer step then skips its in
 `reload`, a checkpoint folder to load instead of taking step N (no StepDone follows; the next
 outer step skips its inner phase). A rank that exits before Finished is a failure: the agent sends
 the deathrattle and stops the others. The agent closing the channel stops rank 0.
+
+Rank 0 sends Finished before the final barrier, so the other ranks exit just after it; an exit can
+interrupt the agent's wait in the very turn that read Finished. No read is lost to that: a read in
+progress or done but not yet taken stays in the channel (`pending`, `take`) for the next wait.
 """
 
 from __future__ import annotations
