@@ -198,7 +198,7 @@ class AgentChannel:
 
     async def receive(self) -> Message:
         """The next message; cancelling this call loses nothing (the next call gets it)."""
-        await asyncio.shield(self.pending())  # a cancelled wait leaves the read running
+        await asyncio.wait({self.pending()})  # cancelled, it leaves the read running
         return self.take()
 
     def pending(self) -> asyncio.Future[Message]:
