@@ -15,11 +15,15 @@ def test_hivemind_dht_as_bootstrap_peer(swarm: LocalSwarm, tmp_path: Path):
     port = free_port()
     command = shutil.which("hivemind-dht", path=str(Path(sys.executable).parent))
     assert command, "hivemind-dht is installed with hivemind"
+    log = tmp_path / "hivemind-dht.log"
     swarm.children.spawn(
         "hivemind-dht",
         [command, "--host_maddrs", f"/ip4/127.0.0.1/tcp/{port}", "--identity_path", str(key)],
-        tmp_path / "hivemind-dht.log",
+        log,
     )
+    # it imports all of hivemind and torch first (10-15 s on a busy 2-core machine), and a node
+    # gives up on an unreachable bootstrap peer after 4 tries (~15 s): start the node once it listens
+    wait_until(lambda: "Running a DHT instance" in log.read_text(), 120, what="hivemind-dht to listen")
     peer = f"/ip4/127.0.0.1/tcp/{port}/p2p/{peer_id_of(key)}"
     swarm.bootstrap_addr = peer
     first = read_address(swarm.start_node("node0"), timeout=60)
