@@ -78,7 +78,7 @@ def test_a_training_nodes_agent_and_the_identity_command_load_no_torch_without_a
     derives the DHT peer ID, without torch: importing it costs 3 s of CPU and ~300 MB in every
     node, and neither computes anything with it."""
     code = """if True:
-        import os, sys
+        import sys
         from argparse import Namespace
         from p2ptrain.cli.commands import cmd_identity
         cmd_identity(Namespace(identity=sys.argv[1]))  # first: the agent's imports would hide it
@@ -86,9 +86,9 @@ def test_a_training_nodes_agent_and_the_identity_command_load_no_torch_without_a
         import p2ptrain.node.agent
         from p2ptrain.cli.join import check_trainable
         from p2ptrain.config import load_config
-        from p2ptrain.node.rank_launcher import GPU_DRIVER_FILES, default_nproc
+        from p2ptrain.node.rank_launcher import default_nproc, gpu_driver_present
         check_trainable(load_config("debug"))
-        gpu = any(os.path.exists(path) for path in GPU_DRIVER_FILES)
+        gpu = gpu_driver_present()
         print(identity_loaded, 1 if gpu else default_nproc(), "torch" in sys.modules)
     """
     loaded = subprocess.run(

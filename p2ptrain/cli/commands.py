@@ -29,11 +29,11 @@ if TYPE_CHECKING:
 def cmd_config_show(args: argparse.Namespace) -> int:
     config = resolve_config(args)
     if args.memory:
-        from p2ptrain.node.rank_launcher import default_nproc
+        from p2ptrain.node.rank_launcher import default_nproc, gpu_driver_present
         from p2ptrain.train.memory import available_memory, memory_report
 
         world_size = config.node.nproc or default_nproc()
-        local = "cuda" if _has_gpu() else "cpu"
+        local = "cuda" if gpu_driver_present() and _has_gpu() else "cpu"
         device_type = local if args.device == "auto" else args.device
         available = available_memory(device_type, world_size) if device_type == local else None
         print("\n".join(memory_report(config, world_size, device_type, available)))

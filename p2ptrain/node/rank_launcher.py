@@ -21,10 +21,15 @@ GPU_DRIVER_FILES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
 """Where any one exists, torch may see a GPU (NVIDIA, ROCm, WSL); where none does, it sees none."""
 
 
+def gpu_driver_present() -> bool:
+    """False where torch can see no GPU, found without loading torch (3 s of CPU, ~300 MB)."""
+    return any(Path(device).exists() for device in GPU_DRIVER_FILES)
+
+
 def default_nproc() -> int:
-    """One rank per visible GPU, else one. torch (3 s of CPU, ~300 MB) is loaded only to count GPUs
-    where a GPU driver is present: the agent itself computes nothing with torch."""
-    if not any(Path(device).exists() for device in GPU_DRIVER_FILES):
+    """One rank per visible GPU, else one. torch is loaded only to count GPUs where a GPU driver is
+    present: the agent itself computes nothing with torch."""
+    if not gpu_driver_present():
         return 1
     import torch
 
