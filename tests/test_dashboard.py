@@ -87,7 +87,9 @@ def test_status_page_in_a_real_browser(swarm: LocalSwarm, tmp_path: Path) -> Non
     wait_until((tmp_path / "boot.addr").exists, 30, what="the bootstrap address")
     swarm.bootstrap_addr = (tmp_path / "boot.addr").read_text().split()[0]
     for name in ("a", "b"):
-        swarm.start_node(name, None, "--set", "train.max_steps=80", "--set", "swarm.wait_nodes=2", train=True)
+        swarm.start_node(
+            name, None, "--set", "train.max_steps=400", "--set", "swarm.wait_nodes=2", train=True
+        )
 
     def steps(name: str) -> list[dict]:
         return [r for r in read_metrics(swarm.root / name / "metrics.jsonl") if r["kind"] == "outer"]
