@@ -1,8 +1,8 @@
 """Node identity: one Ed25519 key per machine, kept in a 0600 file and reused across restarts.
 
 The public key is the node's name in every signed DHT record and every data-plane handshake.
-Beside it lives the libp2p key of the DHT (p2p.key), so a node, and above all a bootstrap peer,
-keeps the same peer ID, and therefore the same multiaddress, when it restarts.
+The DHT's libp2p key (p2p.key) lives beside it, in the same private folder: see
+p2ptrain/swarm/p2p_key.py (ranks import this module, so it imports nothing of hivemind).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from p2ptrain.errors import IdentityError
 
 NODE_KEY_FILE = "node.key"
-P2P_KEY_FILE = "p2p.key"
 PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
 
@@ -65,7 +64,7 @@ def verify(public_key: bytes, signature: bytes, message: bytes) -> bool:
     return True
 
 
-def _check_private_file(path: Path) -> None:
+def check_private_file(path: Path) -> None:
     """Refuse key files that other users can read or write, as ssh does."""
     try:
         mode = path.stat().st_mode
@@ -82,7 +81,7 @@ def _check_private_file(path: Path) -> None:
         )
 
 
-def _write_private_file(path: Path, data: bytes) -> bool:
+def write_private_file(path: Path, data: bytes) -> bool:
     """Create `path` with mode 0600 holding `data`; False if another process created it first."""
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -111,12 +110,12 @@ def create_key_file(path: Path) -> bool:
     pem = Ed25519PrivateKey.generate().private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
-    return _write_private_file(path, pem)
+    return write_private_file(path, pem)
 
 
 def load_key_file(path: Path) -> NodeIdentity:
     """The Ed25519 key in `path` (a node.key, or a run authority's key), refused if others may read it."""
-    _check_private_file(path)
+    check_private_file(path)
     try:
         key = serialization.load_pem_private_key(path.read_bytes(), password=None)
     except PermissionError:
@@ -126,35 +125,3 @@ def load_key_file(path: Path) -> NodeIdentity:
     if not isinstance(key, Ed25519PrivateKey):
         raise IdentityError(f"{path}: holds a {type(key).__name__}, expected an Ed25519 key")
     return NodeIdentity(private_key=key, path=path)
-
-
-def ensure_p2p_identity(directory: str | os.PathLike[str]) -> Path:
-    """Path of the libp2p key file in `directory`, created (0600) on first use.
-
-    hivemind's own generator writes the file with the default umask before narrowing it;
-    we create it private from the start, in the same format (an RSA key in libp2p's protobuf).
-    """
-    from hivemind.proto import crypto_pb2
-    from hivemind.utils.crypto import RSAPrivateKey
-
-    path = Path(directory).expanduser() / P2P_KEY_FILE
-    if not path.exists():
-        blob = crypto_pb2.PrivateKey(
-            key_type=crypto_pb2.KeyType.RSA, data=RSAPrivateKey().to_bytes()
-        ).SerializeToString()
-        _write_private_file(path, blob)
-    _check_private_file(path)
-    peer_id_of(path)  # refuse a corrupted file here, with a clear message, not deep inside p2pd
-    return path
-
-
-def peer_id_of(p2p_key_path: Path) -> str:
-    """The libp2p peer ID (base58) that a p2p.key file gives the DHT."""
-    from hivemind.p2p import PeerID
-
-    try:
-        return PeerID.from_identity(p2p_key_path.read_bytes()).to_base58()
-    except PermissionError:
-        raise IdentityError(f"{p2p_key_path}: key file is not readable (permission denied)") from None
-    except Exception:
-        raise IdentityError(f"{p2p_key_path}: not a libp2p private key (corrupted key file?)") from None

@@ -7,13 +7,8 @@ from pathlib import Path
 import pytest
 
 from p2ptrain.errors import IdentityError
-from p2ptrain.identity import (
-    NODE_KEY_FILE,
-    ensure_p2p_identity,
-    load_or_create_identity,
-    peer_id_of,
-    verify,
-)
+from p2ptrain.identity import NODE_KEY_FILE, load_or_create_identity, verify
+from p2ptrain.swarm.p2p_key import ensure_p2p_identity, peer_id_of
 from tests.helpers import assert_one_line_error, cli
 
 

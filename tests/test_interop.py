@@ -6,7 +6,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from p2ptrain.identity import ensure_p2p_identity, peer_id_of
+from p2ptrain.swarm.p2p_key import ensure_p2p_identity, peer_id_of
 from tests.helpers import LocalSwarm, free_port, read_address, wait_until
 
 

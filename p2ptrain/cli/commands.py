@@ -52,8 +52,8 @@ def _has_gpu() -> bool:
 
 
 def cmd_identity(args: argparse.Namespace) -> int:
-    import p2ptrain.swarm  # noqa: F401 - hivemind's parts without its __init__s: no torch (5 s of CPU)
-    from p2ptrain.identity import ensure_p2p_identity, load_or_create_identity, peer_id_of
+    from p2ptrain.identity import load_or_create_identity
+    from p2ptrain.swarm.p2p_key import ensure_p2p_identity, peer_id_of
 
     identity = load_or_create_identity(args.identity)
     p2p_key = ensure_p2p_identity(args.identity)

@@ -7,9 +7,10 @@ from pathlib import Path
 
 from p2ptrain.config import Config
 from p2ptrain.errors import UserError
-from p2ptrain.identity import NodeIdentity, ensure_p2p_identity, load_or_create_identity, short_id
+from p2ptrain.identity import NodeIdentity, load_or_create_identity, short_id
 from p2ptrain.swarm.admission import TicketError, check_admits, parse_ticket_text
 from p2ptrain.swarm.dht import DHTSettings, SwarmDHT
+from p2ptrain.swarm.p2p_key import ensure_p2p_identity
 from p2ptrain.swarm.validator import HeartbeatValidator
 
 

@@ -13,9 +13,10 @@ import multiaddr
 from p2ptrain.comm.dataplane import DataPlaneServer, RingSettings
 from p2ptrain.comm.handshake import MAX_LANES
 from p2ptrain.config import SwarmConfig
-from p2ptrain.identity import NodeIdentity, ensure_p2p_identity
+from p2ptrain.identity import NodeIdentity
 from p2ptrain.swarm.dht import DHTSettings, SwarmDHT
 from p2ptrain.swarm.membership import HeartbeatPublisher, keep_alive
+from p2ptrain.swarm.p2p_key import ensure_p2p_identity
 from p2ptrain.swarm.records import NodeState
 from p2ptrain.swarm.standby import RunEnds
 from p2ptrain.swarm.validator import HeartbeatValidator
