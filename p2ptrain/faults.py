@@ -10,6 +10,9 @@ Read once per process from the environment:
     P2PTRAIN_INJECT_SCALE=N:FACTOR    from outer step N on, the node multiplies its pseudo-gradient by
                                       FACTOR before the all-reduce (negative flips it): a poisoner
                                       whose values stay finite (agent)
+    P2PTRAIN_INJECT_SLOW_START=S      the node starts its ranks S seconds after its record is up, as
+                                      one that probes its reachability behind NAT first, or loads
+                                      torch from a slow disk (agent)
     P2PTRAIN_INJECT_CLOCK_OFFSET=S    the process's wall clock (time.time) runs S seconds ahead (or
                                       behind, when negative), as on a host whose clock is off; set
                                       by `shift_wall_clock` at process start, before hivemind loads
@@ -33,6 +36,14 @@ def _step(name: str) -> int:
         return int(text) if text else NEVER
     except ValueError:
         raise UserError(f"{name}={text!r}: expected an outer step number") from None
+
+
+def _seconds(name: str) -> float:
+    text = os.environ.get(name, "")
+    try:
+        return float(text) if text else 0.0
+    except ValueError:
+        raise UserError(f"{name}={text!r}: expected seconds") from None
 
 
 def shift_wall_clock() -> float:
@@ -63,6 +74,7 @@ class Faults:
     die_in_sync_step: int = NEVER
     scale_step: int = NEVER
     scale_factor: float = 1.0
+    slow_start: float = 0.0
 
     @classmethod
     def from_env(cls) -> Faults:
@@ -85,6 +97,7 @@ class Faults:
             die_in_sync_step=_step("P2PTRAIN_INJECT_DIE_IN_SYNC"),
             scale_step=scale_pair[0],
             scale_factor=scale_pair[1],
+            slow_start=_seconds("P2PTRAIN_INJECT_SLOW_START"),
         )
 
     def scale(self, step: int) -> float:

@@ -124,15 +124,19 @@ def test_a_straggler_past_the_deadline_is_left_out_then_replays_the_step_and_rej
     # 3 outer steps of H=5: c's lateness counts from the others' ready(1), not from how long a phase is
     run = ["--set", "train.inner_steps=5", "--set", "train.max_steps=15", "--set", "swarm.wait_nodes=3"]
     run += [*overlap_flags(overlap), "--set", "swarm.straggler_deadline=4"]
+    faults = {
+        "b": {"P2PTRAIN_INJECT_SLOW_START": "6"},  # its ranks start 6 s after its record is up
+        "c": {"P2PTRAIN_INJECT_LATE": "1:8"},  # ready(1) 8 s after the others
+    }
     for name in ("a", "b", "c"):
-        env = {"P2PTRAIN_INJECT_LATE": "1:8"} if name == "c" else None  # ready(1) 8 s after the others
-        swarm.start_node(name, None, *run, train=True, env=env)
+        swarm.start_node(name, None, *run, train=True, env=faults.get(name))
     for name in ("a", "b", "c"):
         assert swarm.children.wait(name, 300) == 0, swarm.log(name)
     records = {name: metrics(swarm.root / name, "outer") for name in ("a", "b", "c")}
     assert [r["step"] for r in records["c"]] == [0, 1, 2], records["c"]
     assert_one_history(records)
-    assert [r["members"] for r in records["a"]][:2] == [3, 2]  # c left out of step 1
+    # the run's first step waits for b, whose ranks started late (wait_nodes); c is left out of step 1
+    assert [r["members"] for r in records["a"]][:2] == [3, 2]
     # c took step 1 from the others' all-reduce result (not a checkpoint), and so step 2 too if the
     # others were done with it first; a and b stayed in the swarm (finished) until c was done
     assert records["c"][1]["replayed"] is True and records["c"][1]["members"] == 0

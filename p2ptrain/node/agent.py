@@ -124,6 +124,7 @@ class TrainingNode:
         self.last_rate: float | None = None
         """Megabits per second this node sent in its last all-reduce (for `status`)."""
         self.last_step_done = -1
+        self.first_ready = True
         self.syncing: asyncio.Future[None] | None = None
         """outer.overlap: the sync of the step rank 0 handed over last, while it trains on."""
 
@@ -208,6 +209,9 @@ class TrainingNode:
     async def _answer(self, message: Ready, channel: AgentChannel) -> None:
         """Rank 0 handed step N's Δ over: catch up if off track, else sync it; one Averaged(N)."""
         assert self.vector is not None
+        if self.first_ready and not self.joining:  # a run that starts: with all of wait_nodes
+            await self._guarded(self.swarm.first_step(message.outer_step))
+        self.first_ready = False
         if await self._catch_up_if_off_track(message.outer_step, channel):
             return
         averaged, note = await self._guarded(

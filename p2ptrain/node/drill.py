@@ -25,8 +25,9 @@ from p2ptrain.node.interrupt import Interrupted, unless
 from p2ptrain.node.outer_sync import OuterSync, StepGivenUp, node_server
 from p2ptrain.node.reachability import Reachability, data_address
 from p2ptrain.swarm.dht import SwarmDHT
-from p2ptrain.swarm.membership import HeartbeatPublisher, keep_alive, wait_for_nodes
+from p2ptrain.swarm.membership import HeartbeatPublisher, keep_alive
 from p2ptrain.swarm.records import NodeState
+from p2ptrain.swarm.start_quorum import wait_for_nodes
 
 
 async def run_drill(

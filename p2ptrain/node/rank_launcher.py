@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from p2ptrain.config import Config
+from p2ptrain.faults import Faults
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.memory_limits import OUT_OF_MEMORY_EXIT
 from p2ptrain.node.rank_memory import RankMemoryWatch
@@ -78,6 +79,7 @@ class RankGroup:
 
     async def start(self, resume: Path | None = None, skip_first_inner: bool = False) -> socket.socket:
         """Start the ranks (resuming from `resume`); returns the agent's end of rank 0's channel."""
+        await asyncio.sleep(Faults.from_env().slow_start)
         self.procs = []
         self.memory = []
         self.log_dir.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import statistics
 import time
@@ -20,7 +19,6 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, TextIO
 
-import aiohttp
 import numpy as np
 
 from p2ptrain.channel import Averaged
@@ -29,7 +27,6 @@ from p2ptrain.ckpt.fetch import (
     RecoveryError,
     fetch_checkpoint,
     majority_checkpoint,
-    read_body,
 )
 from p2ptrain.ckpt.manifest import build_manifest
 from p2ptrain.ckpt.replay import (
@@ -43,45 +40,24 @@ from p2ptrain.ckpt.replay import (
     unpack_into,
 )
 from p2ptrain.ckpt.sidecar import CheckpointSidecar
-from p2ptrain.config import Config, config_differences, parameter_count
-from p2ptrain.errors import UserError
+from p2ptrain.config import Config, parameter_count
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.identity import short_id as short_key
+from p2ptrain.node.config_check import refuse_other_settings
 from p2ptrain.node.interrupt import Interrupted, unless
 from p2ptrain.node.outer_sync import LeftOutOfStep, OuterSync, StepGivenUp, node_server
 from p2ptrain.node.reachability import Reachability, data_address
 from p2ptrain.swarm.dht import SwarmDHT
 from p2ptrain.swarm.election import swarm_ahead
-from p2ptrain.swarm.membership import HeartbeatPublisher, SwarmView, keep_alive, live, wait_for_nodes
+from p2ptrain.swarm.membership import HeartbeatPublisher, SwarmView, keep_alive, live
 from p2ptrain.swarm.records import Heartbeat, NodeState
+from p2ptrain.swarm.start_quorum import wait_for_first_step, wait_for_nodes
 from p2ptrain.web.dashboard import Dashboard, serve_dashboard
 
 log = logging.getLogger(__name__)
 
 
-MAX_CONFIG_BYTES = 1 << 16
 UNFINISHED = (NodeState.JOINING, NodeState.TRAINING, NodeState.READY, NodeState.SYNCING)
-
-
-class ConfigMismatch(UserError):
-    """This node's shared settings differ from those of the run's live members."""
-
-
-async def fetch_config_differences(url: str, mine: dict[str, Any]) -> list[str]:
-    """What differs between `mine` and the settings a member's sidecar reports ([] if unreachable)."""
-    if not url:
-        return []
-    try:
-        timeout = aiohttp.ClientTimeout(total=5)
-        async with (
-            aiohttp.ClientSession(timeout=timeout) as session,
-            session.get(f"{url}/config") as response,
-        ):
-            theirs = json.loads(await read_body(response, MAX_CONFIG_BYTES))
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-        log.warning("could not read the swarm's settings from %s: %s", url, exc)
-        return []
-    return config_differences(mine, theirs) if isinstance(theirs, dict) else []
 
 
 class SoloSwarm:
@@ -93,6 +69,9 @@ class SoloSwarm:
         pass
 
     async def training(self, outer_step: int, **fields: Any) -> None:
+        pass
+
+    async def first_step(self, step: int) -> None:
         pass
 
     async def average(self, step: int, vector: np.ndarray, tokens: int) -> tuple[Averaged, str]:
@@ -146,8 +125,11 @@ class SwarmLink(SoloSwarm):
         self._keeper: asyncio.Task[None] | None = None
         self._rechecks: asyncio.Task[None] | None = None
         self.dashboard: Dashboard | None = None
+        self.stop = asyncio.Event()
+        """The node's stop event, from start()."""
 
     async def start(self, stop: asyncio.Event, out: TextIO) -> None:
+        self.stop = stop
         node = self.config.node
         _, port = await self.server.start(node.data_host, node.data_port)
         ckpt_port = await self.sidecar.start(node.data_host, node.ckpt_port)
@@ -180,29 +162,17 @@ class SwarmLink(SoloSwarm):
         return self.sync.view
 
     async def _check_config(self) -> None:
-        """Refuse (one line) to be in a run whose active members mostly share other settings.
-
-        Checked on joining and again before every outer step: a node's first read of the DHT may
-        not show the others yet, and a node of another config is never elected with them, so it
-        would otherwise train alone beside the run."""
-        me, digest = self.identity.public_key, self.config.digest()
-        beats = live(await self._view().read())
-        others = [b for b in beats if b.node_key != me and b.state in ACTIVE and b.config_digest]
-        if not others:
-            return
-        majority, count = Counter(b.config_digest for b in others).most_common(1)[0]
-        if majority == digest or 2 * count <= len(others):
-            return
-        holder = next(b for b in others if b.config_digest == majority)
-        differences = await fetch_config_differences(holder.ckpt_addr, self.config.shared())
-        detail = "; ".join(differences[:3]) if differences else "its settings digest differs from the swarm's"
-        raise ConfigMismatch(f"run {self.config.run.id!r} trains with other settings: {detail}")
+        await refuse_other_settings(self.config, self.identity.public_key, await self._view().read())
 
     async def _peers(self) -> list[Heartbeat]:
         """Live, active members of this run with this config, other than this node."""
         me, digest = self.identity.public_key, self.config.digest()
         beats = live(await self._view().read())
         return [b for b in beats if b.node_key != me and b.state in ACTIVE and b.config_digest == digest]
+
+    async def first_step(self, step: int) -> None:
+        """Before this node's first step in a run that starts: wait for the nodes still starting."""
+        await wait_for_first_step(self.config, self._view(), self.stop, step, self.identity.public_key)
 
     async def training(self, outer_step: int, **fields: Any) -> None:
         assert self.publisher is not None

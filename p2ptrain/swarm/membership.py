@@ -18,14 +18,13 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import Any, TextIO
+from typing import Any
 
 from hivemind.utils import get_dht_time
 
 import p2ptrain.swarm.quiet  # noqa: F401  (hivemind keeps quiet)
 from p2ptrain.comm.reach import can_be_dialed
 from p2ptrain.config import Config
-from p2ptrain.errors import UserError
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.swarm.admission import parse_ticket_text
 from p2ptrain.swarm.crash_watch import port_refuses
@@ -348,21 +347,6 @@ def finished_run(beat: Heartbeat) -> bool:
 def live(heartbeats: list[Heartbeat]) -> list[Heartbeat]:
     """Nodes that have not sent a deathrattle (a `SwarmView` has already left silent ones out)."""
     return [beat for beat in heartbeats if beat.state is not NodeState.DEAD]
-
-
-async def wait_for_nodes(
-    config: Config, view: SwarmView, stop: asyncio.Event, out: TextIO, count: int
-) -> None:
-    """Return once `count` live nodes are in the swarm table (UserError after election_timeout)."""
-    if count <= 1:
-        return
-    print(f"waiting for {count} nodes to join", file=out, flush=True)
-    deadline = time.monotonic() + config.swarm.election_timeout
-    while len(live(await view.read())) < count and not stop.is_set():
-        if time.monotonic() > deadline:
-            raise UserError(f"fewer than {count} nodes joined within {config.swarm.election_timeout:.0f} s")
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), config.swarm.heartbeat_interval / 2)
 
 
 EMPTY_READ_RETRIES, EMPTY_READ_PAUSE = 2, 1.0

@@ -1,0 +1,75 @@
+"""`swarm.wait_nodes`: a run starts once that many nodes are there, and takes its first step with them.
+
+Two waits, because a node's record is in the DHT seconds before its ranks train: they import torch,
+and a node behind NAT probes its reachability first. Before its ranks start, a node waits for
+`wait_nodes` records (`wait_for_nodes`). Before its first outer step it waits again, until that
+many nodes are in the steps at that step or past it (`wait_for_first_step`): counting records
+alone, the fastest nodes of a fresh run took their first steps while a slower one was still
+`joining`, which nobody's election waits for, and it replayed them instead of contributing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TextIO
+
+from p2ptrain.config import Config
+from p2ptrain.errors import UserError
+from p2ptrain.swarm.election import IN_STEPS
+from p2ptrain.swarm.membership import SwarmView, finished_run, live
+from p2ptrain.swarm.records import Heartbeat, NodeState
+
+log = logging.getLogger(__name__)
+
+
+async def wait_for_nodes(
+    config: Config, view: SwarmView, stop: asyncio.Event, out: TextIO, count: int
+) -> None:
+    """Return once `count` live nodes are in the swarm table (UserError after election_timeout)."""
+    if count <= 1:
+        return
+    print(f"waiting for {count} nodes to join", file=out, flush=True)
+    deadline = time.monotonic() + config.swarm.election_timeout
+    while len(live(await view.read())) < count and not stop.is_set():
+        if time.monotonic() > deadline:
+            raise UserError(f"fewer than {count} nodes joined within {config.swarm.election_timeout:.0f} s")
+        await _pause(config, stop)
+
+
+def at_or_past(beat: Heartbeat, step: int) -> bool:
+    """The node is in the steps at `step` or a later one, or finished the run."""
+    return (beat.state in IN_STEPS and beat.outer_step >= step) or finished_run(beat)
+
+
+async def wait_for_first_step(
+    config: Config, view: SwarmView, stop: asyncio.Event, step: int, me: bytes
+) -> None:
+    """Before this node's first outer step `step` of a run that starts: wait until `wait_nodes`
+    nodes (this one included) are at that step or past it, while any node is still starting.
+
+    Returns at once in a run already past `step` (a node restarting from its own checkpoint), and
+    after election_timeout at the latest: a node that never gets its ranks going (out of memory,
+    killed) delays the first step, it does not stop the run."""
+    count = config.swarm.wait_nodes
+    deadline = time.monotonic() + config.swarm.election_timeout
+    while count > 1 and not stop.is_set():
+        others = [beat for beat in live(await view.read()) if beat.node_key != me]
+        there = 1 + sum(at_or_past(beat, step) for beat in others)
+        starting = sum(beat.state is NodeState.JOINING for beat in others)
+        in_progress = any(at_or_past(beat, step + 1) for beat in others)
+        if there >= count or not starting or in_progress:
+            return
+        if time.monotonic() > deadline:
+            log.warning(
+                "outer step %d: %d of %d nodes, %d still starting: going on", step, there, count, starting
+            )
+            return
+        await _pause(config, stop)
+
+
+async def _pause(config: Config, stop: asyncio.Event) -> None:
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(stop.wait(), config.swarm.heartbeat_interval / 2)
