@@ -3,9 +3,11 @@
 
 Scheme: the flat fp32 vector is cut into blocks of `block` values; each block keeps its own
 minimum and step (fp32), and each value becomes round((x - min) / step): with `bits` = 8 a byte in
-[0, 255], with `bits` = 4 a nibble in [0, 15], two per byte (value 2k in the low nibble of byte k,
-value 2k + 1 in the high one; a block of an even number of values starts on a byte). Per-block
-parameters keep a rare outlier from wrecking more than its own block.
+[0, 255], with `bits` = 4 a nibble in [0, 15], two per byte. At 4 bits a block of m values takes
+h = ceil(m / 2) bytes: byte k holds value k in its low nibble and value h + k in its high one (an
+odd m leaves the last high nibble 0), so each half of the block is one contiguous stream and the
+loops vectorize as the 8-bit ones do; blocks hold an even number of values, so each starts on a
+byte. Per-block parameters keep a rare outlier from wrecking more than its own block.
 
 All loops release the GIL and run over blocks in parallel (OpenMP prange where the extension was
 built with OpenMP, serially otherwise); `threads` caps the team of one call (0: all), for callers
@@ -33,12 +35,15 @@ cdef extern from *:
 
 cdef extern from *:
     """
-    /* The element loops, in C so that each can be compiled twice: for AVX2 and for the baseline
-       ISA, picked once at load time (GCC/Clang target_clones on x86-64 with glibc). Both clones do
-       the same IEEE operations in the same order (no FMA: the build turns contraction off), so
-       every CPU produces the same bytes; AVX2 only does 8 floats per instruction instead of 4. */
+    /* The element loops, in C so that each can be compiled for several ISAs, picked once at load
+       time (target_clones on x86-64 with glibc): AVX-512 (x86-64-v4, GCC 12 or later), AVX2 and
+       the baseline. Every clone does the same IEEE operations in the same order (no FMA: the build
+       turns contraction off), so every CPU produces the same bytes; a wider clone only does 16 or
+       8 floats per instruction instead of 4. */
     #if defined(__x86_64__) && defined(__GLIBC__) && defined(__has_attribute)
-    #  if __has_attribute(target_clones)
+    #  if __has_attribute(target_clones) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+    #    define P2P_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+    #  elif __has_attribute(target_clones)
     #    define P2P_CLONES __attribute__((target_clones("avx2", "default")))
     #  endif
     #endif
@@ -101,9 +106,8 @@ cdef extern from *:
         }
     }
 
-    /* The 4-bit codes of x[0..n): round-half-up((x[i] * scale - low) * inv), at most 15, packed two
-       to a byte (an odd n leaves the last high nibble 0). The pair loop has no branch, so that it
-       vectorizes like the 8-bit one. */
+    /* The 4-bit codes of a block x[0..n): round-half-up((x[i] * scale - low) * inv), at most 15;
+       byte k holds value k (low nibble) and value h + k (high nibble), h = ceil(n / 2). */
     static inline unsigned char p2p_code4(float x, float scale, float low, float inv) {
         float q = (x * scale - low) * inv + 0.5f;
         q = q < 15.0f ? q : 15.0f;
@@ -114,32 +118,29 @@ cdef extern from *:
     static void p2p_quantize4(const float *x, Py_ssize_t n, float scale, float low, float inv,
                               unsigned char *codes) {
         Py_ssize_t pairs = n / 2;
+        const float *second = x + (n + 1) / 2;
         for (Py_ssize_t k = 0; k < pairs; k++) {
-            unsigned char even = p2p_code4(x[2 * k], scale, low, inv);
-            unsigned char odd = p2p_code4(x[2 * k + 1], scale, low, inv);
-            codes[k] = (unsigned char)(even | (odd << 4));
+            unsigned char first_half = p2p_code4(x[k], scale, low, inv);
+            unsigned char second_half = p2p_code4(second[k], scale, low, inv);
+            codes[k] = (unsigned char)(first_half | (second_half << 4));
         }
-        if (n & 1) codes[pairs] = p2p_code4(x[n - 1], scale, low, inv);
+        if (n & 1) codes[pairs] = p2p_code4(x[pairs], scale, low, inv);
     }
 
-    /* out[i] = low + nibble(i) * step, or out[i] += that: a byte at a time, both its values. */
+    /* out[i] = low + nibble(i) * step, or out[i] += that, for a block of n values: a byte at a
+       time, its value in each half of the block. */
     P2P_CLONES
     static void p2p_decode4(const unsigned char *codes, Py_ssize_t n, float low, float step, float *out,
                             int accumulate) {
-        Py_ssize_t pairs = n / 2;
+        Py_ssize_t pairs = n / 2, h = (n + 1) / 2;
+        /* one loop per half: a loop writing both halves vectorized badly (the halves might overlap,
+           for all the compiler knows), and the block's codes are in cache for the second pass */
         if (accumulate) {
-            for (Py_ssize_t k = 0; k < pairs; k++) {
-                float even = low + (codes[k] & 15) * step, odd = low + (codes[k] >> 4) * step;
-                out[2 * k] = out[2 * k] + even;
-                out[2 * k + 1] = out[2 * k + 1] + odd;
-            }
-            if (n & 1) out[n - 1] = out[n - 1] + (low + (codes[pairs] & 15) * step);
+            for (Py_ssize_t k = 0; k < h; k++) out[k] = out[k] + (low + (codes[k] & 15) * step);
+            for (Py_ssize_t k = 0; k < pairs; k++) out[h + k] = out[h + k] + (low + (codes[k] >> 4) * step);
         } else {
-            for (Py_ssize_t k = 0; k < pairs; k++) {
-                out[2 * k] = low + (codes[k] & 15) * step;
-                out[2 * k + 1] = low + (codes[k] >> 4) * step;
-            }
-            if (n & 1) out[n - 1] = low + (codes[pairs] & 15) * step;
+            for (Py_ssize_t k = 0; k < h; k++) out[k] = low + (codes[k] & 15) * step;
+            for (Py_ssize_t k = 0; k < pairs; k++) out[h + k] = low + (codes[k] >> 4) * step;
         }
     }
 
@@ -168,21 +169,19 @@ cdef extern from *:
         }
     }
 
-    /* The same with 4-bit codes, two to a byte: out[i] = own[i] * scale + (low + nibble(i) * step),
+    /* The same for a block of 4-bit codes: out[i] = own[i] * scale + (low + nibble(i) * step),
        each value in the 8-bit hop's order of operations. */
     P2P_CLONES
     static void p2p_scaled_add4(const float *own, float scale, const unsigned char *codes, float low,
                                 float step, float *out, Py_ssize_t n) {
-        Py_ssize_t pairs = n / 2;
-        for (Py_ssize_t k = 0; k < pairs; k++) {
-            float even = low + (codes[k] & 15) * step, odd = low + (codes[k] >> 4) * step;
-            float mine_even = own[2 * k] * scale, mine_odd = own[2 * k + 1] * scale;
-            out[2 * k] = mine_even + even;
-            out[2 * k + 1] = mine_odd + odd;
+        Py_ssize_t pairs = n / 2, h = (n + 1) / 2;
+        for (Py_ssize_t k = 0; k < h; k++) {
+            float first_half = low + (codes[k] & 15) * step, mine = own[k] * scale;
+            out[k] = mine + first_half;
         }
-        if (n & 1) {
-            float last = low + (codes[pairs] & 15) * step, mine = own[n - 1] * scale;
-            out[n - 1] = mine + last;
+        for (Py_ssize_t k = 0; k < pairs; k++) {
+            float second_half = low + (codes[k] >> 4) * step, mine = own[h + k] * scale;
+            out[h + k] = mine + second_half;
         }
     }
     """
@@ -204,6 +203,10 @@ cdef extern from *:
 def max_threads() -> int:
     """Threads the kernels use (1 when built without OpenMP)."""
     return p2p_max_threads()
+
+
+cdef enum:
+    _LINE_FLOATS = 16  # floats in a 64-byte cache line
 
 
 cdef inline Py_ssize_t _num_blocks(Py_ssize_t n, Py_ssize_t block) noexcept nogil:
@@ -313,9 +316,13 @@ def scaled_add_quantize(const float[::1] own, float scale, const unsigned char[:
     if n == 0:
         return 0
     cdef int team = _team(threads)
-    cdef float[:, ::1] scratch = np.empty((team, min(block, n)), np.float32)
-    cdef float* scratch_at = &scratch[0, 0]
-    cdef Py_ssize_t width = scratch.shape[1]
+    # each thread's row starts on a cache line of its own: rows sharing a line made every block's
+    # first and last values bounce between the cores (the hop ran at a third of its speed, or not,
+    # as the allocation happened to fall)
+    cdef Py_ssize_t width = (min(block, n) + 2 * _LINE_FLOATS - 1) // _LINE_FLOATS * _LINE_FLOATS
+    cdef float[::1] scratch = np.empty(team * width + _LINE_FLOATS, np.float32)
+    cdef float* scratch_at = &scratch[0]
+    scratch_at += (_LINE_FLOATS - (<size_t>scratch_at // 4) % _LINE_FLOATS) % _LINE_FLOATS
     cdef const float* mine = &own[0]
     cdef const unsigned char* received = &in_codes[0]
     cdef const float* received_min = &in_mins[0]

@@ -1,7 +1,8 @@
 """Types of the compiled int8/int4 kernels (cython_ext/kernels.pyx); buffers are 1-D C-contiguous arrays.
 
 Every function checks its buffers' lengths against `block` and `bits` (ValueError) and works in place;
-`bits` is 8 (a byte per code) or 4 (two codes per byte, low nibble first; even blocks only).
+`bits` is 8 (a byte per code) or 4 (two codes per byte: a block's first half in the low nibbles,
+its second half in the high ones; even blocks only).
 """
 
 import numpy as np

@@ -36,6 +36,14 @@ def test_kernels_match_the_reference_bit_for_bit(n: int, block: int, bits: int):
     assert np.array_equal(dequantize(encoded), reference_dequantize(expected))
 
 
+def test_a_4_bit_block_keeps_its_first_half_in_the_low_nibbles_and_its_second_half_in_the_high_ones():
+    # a block of 4 values, then one of 3 (the last high nibble 0); steps of exactly 1
+    values = np.array([0, 15, 5, 10, 4, 4, 19], np.float32)
+    wire = bytes([0x50, 0xAF, 0xF0, 0x00])
+    assert bytes(quantize(values, 4, bits=4).codes) == wire == bytes(reference_quantize(values, 4, 4).codes)
+    assert np.array_equal(dequantize(quantize(values, 4, bits=4)), values)
+
+
 @BITS
 @pytest.mark.parametrize("n", [1, 257, 10_007])
 @pytest.mark.parametrize("scale", [0.0, 1 / 3, 0.7, 1.0])

@@ -1,9 +1,10 @@
 """Blockwise 8- or 4-bit codes for fp32 vectors: the compiled kernels, plus the NumPy reference (the oracle).
 
-A vector of n values becomes n code bytes (8 bits; at 4 bits two codes a byte, the first value in
-the low nibble) plus one (min, step) fp32 pair per block of `block` values: value ≈ min + code *
-step. Production code calls the Cython kernels (p2ptrain._kernels); `reference_*` are the same
-arithmetic in NumPy, kept for tests.
+A vector of n values becomes n code bytes (8 bits; at 4 bits two codes a byte: byte k of a block
+of m values holds value k in its low nibble and value ceil(m / 2) + k in its high one) plus one
+(min, step) fp32 pair per block of `block` values: value ≈ min + code * step. Production code
+calls the Cython kernels (p2ptrain._kernels); `reference_*` are the same arithmetic in NumPy,
+kept for tests.
 
 Why int4 with (min, step) and not FP4 (E2M1 or E3M0, one scale a block): measured relative L2
 error at blocks of 256 (`benchmarks.kernels`'s figures in the README), int4 0.109 against E2M1
@@ -159,16 +160,37 @@ def reference_quantize(values: np.ndarray, block: int, bits: int = 8) -> Encoded
     q = (grid - lo[:, None]) * inv[:, None] + np.float32(0.5)
     codes = np.clip(q, 0, top).astype(np.uint8).reshape(-1)[:n]
     if bits == 4:
-        pairs = np.zeros(2 * code_bytes(n, 4), np.uint8)
-        pairs[:n] = codes
-        codes = pairs[0::2] | (pairs[1::2] << 4)
+        codes = np.concatenate([_pack_halves(part) for part in _blocks(codes, block)] or [codes])
     return Encoded(codes, lo.astype(np.float32), steps, block, bits, n)
+
+
+def _blocks(codes: np.ndarray, block: int) -> list[np.ndarray]:
+    """The whole blocks as one (blocks, block) grid, then the last partial block, if any."""
+    whole = codes.shape[0] // block * block
+    parts = [codes[:whole].reshape(-1, block)] if whole else []
+    return parts + ([codes[whole:].reshape(1, -1)] if whole < codes.shape[0] else [])
+
+
+def _pack_halves(grid: np.ndarray) -> np.ndarray:
+    """Each row's 4-bit codes: its first ceil(m / 2) in the low nibbles, the rest in the high ones."""
+    half = (grid.shape[1] + 1) // 2
+    high = np.zeros((grid.shape[0], half), np.uint8)
+    high[:, : grid.shape[1] - half] = grid[:, half:]
+    return (grid[:, :half] | (high << 4)).reshape(-1)
+
+
+def _unpack_halves(codes: np.ndarray, n: int, block: int) -> np.ndarray:
+    whole = n // block * block
+    grid = codes[: whole // 2].reshape(-1, block // 2)
+    tail = codes[whole // 2 :]
+    unpacked = [np.concatenate([grid & 15, grid >> 4], axis=1).reshape(-1), tail & 15, tail >> 4]
+    return np.concatenate(unpacked)[:n]
 
 
 def reference_dequantize(encoded: Encoded) -> np.ndarray:
     codes = encoded.codes
     if encoded.bits == 4:
-        codes = np.stack([codes & 15, codes >> 4], axis=1).reshape(-1)[: encoded.size]
+        codes = _unpack_halves(codes, encoded.size, encoded.block)
     index = np.arange(encoded.size) // encoded.block
     return (encoded.mins[index] + codes.astype(np.float32) * encoded.steps[index]).astype(np.float32)
 

@@ -23,7 +23,7 @@ import msgpack
 from p2ptrain.untrusted import UndecodableError, unpack_untrusted
 
 MAGIC = b"P2PT"
-VERSION = 3
+VERSION = 4
 PREFIX = struct.Struct("!4sBHI")
 MAX_HEADER_BYTES = 4096
 DEFAULT_MAX_PAYLOAD = 256 << 20
