@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import os
+import random
 import resource
 import signal
 import socket
@@ -99,8 +100,40 @@ def _reap_children() -> None:
             return
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now (the kernel's choice for an ephemeral bind)."""
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+FIRST_UNPRIVILEGED_PORT = 1024
+
+
+def ephemeral_ports() -> range:
+    """The ports the kernel gives outgoing connections and binds to port 0 (Linux's default where
+    the file cannot be read)."""
+    try:
+        low, high = (int(field) for field in EPHEMERAL_RANGE.read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
+def free_port(host: str = "127.0.0.1", tries: int = 64) -> int:
+    """A TCP port nobody listens on right now, for a listener another process opens next (torch's
+    rendezvous store of the ranks).
+
+    Picked at random outside the ephemeral range: a port from that range can be taken, between
+    this check and the listener's bind, as the local port of any outgoing connection on the
+    machine (seen: the ranks' store failing with EADDRINUSE while other processes dialled). Where
+    no such port is free, the kernel's choice."""
+    ephemeral = ephemeral_ports()
+    below = range(FIRST_UNPRIVILEGED_PORT, max(ephemeral.start, FIRST_UNPRIVILEGED_PORT))
+    above = range(max(ephemeral.stop, FIRST_UNPRIVILEGED_PORT), 65536)
+    for _ in range(tries if len(below) + len(above) else 0):
+        index = random.randrange(len(below) + len(above))
+        port = below[index] if index < len(below) else above[index - len(below)]
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as probe:
         probe.bind((host, 0))
         return probe.getsockname()[1]
