@@ -180,11 +180,10 @@ def _pack_halves(grid: np.ndarray) -> np.ndarray:
 
 
 def _unpack_halves(codes: np.ndarray, n: int, block: int) -> np.ndarray:
-    whole = n // block * block
-    grid = codes[: whole // 2].reshape(-1, block // 2)
-    tail = codes[whole // 2 :]
-    unpacked = [np.concatenate([grid & 15, grid >> 4], axis=1).reshape(-1), tail & 15, tail >> 4]
-    return np.concatenate(unpacked)[:n]
+    """The n codes `_pack_halves` packed, block by block (a block's bytes: `block` / 2, the last
+    block's fewer; the high nibbles past its end are 0 and cut off)."""
+    rows = [np.concatenate([part & 15, part >> 4], axis=1).reshape(-1) for part in _blocks(codes, block // 2)]
+    return np.concatenate(rows or [codes])[:n]
 
 
 def reference_dequantize(encoded: Encoded) -> np.ndarray:

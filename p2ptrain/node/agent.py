@@ -210,7 +210,7 @@ class TrainingNode:
         """Rank 0 handed step N's Δ over: catch up if off track, else sync it; one Averaged(N)."""
         assert self.vector is not None
         if self.first_ready and not self.joining:  # a run that starts: with all of wait_nodes
-            await self._guarded(self.swarm.first_step(message.outer_step))
+            await self._guarded(self.swarm.first_step(message.outer_step, self.stop))
         self.first_ready = False
         if await self._catch_up_if_off_track(message.outer_step, channel):
             return

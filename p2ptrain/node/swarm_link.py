@@ -71,7 +71,7 @@ class SoloSwarm:
     async def training(self, outer_step: int, **fields: Any) -> None:
         pass
 
-    async def first_step(self, step: int) -> None:
+    async def first_step(self, step: int, stop: asyncio.Event) -> None:
         pass
 
     async def average(self, step: int, vector: np.ndarray, tokens: int) -> tuple[Averaged, str]:
@@ -125,11 +125,8 @@ class SwarmLink(SoloSwarm):
         self._keeper: asyncio.Task[None] | None = None
         self._rechecks: asyncio.Task[None] | None = None
         self.dashboard: Dashboard | None = None
-        self.stop = asyncio.Event()
-        """The node's stop event, from start()."""
 
     async def start(self, stop: asyncio.Event, out: TextIO) -> None:
-        self.stop = stop
         node = self.config.node
         _, port = await self.server.start(node.data_host, node.data_port)
         ckpt_port = await self.sidecar.start(node.data_host, node.ckpt_port)
@@ -170,9 +167,9 @@ class SwarmLink(SoloSwarm):
         beats = live(await self._view().read())
         return [b for b in beats if b.node_key != me and b.state in ACTIVE and b.config_digest == digest]
 
-    async def first_step(self, step: int) -> None:
+    async def first_step(self, step: int, stop: asyncio.Event) -> None:
         """Before this node's first step in a run that starts: wait for the nodes still starting."""
-        await wait_for_first_step(self.config, self._view(), self.stop, step, self.identity.public_key)
+        await wait_for_first_step(self.config, self._view(), stop, step, self.identity.public_key)
 
     async def training(self, outer_step: int, **fields: Any) -> None:
         assert self.publisher is not None
