@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -32,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import parser, report
+from benchmarks.common import parser, report, unwind_on_sigterm
 from p2ptrain.procs import free_port
 
 WORLD = 3
@@ -260,8 +259,7 @@ def main() -> None:
             args.clip,
         )
         return
-    # SIGTERM unwinds like Ctrl+C, so the network namespaces are always deleted
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    unwind_on_sigterm()
     if args.bandwidth is not None and os.geteuid() != 0:
         report({"skipped": True, "reason": "--bandwidth needs root for network namespaces and tc"}, args.json)
         return

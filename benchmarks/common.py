@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import sys
 import time
@@ -12,6 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from p2ptrain.procs import ChildProcesses
+
+
+def unwind_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl+C: the benchmark's `finally` blocks stop the processes it started
+    and delete its network namespaces (without this, a killed benchmark left its nodes running)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
 def median_seconds(function: Callable[[], object], repeats: int, warmup: int = 1) -> float:

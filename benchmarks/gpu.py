@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import parser, report, start_bootstrap
+from benchmarks.common import parser, report, start_bootstrap, unwind_on_sigterm
 from p2ptrain.config import load_config
 from p2ptrain.errors import ConfigError
 from p2ptrain.procs import ChildProcesses
@@ -163,6 +163,7 @@ def main() -> None:
     cli.add_argument("--timeout", type=float, default=280.0, help="stop each run after S seconds")
     cli.add_argument("--logs", type=Path, help="copy every process's log and each node's metrics here")
     args = cli.parse_args()
+    unwind_on_sigterm()
     if args.steps < 2 or args.inner < 1 or args.nproc < 0 or args.timeout <= 0:
         cli.error("--steps must be at least 2, --inner at least 1, --nproc and --timeout not negative")
     try:

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import report
+from benchmarks.common import report, unwind_on_sigterm
 
 DEFAULT_CASES = "debug:8,20m:8,20m:8:unchunked,150m:2"
 
@@ -103,6 +103,7 @@ def main() -> None:
     args.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args.add_argument("--child", default="", help=argparse.SUPPRESS)
     options = args.parse_args()
+    unwind_on_sigterm()
     if options.child:
         name, micro, flag = options.child.split(":")
         row = measure(name, int(micro), flag != "unchunked", max(2, options.steps), options.set)

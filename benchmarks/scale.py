@@ -38,7 +38,7 @@ from typing import Any, cast
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from benchmarks.common import parser, report
+from benchmarks.common import parser, report, unwind_on_sigterm
 from benchmarks.scale_drill import exponents, plot, run_swarm
 from p2ptrain.comm.connect import LanePlan
 from p2ptrain.comm.dataplane import RingSettings
@@ -155,6 +155,7 @@ def main() -> None:
     cli.add_argument("--plot", default="", metavar="PNG", help="plot the drill figures against n")
     cli.add_argument("--keep", default="", metavar="DIR", help="keep the drill nodes' logs in DIR")
     args = cli.parse_args()
+    unwind_on_sigterm()
     drilled_sizes, simulated_sizes = (
         _sizes(cli, "--drill", args.drill),
         _sizes(cli, "--simulate", args.simulate),

@@ -25,7 +25,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import drill_command, parser, report, start_bootstrap, wait_for_file
+from benchmarks.common import (
+    drill_command,
+    parser,
+    report,
+    start_bootstrap,
+    unwind_on_sigterm,
+    wait_for_file,
+)
 from p2ptrain.procs import ChildProcesses
 
 NODES = 3
@@ -85,6 +92,7 @@ def main() -> None:
     args.add_argument("--cases", default=",".join(CASES), help="comma-separated (default: all)")
     args.add_argument("--keep", default="", help="keep the nodes' logs in this folder")
     options = args.parse_args()
+    unwind_on_sigterm()
     if options.steps < 5:
         raise SystemExit("benchmarks.strangers: error: --steps must be at least 5")
     settings = [item for pair in options.set for item in ("--set", pair)]

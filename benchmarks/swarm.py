@@ -41,15 +41,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import signal
 import statistics
-import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import parser, report
+from benchmarks.common import parser, report, unwind_on_sigterm
 from p2ptrain.config import load_config, parameter_count
 from p2ptrain.demo import Host, Placement, run_demo
 from p2ptrain.errors import ConfigError
@@ -224,8 +222,7 @@ def main() -> None:
     nodes = args.nodes if args.nodes is not None else max(3, 2 * args.nat)
     if args.nat and nodes < args.nat + 1:
         cli.error(f"--nat {args.nat} needs --nodes ≥ {args.nat + 1} (a reachable node to relay through)")
-    # SIGTERM unwinds like Ctrl+C, so the demo's processes stop and the namespaces are deleted
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    unwind_on_sigterm()
     if args.bandwidth and os.geteuid() != 0:
         report({"skipped": True, "reason": "--bandwidth needs root for network namespaces and tc"}, args.json)
         return

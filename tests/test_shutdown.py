@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -104,3 +106,33 @@ def test_a_drill_node_stops_within_five_seconds_in_the_middle_of_a_sync(swarm: L
     assert time.monotonic() - started < 5
     assert "left" in swarm.log("node0")
     assert all(json.loads(line)["step"] >= 0 for line in log_path.read_text().splitlines())
+
+
+def _is_drill_node(pid: int) -> bool:
+    try:
+        return b"--drill\x00" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def test_a_benchmark_stopped_by_sigterm_stops_the_nodes_it_started(swarm: LocalSwarm, tmp_path: Path):
+    """benchmarks.scale runs a bootstrap peer and drill nodes in sessions of their own, so nothing
+    but the benchmark stops them: SIGTERM unwinds it like Ctrl+C (once it left them all running)."""
+    argv = [sys.executable, "-m", "benchmarks.scale", "--json", "--simulate", "", "--drill", "2"]
+    argv += ["--steps", "100"]
+    bench = swarm.children.spawn("bench", argv, tmp_path / "bench.log")
+    wait_until(
+        lambda: sum(map(_is_drill_node, procs.descendants(bench.pid))) >= 2,
+        timeout=60,
+        what="the benchmark's two drill nodes",
+    )
+    tree = procs.descendants(bench.pid)
+    swarm.children.remember_trees()  # so the fixture's teardown finds orphans where this fails
+    bench.send_signal(signal.SIGTERM)
+    assert bench.wait(timeout=20) == 143
+    wait_until(
+        lambda: not any(procs.is_alive(pid) for pid in tree),
+        timeout=10,
+        interval=0.1,
+        what="the benchmark's bootstrap peer, drill nodes, DHT children and p2pd to exit",
+    )
