@@ -1,13 +1,18 @@
 """Does DiLoCo with int8 sync train as well as fp32 sync, and better than one node alone?
 
-    python -m benchmarks.quality --json [--steps 300] [--out DIR] [--set comm.clip=1.5]
-                                    [--only robust|bits|overlap]
+    python -m benchmarks.quality --json [--steps 300] [--seeds 1] [--tail 10] [--out DIR]
+                                    [--set comm.clip=1.5] [--only robust|bits|overlap]
 
 On the `debug` config over the embedded corpus, three runs of the same number of inner steps per
 node: (a) 2 nodes averaging pseudo-gradients through the real int8 all-reduce (two data-plane
 servers on 127.0.0.1 in this process), (a') the same 2 nodes averaging in exact fp32, (b) 1 node
 alone (DiLoCo's outer step with itself). The loss that counts is measured on held-out batches
-(another shard of the corpus) with the outer parameters every node agrees on.
+(another shard of the corpus) with the outer parameters every node agrees on, after every outer
+step. A ratio compares the mean of that loss over the last `--tail` outer steps, summed over
+`--seeds` runs (train.seed 0, 1, …; each seed its own node ids, so its own data order): one
+evaluation swings by ±2 % from one outer step to the next on the debug model, more than the 1 %
+some targets allow. loss_* are the means, of the last seed. `--tail 1` is the last evaluation
+alone, as the figures measured before --tail were (seed 0 runs the node ids those runs had).
 
 Reports int8_vs_fp32_loss_ratio (target within 2 % of 1) and diloco_vs_single_loss_ratio (< 1);
 and, (a'') the same 2 nodes with 4-bit codes (comm.bits = 4), bits4_vs_int8_loss_ratio (target
@@ -46,10 +51,12 @@ from p2ptrain.config import Config, load_config
 from p2ptrain.identity import load_or_create_identity
 from p2ptrain.train.agent_link import SoloLink
 from p2ptrain.train.data import node_batches
-from p2ptrain.train.trainer import RankContext, Trainer
+from p2ptrain.train.trainer import RankContext, Trainer, build_model
 
 EVAL_BATCHES = 8
 Averager = Callable[[list[torch.Tensor], list[int], int], None]
+Curve = dict[int, float]
+"""Outer step → held-out loss of the outer params after it."""
 
 
 def held_out(config: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -60,11 +67,22 @@ def held_out(config: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 @torch.no_grad()
-def eval_loss(trainer: Trainer, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    trainer.model.eval()
-    losses = [float(trainer.model(inputs, targets)) for inputs, targets in batches]
-    trainer.model.train()
+def eval_loss(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    model.eval()
+    losses = [float(model(inputs, targets)) for inputs, targets in batches]
+    model.train()
     return sum(losses) / len(losses)
+
+
+def tail_mean(curve: Curve, tail: int) -> float:
+    """The mean held-out loss over the last `tail` outer steps (all of them where fewer)."""
+    last = sorted(curve)[-tail:]
+    return sum(curve[step] for step in last) / len(last) if last else math.nan
+
+
+def node_id(index: int, seed: int) -> bytes:
+    """Node `index`'s id in the run of `seed` (ids pick the data order; seed 0's as before seeds)."""
+    return bytes([index]) * 31 + bytes([index ^ seed])
 
 
 def exact_mean(buffers: list[torch.Tensor], weights: list[int], step: int) -> None:
@@ -106,11 +124,14 @@ class Int8Ring:
         self.loop.close()
 
 
-def run(name: str, config: Config, nodes: int, average: Averager, work: Path, writer: csv.writer) -> float:
-    """Train `nodes` in lock-step; returns the final held-out loss of the shared outer params."""
-    trainers = [Trainer(config, bytes([i]) * 32, work / f"{name}-{i}", RankContext()) for i in range(nodes)]
+def run(name: str, config: Config, nodes: int, average: Averager, work: Path, writer: csv.writer) -> Curve:
+    """Train `nodes` in lock-step; the held-out loss of the shared outer params after every step."""
+    seed = config.train.seed
+    trainers = [
+        Trainer(config, node_id(i, seed), work / f"{name}-{seed}-{i}", RankContext()) for i in range(nodes)
+    ]
     evaluation = held_out(config)
-    loss = math.nan
+    curve: Curve = {}
     while trainers[0].inner_step < config.train.max_steps:
         phases = [trainer.inner_phase() for trainer in trainers]
         readies = [
@@ -122,13 +143,15 @@ def run(name: str, config: Config, nodes: int, average: Averager, work: Path, wr
             t.apply_outer(r, Averaged(r.outer_step, nodes)) for t, r in zip(trainers, readies, strict=True)
         }
         assert len(hashes) == 1, f"{name}: nodes diverged"
-        loss = eval_loss(trainers[0], evaluation)
-        train_loss = sum(p[1] for p in phases) / nodes
-        writer.writerow(
-            [name, trainers[0].outer_step, trainers[0].inner_step, round(train_loss, 4), round(loss, 4)]
-        )
-        print(f"{name}: outer step {trainers[0].outer_step}, held-out loss {loss:.4f}", flush=True)
-    return loss
+        loss = curve[trainers[0].outer_step] = eval_loss(trainers[0].model, evaluation)
+        log_step(writer, name, trainers[0], sum(p[1] for p in phases) / nodes, loss)
+    return curve
+
+
+def log_step(writer: csv.writer, name: str, trainer: Trainer, train_loss: float, loss: float) -> None:
+    row = [name, trainer.config.train.seed, trainer.outer_step, trainer.inner_step, train_loss, loss]
+    writer.writerow([round(value, 4) if isinstance(value, float) else value for value in row])
+    print(f"{name}, seed {row[1]}: outer step {row[2]}, held-out loss {loss:.4f}", flush=True)
 
 
 class Lockstep:
@@ -161,32 +184,41 @@ class Lockstep:
 
 def run_overlapped(
     name: str, config: Config, nodes: int, average: Averager, work: Path, writer: csv.writer
-) -> float:
-    """`run` with outer.overlap: every step's average is taken at the end of the next phase, the
-    phases in between start from the eager estimate; the loss is S's once the last step is in."""
+) -> Curve:
+    """`run` with outer.overlap: every step's average is taken at the end of the next phase (or
+    outer.overlap_steps into it), the phases in between start from the eager estimate. The curve
+    is S's, step for step like `run`'s: θ_outer after each step once it is taken (its evaluation
+    is a phase later than blocking's), then the last step's after the drain."""
     config = config.model_copy(update={"outer": config.outer.model_copy(update={"overlap": True})})
     exchange = Lockstep(average, nodes)
+    seed = config.train.seed
     trainers = [
-        Trainer(config, bytes([i]) * 32, work / f"{name}-{i}", RankContext(), link=exchange.link(i))
+        Trainer(config, node_id(i, seed), work / f"{name}-{seed}-{i}", RankContext(), link=exchange.link(i))
         for i in range(nodes)
     ]
     exchange.buffers = [t.leader.buffer for t in trainers if t.leader is not None]
     evaluation = held_out(config)
+    outer_model = build_model(config, RankContext())
+    curve: Curve = {}
+
+    def evaluate_outer(train_loss: float) -> None:
+        """S's loss: θ_outer loaded into a model of its own (the nodes' hold working weights)."""
+        leader = trainers[0]
+        assert len({t.outer.params_hash() for t in trainers}) == 1, f"{name}: nodes diverged"
+        if leader.outer_step not in curve:
+            leader.layout.scatter(outer_model, leader.outer.params)
+            curve[leader.outer_step] = eval_loss(outer_model, evaluation)
+            log_step(writer, name, leader, train_loss, curve[leader.outer_step])
+
     while trainers[0].inner_step < config.train.max_steps:
         phases = [trainer.inner_phase() for trainer in trainers]
         for trainer, (tokens, loss) in zip(trainers, phases, strict=True):
             trainer.overlapped.end_of_phase(tokens, loss)  # type: ignore[union-attr]
-        assert len({t.outer.params_hash() for t in trainers}) == 1, f"{name}: nodes diverged"
-        loss = eval_loss(trainers[0], evaluation)  # the working weights, mid-run
-        train_loss = sum(p[1] for p in phases) / nodes
-        writer.writerow(
-            [name, trainers[0].outer_step, trainers[0].inner_step, round(train_loss, 4), round(loss, 4)]
-        )
-        print(f"{name}: outer step {trainers[0].outer_step}, held-out loss {loss:.4f}", flush=True)
+        evaluate_outer(sum(p[1] for p in phases) / nodes)
     for trainer in trainers:
         trainer.overlapped.drain()  # type: ignore[union-attr]
-    assert len({t.outer.params_hash() for t in trainers}) == 1, f"{name}: nodes diverged"
-    return eval_loss(trainers[0], evaluation)  # S: the model holds θ_outer after the drain
+    evaluate_outer(math.nan)
+    return curve
 
 
 def plot(csv_path: Path, png_path: Path) -> bool:
@@ -200,11 +232,12 @@ def plot(csv_path: Path, png_path: Path) -> bool:
     curves: dict[str, list[tuple[int, float]]] = {}
     with csv_path.open() as handle:
         for row in csv.DictReader(handle):
-            curves.setdefault(row["run"], []).append((int(row["inner_step"]), float(row["eval_loss"])))
+            run = row["run"] if row["seed"] == "0" else f"{row['run']}, seed {row['seed']}"
+            curves.setdefault(run, []).append((int(row["outer_step"]), float(row["eval_loss"])))
     figure, axes = plt.subplots(figsize=(7, 4))
     for name, points in curves.items():
         axes.plot(*zip(*points, strict=True), label=name)
-    axes.set_xlabel("inner steps per node")
+    axes.set_xlabel("outer step")
     axes.set_ylabel("held-out loss")
     axes.legend()
     figure.tight_layout()
@@ -217,9 +250,47 @@ def rounded(value: float) -> float | None:
     return None if math.isnan(value) else round(value, 4)
 
 
+ROBUST_CASES = {
+    "3 nodes mean": (None, 1.0),
+    "3 nodes clipped": ("clip", 1.0),
+    "3 nodes clipped, one poisoner x100": ("clip", 100.0),
+    "3 nodes mean, one poisoner x100": (None, 100.0),
+}
+"""Robust aggregation's runs: (ring settings, the poisoner's factor); "clip" is comm.clip or 1."""
+
+
+def seed_runs(config: Config, only: str | None, tmp: Path, writer: csv.writer) -> dict[str, Curve]:
+    """Every run `only` asks for, with config's train.seed: run name → curve."""
+    curves: dict[str, Curve] = {}
+
+    def through_ring(name: str, nodes: int, settings: RingSettings | None = None, poison: float = 1) -> None:
+        ring = Int8Ring(nodes, tmp / f"{name.replace(' ', '-')}-{config.train.seed}", settings, poison)
+        try:
+            runner = run_overlapped if "overlap" in name else run
+            curves[name] = runner(name, config, nodes, ring, tmp, writer)
+        finally:
+            ring.close()
+
+    if only != "robust":
+        through_ring("2 nodes int8", 2)
+    if only in (None, "bits"):
+        through_ring("2 nodes int4", 2, RingSettings(bits=4))
+    if only in (None, "overlap"):
+        through_ring("2 nodes int8 overlap", 2)
+    if only is None:
+        curves["2 nodes fp32"] = run("2 nodes fp32", config, 2, exact_mean, tmp, writer)
+        curves["1 node"] = run("1 node", config, 1, lambda buffers, weights, step: None, tmp, writer)
+    for name, (clip, poison) in ROBUST_CASES.items() if only in (None, "robust") else ():
+        settings = RingSettings(clip=config.comm.clip or 1.0) if clip else None
+        through_ring(name, 3, settings, poison)
+    return curves
+
+
 def main() -> None:
     cli = parser(__doc__)
     cli.add_argument("--steps", type=int, default=300, help="inner steps per node (default %(default)s)")
+    cli.add_argument("--seeds", type=int, default=1, help="runs of each case, train.seed 0, 1, … (default 1)")
+    cli.add_argument("--tail", type=int, default=10, help="last outer steps averaged (default 10)")
     cli.add_argument("--out", default=".bench/quality", help="folder for quality.csv and quality.png")
     cli.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     cli.add_argument(
@@ -228,73 +299,53 @@ def main() -> None:
         help="only the 3-node robust runs, the int8 and int4 ones, or int8 without and with overlap",
     )
     args = cli.parse_args()
+    if args.seeds < 1 or args.tail < 1 or args.steps < 1:
+        cli.error("--steps, --seeds and --tail must be at least 1")
     torch.set_num_threads(2)
     overrides = [f"train.max_steps={args.steps}", "checkpoint.interval=0", 'checkpoint.staging=""', *args.set]
     config = load_config("debug", overrides=overrides)
-    clip = config.comm.clip or 1.0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
+    sums: dict[str, float] = {}
+    last: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp, (out / "quality.csv").open("w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["run", "outer_step", "inner_step", "train_loss", "eval_loss"])
-        int8 = int4 = fp32 = single = overlapped = math.nan
-        if args.only != "robust":
-            ring = Int8Ring(2, Path(tmp))
-            try:
-                int8 = run("2 nodes int8", config, 2, ring, Path(tmp), writer)
-            finally:
-                ring.close()
-        if args.only in (None, "bits"):
-            ring = Int8Ring(2, Path(tmp) / "int4", RingSettings(bits=4))
-            try:
-                int4 = run("2 nodes int4", config, 2, ring, Path(tmp), writer)
-            finally:
-                ring.close()
-        if args.only in (None, "overlap"):
-            ring = Int8Ring(2, Path(tmp) / "overlap")
-            try:
-                overlapped = run_overlapped("2 nodes int8 overlap", config, 2, ring, Path(tmp), writer)
-            finally:
-                ring.close()
-        if args.only is None:
-            fp32 = run("2 nodes fp32", config, 2, exact_mean, Path(tmp), writer)
-            single = run("1 node", config, 1, lambda buffers, weights, step: None, Path(tmp), writer)
-        cases = {
-            "3 nodes mean": (None, 1.0),
-            "3 nodes clipped": (RingSettings(clip=clip), 1.0),
-            "3 nodes clipped, one poisoner x100": (RingSettings(clip=clip), 100.0),
-            "3 nodes mean, one poisoner x100": (None, 100.0),
-        }
-        robust = dict.fromkeys(cases, math.nan)
-        for name, (settings, poison) in cases.items() if args.only in (None, "robust") else ():
-            ring = Int8Ring(3, Path(tmp) / name.replace(" ", "-"), settings, poison)
-            try:
-                robust[name] = run(name, config, 3, ring, Path(tmp), writer)
-            finally:
-                ring.close()
+        writer.writerow(["run", "seed", "outer_step", "inner_step", "train_loss", "eval_loss"])
+        for seed in range(args.seeds):
+            seeded = config.model_copy(update={"train": config.train.model_copy(update={"seed": seed})})
+            for name, curve in seed_runs(seeded, args.only, Path(tmp), writer).items():
+                last[name] = tail_mean(curve, args.tail)
+                sums[name] = sums.get(name, 0.0) + last[name]
     plotted = plot(out / "quality.csv", out / "quality.png")
+
+    def ratio(run: str, base: str) -> float | None:
+        return rounded(sums.get(run, math.nan) / sums.get(base, math.nan))
+
+    def loss(run: str) -> float | None:
+        return rounded(last.get(run, math.nan))
+
     report(
         {
             "inner_steps": args.steps,
-            "clip": clip,
-            "loss_int8": rounded(int8),
-            "loss_fp32": rounded(fp32),
-            "loss_single": rounded(single),
-            "int8_vs_fp32_loss_ratio": rounded(int8 / fp32),
-            "diloco_vs_single_loss_ratio": rounded(int8 / single),
-            "loss_int4": rounded(int4),
-            "bits4_vs_int8_loss_ratio": rounded(int4 / int8),
-            "loss_overlap": rounded(overlapped),
-            "overlap_vs_blocking_loss_ratio": rounded(overlapped / int8),
-            "loss_3_mean": rounded(robust["3 nodes mean"]),
-            "loss_3_clipped": rounded(robust["3 nodes clipped"]),
-            "loss_poisoned_clipped": rounded(robust["3 nodes clipped, one poisoner x100"]),
-            "loss_poisoned_unclipped": rounded(robust["3 nodes mean, one poisoner x100"]),
-            "clipped_vs_mean_loss_ratio": rounded(robust["3 nodes clipped"] / robust["3 nodes mean"]),
-            "poisoned_vs_honest_loss_ratio": rounded(
-                robust["3 nodes clipped, one poisoner x100"] / robust["3 nodes clipped"]
-            ),
+            "seeds": args.seeds,
+            "tail": args.tail,
+            "clip": config.comm.clip or 1.0,
+            "loss_int8": loss("2 nodes int8"),
+            "loss_fp32": loss("2 nodes fp32"),
+            "loss_single": loss("1 node"),
+            "int8_vs_fp32_loss_ratio": ratio("2 nodes int8", "2 nodes fp32"),
+            "diloco_vs_single_loss_ratio": ratio("2 nodes int8", "1 node"),
+            "loss_int4": loss("2 nodes int4"),
+            "bits4_vs_int8_loss_ratio": ratio("2 nodes int4", "2 nodes int8"),
+            "loss_overlap": loss("2 nodes int8 overlap"),
+            "overlap_vs_blocking_loss_ratio": ratio("2 nodes int8 overlap", "2 nodes int8"),
+            "loss_3_mean": loss("3 nodes mean"),
+            "loss_3_clipped": loss("3 nodes clipped"),
+            "loss_poisoned_clipped": loss("3 nodes clipped, one poisoner x100"),
+            "loss_poisoned_unclipped": loss("3 nodes mean, one poisoner x100"),
+            "clipped_vs_mean_loss_ratio": ratio("3 nodes clipped", "3 nodes mean"),
+            "poisoned_vs_honest_loss_ratio": ratio("3 nodes clipped, one poisoner x100", "3 nodes clipped"),
             "csv": str(out / "quality.csv"),
             "png": str(out / "quality.png") if plotted else None,
             "seconds": round(time.monotonic() - started, 1),
