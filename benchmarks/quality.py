@@ -251,22 +251,27 @@ def rounded(value: float) -> float | None:
 
 
 ROBUST_CASES = {
-    "3 nodes mean": (None, 1.0),
-    "3 nodes clipped": ("clip", 1.0),
-    "3 nodes clipped, one poisoner x100": ("clip", 100.0),
-    "3 nodes mean, one poisoner x100": (None, 100.0),
+    "3 nodes mean": (False, 1.0),
+    "3 nodes clipped": (True, 1.0),
+    "3 nodes clipped, one poisoner x100": (True, 100.0),
+    "3 nodes mean, one poisoner x100": (False, 100.0),
 }
-"""Robust aggregation's runs: (ring settings, the poisoner's factor); "clip" is comm.clip or 1."""
+"""Robust aggregation's runs: (shares clipped at comm.clip, or 1 where unset; the poisoner's factor)."""
+
+
+Runner = Callable[[str, Config, int, Averager, Path, csv.writer], Curve]
+"""`run` or `run_overlapped`."""
 
 
 def seed_runs(config: Config, only: str | None, tmp: Path, writer: csv.writer) -> dict[str, Curve]:
     """Every run `only` asks for, with config's train.seed: run name → curve."""
     curves: dict[str, Curve] = {}
 
-    def through_ring(name: str, nodes: int, settings: RingSettings | None = None, poison: float = 1) -> None:
+    def through_ring(
+        name: str, nodes: int, settings: RingSettings | None = None, poison: float = 1, runner: Runner = run
+    ) -> None:
         ring = Int8Ring(nodes, tmp / f"{name.replace(' ', '-')}-{config.train.seed}", settings, poison)
         try:
-            runner = run_overlapped if "overlap" in name else run
             curves[name] = runner(name, config, nodes, ring, tmp, writer)
         finally:
             ring.close()
@@ -276,13 +281,12 @@ def seed_runs(config: Config, only: str | None, tmp: Path, writer: csv.writer) -
     if only in (None, "bits"):
         through_ring("2 nodes int4", 2, RingSettings(bits=4))
     if only in (None, "overlap"):
-        through_ring("2 nodes int8 overlap", 2)
+        through_ring("2 nodes int8 overlap", 2, runner=run_overlapped)
     if only is None:
         curves["2 nodes fp32"] = run("2 nodes fp32", config, 2, exact_mean, tmp, writer)
         curves["1 node"] = run("1 node", config, 1, lambda buffers, weights, step: None, tmp, writer)
-    for name, (clip, poison) in ROBUST_CASES.items() if only in (None, "robust") else ():
-        settings = RingSettings(clip=config.comm.clip or 1.0) if clip else None
-        through_ring(name, 3, settings, poison)
+    for name, (clipped, poison) in ROBUST_CASES.items() if only in (None, "robust") else ():
+        through_ring(name, 3, RingSettings(clip=config.comm.clip or 1.0) if clipped else None, poison)
     return curves
 
 

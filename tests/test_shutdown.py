@@ -108,13 +108,6 @@ def test_a_drill_node_stops_within_five_seconds_in_the_middle_of_a_sync(swarm: L
     assert all(json.loads(line)["step"] >= 0 for line in log_path.read_text().splitlines())
 
 
-def _is_drill_node(pid: int) -> bool:
-    try:
-        return b"--drill\x00" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-
-
 def test_a_benchmark_stopped_by_sigterm_stops_the_nodes_it_started(swarm: LocalSwarm, tmp_path: Path):
     """benchmarks.scale runs a bootstrap peer and drill nodes in sessions of their own, so nothing
     but the benchmark stops them: SIGTERM unwinds it like Ctrl+C (once it left them all running)."""
@@ -122,7 +115,7 @@ def test_a_benchmark_stopped_by_sigterm_stops_the_nodes_it_started(swarm: LocalS
     argv += ["--steps", "100"]
     bench = swarm.children.spawn("bench", argv, tmp_path / "bench.log")
     wait_until(
-        lambda: sum(map(_is_drill_node, procs.descendants(bench.pid))) >= 2,
+        lambda: sum("--drill" in procs.command_line(pid) for pid in procs.descendants(bench.pid)) >= 2,
         timeout=60,
         what="the benchmark's two drill nodes",
     )
