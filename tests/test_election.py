@@ -24,6 +24,7 @@ from p2ptrain.swarm.election import (
     ready_for,
     ring_order,
 )
+from p2ptrain.swarm.evidence import BLAME_FIELD, blame_field
 from p2ptrain.swarm.records import Heartbeat, NodeState
 
 
@@ -75,8 +76,20 @@ def test_never_solo_while_another_node_is_at_the_step():
     """A stale record of a peer (its ready record has not reached us) must not let us go alone."""
     beats = [beat(1, NodeState.READY, 4), beat(2, NodeState.LEAVING, 4)]
     assert decide(beats, 4, deadline_passed=True) is None
-    beats = [beat(1, NodeState.READY, 4), beat(2, NodeState.TRAINING, 5)]  # already past: not at 4
+    beats = [beat(1, NodeState.READY, 4), beat(2, NodeState.JOINING, 5)]  # not in the steps yet
     assert decide(beats, 4, deadline_passed=True).keys == [key(1)]
+
+
+def test_never_solo_while_another_node_is_past_the_step():
+    """One node past the step is no majority (swarm_ahead), but it took the step or gave it up
+    without us: alone, we would fork it. Seen: a node that had named the one other node at the step
+    (evidence of an earlier step) took steps alone while two nodes took them together."""
+    for state in (NodeState.TRAINING, NodeState.READY, NodeState.FINISHED):
+        assert decide([beat(1, NodeState.READY, 4), beat(2, state, 5)], 4, deadline_passed=True) is None
+    named = replace(beat(1, NodeState.READY, 4), extra={BLAME_FIELD: blame_field(4, [key(2)])})
+    assert decide([named, beat(2, NodeState.READY, 4)], 4, deadline_passed=True).keys == [key(1)]
+    with_one_past = [named, beat(2, NodeState.READY, 4), beat(3, NodeState.TRAINING, 5)]
+    assert decide(with_one_past, 4, deadline_passed=True) is None
 
 
 def test_waits_for_nodes_still_training_until_the_deadline():

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from p2ptrain.comm.connect import dial_member
 from p2ptrain.comm.dataplane import DataPlaneServer, RingSettings
-from p2ptrain.comm.handshake import AttemptBehind, HandshakeError, accept, dial
+from p2ptrain.comm.handshake import AttemptBehind, HandshakeError, ViewsDiffer, accept, dial
 from p2ptrain.comm.members import RingMember
 from p2ptrain.comm.wire import (
     MAGIC,
@@ -279,21 +279,26 @@ def test_a_sealed_frame_opens_only_once_in_order_on_its_own_direction():
         ("non-member", "is not a member"),
         ("step", "step 6"),
         ("digest", "membership digest differs"),
+        ("non-member of another election", "membership digest differs"),
         ("lane", "differ in comm.connections"),
     ],
 )
 def test_handshake_refusals_are_logged_on_both_sides(nodes: Nodes, caplog, case: str, reason: str):
+    """Only a refusal for another digest says the views differ (the dialer elects again without
+    counting a failed attempt), also where the dialer is not among the listener's members."""
     members = {nodes.a.public_key, nodes.b.public_key}
     kwargs: dict = {
         "step": {"dial_step": 6},
         "digest": {"dial_digest": b"x" * 32},
+        "non-member of another election": {"dial_digest": b"x" * 32},
         "lane": {"lane": 1},  # the listener expects one connection per peer
     }.get(case, {})
-    dialer = nodes.c if case == "non-member" else nodes.b
+    dialer = nodes.c if case.startswith("non-member") else nodes.b
     with caplog.at_level(logging.WARNING, logger="p2ptrain.comm.handshake"):
         accepted, dialed = handshake(nodes.a, dialer, members, **kwargs)
     assert isinstance(accepted, HandshakeError) and reason in str(accepted)
     assert isinstance(dialed, HandshakeError) and reason in str(dialed)
+    assert isinstance(dialed, ViewsDiffer) == (reason == "membership digest differs")
     assert any(reason in record.getMessage() for record in caplog.records)
 
 

@@ -347,13 +347,17 @@ async def accept_any(
 def _check_member(
     admission: Admission, identity: NodeIdentity, peer: bytes, step: int, lane: int, digest: bytes | None
 ) -> None:
-    """Raise HandshakeError unless `peer` may connect on `lane` (with `digest`, where given)."""
+    """Raise HandshakeError unless `peer` may connect on `lane` (with `digest`, where given).
+
+    The digest is checked first: a peer that elected other members is often not among ours, and
+    that is a difference of views (elect again), not a failed attempt — counted as one, a node
+    refused at once burned every retry of the step within a second."""
+    if digest is not None and digest != admission.digest:
+        raise ViewsDiffer("membership digest differs (the two nodes elected different members)")
     if peer not in admission.allowed or peer == identity.public_key:
         raise HandshakeError(f"{short_id(peer)} is not a member of step {step}")
     if lane >= admission.lanes:
         raise HandshakeError(f"lane {lane} of {admission.lanes} (the two nodes differ in comm.connections)")
-    if digest is not None and digest != admission.digest:
-        raise ViewsDiffer("membership digest differs (the two nodes elected different members)")
 
 
 def _log_refusal(reason: str) -> None:

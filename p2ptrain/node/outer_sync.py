@@ -54,6 +54,10 @@ MIN_READ_GAP = 0.05
 """Seconds between two reads of the records in an election, however often members dial us."""
 MIN_PUSH_GAP = 0.01
 """Seconds between two looks at the records pushed to us (no DHT read: a decision on what we have)."""
+MIN_ATTEMPT_SECONDS = 0.5
+"""Shortest time one failed attempt of a step takes before the next election (at most half the
+heartbeat interval): a refusal that comes at once must not burn every retry before the views
+converge (seen: 20 attempts within a second, then the step given up on every node)."""
 
 
 class StepGivenUp(RuntimeError):
@@ -329,6 +333,7 @@ class OuterSync:
                 continue
             attempt += 1
             elected_at = time.monotonic()
+            next_attempt_at = elected_at + min(MIN_ATTEMPT_SECONDS, swarm.heartbeat_interval / 2)
             self.publisher.publish_soon(state=NodeState.SYNCING)  # for the others' tables: no need to wait
             try:
                 stats = await ring_all_reduce(
@@ -358,6 +363,7 @@ class OuterSync:
                     log.warning("naming %s in the evidence of step %d", short_id(culprit), step)
                     named.add(culprit)
                 await self._announce(step, state=NodeState.READY, extra=self._extra_for(step, named, True))
+                await asyncio.sleep(max(0.0, next_attempt_at - time.monotonic()))
                 continue
             self._remember_links(stats.link_rates)
             for key, chunks in stats.clipped.items():

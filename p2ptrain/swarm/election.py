@@ -8,11 +8,11 @@ outer_step N, its data-plane address and its weight (tokens processed). Then eac
    or until `straggler_deadline` seconds after it first *saw* a ready(N) record — measured on its
    own monotonic clock, so clock skew between hosts changes nothing. A node that sees only itself
    ready never goes on alone while another live node is at step N (its ready record may not have
-   reached us; a one-member step has no handshake to reveal the disagreement), and otherwise only
-   after the deadline. Only a strict majority of the nodes at step N may go on without the
-   others: two halves that each see only their own ready records (a DHT view not yet converged)
-   must not both take the step. So in a two-node swarm a straggler holds the other back, and so
-   does a slow half of any swarm;
+   reached us; a one-member step has no handshake to reveal the disagreement) or past it, and
+   otherwise only after the deadline. Only a strict majority of the nodes at step N may go on
+   without the others: two halves that each see only their own ready records (a DHT view not yet
+   converged) must not both take the step. So in a two-node swarm a straggler holds the other
+   back, and so does a slow half of any swarm;
 2. takes the ready(N) nodes as the members, ordered by `ring_order`, without those the signed
    evidence of failed attempts leaves out (evidence.py): one unreachable or lying node costs an
    attempt, not the step.
@@ -223,12 +223,19 @@ IN_STEPS = (NodeState.TRAINING, NodeState.READY, NodeState.SYNCING)
 """States of a node that takes part in the outer steps (its outer_step is the one it works on)."""
 
 
-def _others_at(heartbeats: Iterable[Heartbeat], step: int, me: bytes, ignored: Collection[bytes]) -> bool:
+def _others_at_or_past(
+    heartbeats: Iterable[Heartbeat], step: int, me: bytes, ignored: Collection[bytes]
+) -> bool:
+    """Another live node is at `step` (one the evidence leaves out, `ignored`, aside), or in the
+    steps (or finished) past it: then the step was taken or given up without us, and taking it
+    alone would fork the run even where no majority is past it yet (swarm_ahead)."""
     return any(
         beat.node_key != me
-        and beat.node_key not in ignored
-        and beat.outer_step == step
         and beat.state is not NodeState.DEAD
+        and (
+            (beat.outer_step == step and beat.node_key not in ignored)
+            or (beat.outer_step > step and beat.state in (*IN_STEPS, NodeState.FINISHED))
+        )
         for beat in heartbeats
     )
 
@@ -256,10 +263,12 @@ def decide(
     ready = [beat for beat in ready if beat.node_key not in excluded]
     if not ready or (expected and (not deadline_passed or 2 * len(ready) <= len(ready) + len(expected))):
         return None
-    if len(ready) == 1 and (not deadline_passed or _others_at(heartbeats, step, ready[0].node_key, excluded)):
+    if len(ready) == 1 and (
+        not deadline_passed or _others_at_or_past(heartbeats, step, ready[0].node_key, excluded)
+    ):
         # Alone in this view: a one-member "all-reduce" has no handshake that would reveal a
         # disagreement, so never go solo while any other live node is at this step (its ready record
-        # may just not have reached us), and otherwise only after the deadline.
+        # may just not have reached us) or past it, and otherwise only after the deadline.
         return None
     by_key = {beat.node_key: beat for beat in ready}
     if throughput is None:
