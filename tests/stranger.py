@@ -1,6 +1,6 @@
 """A stranger on the swarm's DHT, run as its own process by the tests and benchmarks.
 
-    python -m tests.stranger --peer MADDR --run-id RUN --mode refused|silent [--address-file F]
+    python -m tests.stranger --peer MADDR --run-id RUN --mode refused|silent|differs [--address-file F]
                              [--closed-by AUTHORITY --ticket none|copied]
 
 It makes a fresh key and, every `--interval` seconds, publishes a validly signed heartbeat saying
@@ -9,7 +9,9 @@ digest copied from their records) with a data-plane address that cannot take par
 
 - `refused`: 127.0.0.1:9, where nobody listens (the kernel refuses every connect);
 - `silent`: a port of its own that accepts connections and never answers (a frozen or malicious
-  node looks like this), so only a timeout can tell.
+  node looks like this), so only a timeout can tell;
+- `differs`: a port of its own that answers every hello at once with "our views differ" (the
+  refusal of an honest member that elected other members, which blames no one).
 
 In a closed run (`--closed-by`, the run's authority key in hex) it stores its records under that
 run's key, with no ticket or with a ticket copied from an honest node's record (`--ticket copied`),
@@ -29,6 +31,8 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from p2ptrain.comm.handshake import MAX_HANDSHAKE_FRAME
+from p2ptrain.comm.wire import WireError, read_frame, write_frame
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.swarm.dht import DHTSettings, SwarmDHT
 from p2ptrain.swarm.election import IN_STEPS
@@ -44,7 +48,23 @@ def silent_listener() -> socket.socket:
     return sock
 
 
+async def refuse_as_if_views_differ(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Read a hello, say the views differ, close: however often it is dialed."""
+    try:
+        await read_frame(reader, 5.0, MAX_HANDSHAKE_FRAME)
+        refusal = {"kind": "refuse", "reason": "membership digest differs", "views_differ": True}
+        await write_frame(writer, refusal, timeout=5.0)
+    except WireError:
+        pass
+    finally:
+        writer.close()
+
+
 async def publish_forever(args: argparse.Namespace, address: str) -> None:
+    server = None
+    if args.mode == "differs":
+        server = await asyncio.start_server(refuse_as_if_views_differ, "127.0.0.1", 0)
+        address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
     identity = NodeIdentity(Ed25519PrivateKey.generate(), Path(tempfile.gettempdir()))
     dht = SwarmDHT.start(DHTSettings(peers=[args.peer], listen=["/ip4/127.0.0.1/tcp/0"]))
     stop = asyncio.Event()
@@ -77,6 +97,8 @@ async def publish_forever(args: argparse.Namespace, address: str) -> None:
                 await asyncio.wait_for(stop.wait(), args.interval)
     finally:
         dht.shutdown()
+        if server is not None:
+            server.close()
 
 
 async def store_in_closed_run(
@@ -93,7 +115,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peer", required=True)
     parser.add_argument("--run-id", default="p2ptrain-debug")
-    parser.add_argument("--mode", choices=["refused", "silent"], default="refused")
+    parser.add_argument("--mode", choices=["refused", "silent", "differs"], default="refused")
     parser.add_argument("--interval", type=float, default=0.5)
     parser.add_argument("--address-file", default="")
     parser.add_argument("--closed-by", default="", metavar="AUTHORITY")

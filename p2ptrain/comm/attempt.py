@@ -23,12 +23,21 @@ LaneKey = tuple[bytes, int]
 class AllReduceError(WireError):
     """This member's all-reduce failed; its buffer is unchanged. Retry with the survivors."""
 
-    def __init__(self, message: str, unresponsive: bytes | None = None, views_differ: bool = False):
+    def __init__(
+        self,
+        message: str,
+        unresponsive: bytes | None = None,
+        views_differ: bool = False,
+        refuser: bytes | None = None,
+    ):
         super().__init__(message)
         self.unresponsive = unresponsive
         """A member this node could not reach or that did not answer in time, where one is named."""
         self.views_differ = views_differ
         """A peer elected other members (another digest): elect again shortly, blaming no one."""
+        self.refuser = refuser
+        """The member whose handshake said the views differ, where a dial of ours was refused so:
+        one that says so for longer than views take to converge is lying (outer_sync names it)."""
 
 
 @dataclass

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from p2ptrain.comm.attempt import AllReduceError, Connection, LaneKey, Registration
 from p2ptrain.comm.dataplane import DataPlaneServer, RingSettings
-from p2ptrain.comm.handshake import AttemptBehind, Credentials, PeerBusy, dial
+from p2ptrain.comm.handshake import AttemptBehind, Credentials, PeerBusy, ViewsDiffer, dial
 from p2ptrain.comm.members import RingMember
 from p2ptrain.comm.relay import RelayRefused, Role, Route, needs_relay, open_relayed, route
 from p2ptrain.comm.schedule import Schedule
@@ -128,6 +128,9 @@ async def dial_member(
             raise AllReduceError(
                 f"{short_id(member.key)} did not answer the handshake: {exc}", silent
             ) from None
+        except ViewsDiffer as exc:
+            writer.close()
+            raise AllReduceError(f"step {step}: {exc}", views_differ=True, refuser=member.key) from None
         except PeerBusy as exc:
             writer.close()
             if time.monotonic() + busy_delay > busy_deadline:

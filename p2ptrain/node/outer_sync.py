@@ -60,6 +60,26 @@ heartbeat interval): a refusal that comes at once must not burn every retry befo
 converge (seen: 20 attempts within a second, then the step given up on every node)."""
 
 
+class DifferingViews:
+    """Members whose handshake has said "our views differ" during one step, and since when.
+
+    Honest views converge within seconds, as records propagate; a member that still says so after
+    `patience` seconds (the setup deadline: what a member that never connects gets) is lying, as a
+    stranger that answers every hello so would, or broken. Unnamed, it would stall every step: the
+    dial it refuses ends the attempt on every member before anyone's deadline names it."""
+
+    def __init__(self, patience: float):
+        self.patience = patience
+        self._since: dict[bytes, float] = {}
+
+    def still(self, refuser: bytes | None) -> bytes | None:
+        """`refuser` if it has said so for `patience` seconds by now, else None (it may be honest)."""
+        if refuser is None:
+            return None
+        since = self._since.setdefault(refuser, time.monotonic())
+        return refuser if time.monotonic() - since >= self.patience else None
+
+
 class StepGivenUp(RuntimeError):
     """No all-reduce of this step completed within the retries; the vector is unchanged."""
 
@@ -305,6 +325,7 @@ class OuterSync:
         last_error: Exception | None = None
         attempt = 0
         deadline = time.monotonic() + swarm.election_timeout
+        differing = DifferingViews(self.server.settings.setup_timeout)
         while attempt < swarm.sync_retries and time.monotonic() < deadline:
             standby = await self.standby.current()
             try:
@@ -346,12 +367,26 @@ class OuterSync:
                 )
             except AllReduceError as exc:
                 last_error = exc
-                log.warning("step %d attempt %d failed (%s); electing the survivors", step, attempt, exc)
-                if exc.views_differ:
+                liar = differing.still(exc.refuser) if exc.views_differ else None
+                if exc.views_differ and liar is None:
                     # our views of the ready records still differ: not a failed try, and read again
                     # only after they had time to converge (instant refusals burned every retry)
+                    log.info("step %d: views differ (%s); electing again", step, exc)
                     attempt -= 1
                     await asyncio.sleep(min(0.5, swarm.heartbeat_interval / 2))
+                    continue
+                log.warning("step %d attempt %d failed (%s); electing the survivors", step, attempt, exc)
+                if liar is not None:
+                    log.warning(
+                        "%s has said our views differ for %.0f s: naming it in the evidence of step %d",
+                        short_id(liar),
+                        differing.patience,
+                        step,
+                    )
+                    named.add(liar)
+                    await self._announce(
+                        step, state=NodeState.READY, extra=self._extra_for(step, named, True)
+                    )
                     continue
                 # a member that crashed (its port refuses) is left out by everyone's own probe; one
                 # that did not answer (frozen, cut off, a stranger) by the evidence we publish now
