@@ -9,8 +9,7 @@ up to 0.3 s) for --steps outer steps, once per case:
 - `stranger_refused`: a fresh key publishes "ready for the current step" every 0.5 s with a data
   address nobody listens on (127.0.0.1:9) — tests/stranger.py;
 - `stranger_silent`: the same with an address that accepts connections and never answers;
-- `stranger_refuses`: the same with an address that answers every hello with a refusal (views
-  differ, busy, another attempt, not that step: what honest members say for a moment);
+- `stranger_differs`: the same with an address that answers every hello "our views differ";
 - `node_dead_address`: a fourth, real drill node that announces 127.0.0.1:9 (`node.data_announce`).
 
 Per case: the step rate (steps per second of node0, first to last step), steps given up, steps
@@ -38,7 +37,7 @@ from benchmarks.common import (
 from p2ptrain.procs import ChildProcesses
 
 NODES = 3
-CASES = ("honest", "stranger_refused", "stranger_silent", "stranger_refuses", "node_dead_address")
+CASES = ("honest", "stranger_refused", "stranger_silent", "stranger_differs", "node_dead_address")
 
 
 def join(root: Path, name: str, peer: str, steps: int, extra: list[str]) -> list[str]:

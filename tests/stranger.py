@@ -1,6 +1,6 @@
 """A stranger on the swarm's DHT, run as its own process by the tests and benchmarks.
 
-    python -m tests.stranger --peer MADDR --run-id RUN --mode refused|silent|refuses [--address-file F]
+    python -m tests.stranger --peer MADDR --run-id RUN --mode refused|silent|differs [--address-file F]
                              [--closed-by AUTHORITY --ticket none|copied]
 
 It makes a fresh key and, every `--interval` seconds, publishes a validly signed heartbeat saying
@@ -10,8 +10,8 @@ digest copied from their records) with a data-plane address that cannot take par
 - `refused`: 127.0.0.1:9, where nobody listens (the kernel refuses every connect);
 - `silent`: a port of its own that accepts connections and never answers (a frozen or malicious
   node looks like this), so only a timeout can tell;
-- `refuses`: a port of its own that answers every hello with a refusal an honest member gives
-  for a moment (views differ, busy, another attempt, not that step), which blames no one.
+- `differs`: a port of its own that answers every hello at once with "our views differ" (the
+  refusal of an honest member that elected other members, which blames no one).
 
 In a closed run (`--closed-by`, the run's authority key in hex) it stores its records under that
 run's key, with no ticket or with a ticket copied from an honest node's record (`--ticket copied`),
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from p2ptrain.comm.handshake import MAX_HANDSHAKE_FRAME, Admission, Refusal, accept_any
+from p2ptrain.comm.handshake import MAX_HANDSHAKE_FRAME
 from p2ptrain.comm.wire import WireError, read_frame, write_frame
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.swarm.dht import DHTSettings, SwarmDHT
@@ -48,53 +48,24 @@ def silent_listener() -> socket.socket:
     return sock
 
 
-class Refuser:
-    """A data port that answers every hello with a refusal, a different one each time: "our views
-    differ", a plain refusal, and — after the real handshake's proofs, as an honest member's are
-    sent — "busy, dial again" and "that attempt is over here". Each is what an honest member says
-    for a moment; none blames anyone."""
-
-    def __init__(self, identity: NodeIdentity):
-        self.identity = identity
-        self.answered = 0
-
-    async def __call__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        kind, self.answered = self.answered % 4, self.answered + 1
-        try:
-            hello = await read_frame(reader, 5.0, MAX_HANDSHAKE_FRAME)
-            if kind < 2:
-                reason = (
-                    "membership digest differs" if kind == 0 else "step 0 is not a step this node is reducing"
-                )
-                await write_frame(
-                    writer, {"kind": "refuse", "reason": reason, "views_differ": kind == 0}, timeout=5.0
-                )
-                return
-            digest, attempt = hello.header.get("digest"), hello.header.get("attempt")
-            if not isinstance(digest, bytes) or not isinstance(attempt, int):
-                return
-
-            async def resolve(_: int, key: bytes) -> Admission:
-                return Admission({key}, digest, lanes=64)
-
-            def claim(_: object) -> Refusal:
-                if kind == 2:
-                    return Refusal("still in an earlier attempt", retry=True)
-                return Refusal("that attempt is over here", attempt=attempt + 1)
-
-            await accept_any(reader, writer, self.identity, resolve, 5.0, claim=claim, first=hello)
-        except WireError:
-            pass
-        finally:
-            writer.close()
+async def refuse_as_if_views_differ(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Read a hello, say the views differ, close: however often it is dialed."""
+    try:
+        await read_frame(reader, 5.0, MAX_HANDSHAKE_FRAME)
+        refusal = {"kind": "refuse", "reason": "membership digest differs", "views_differ": True}
+        await write_frame(writer, refusal, timeout=5.0)
+    except WireError:
+        pass
+    finally:
+        writer.close()
 
 
 async def publish_forever(args: argparse.Namespace, address: str) -> None:
-    identity = NodeIdentity(Ed25519PrivateKey.generate(), Path(tempfile.gettempdir()))
     server = None
-    if args.mode == "refuses":
-        server = await asyncio.start_server(Refuser(identity), "127.0.0.1", 0)
+    if args.mode == "differs":
+        server = await asyncio.start_server(refuse_as_if_views_differ, "127.0.0.1", 0)
         address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    identity = NodeIdentity(Ed25519PrivateKey.generate(), Path(tempfile.gettempdir()))
     dht = SwarmDHT.start(DHTSettings(peers=[args.peer], listen=["/ip4/127.0.0.1/tcp/0"]))
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
@@ -144,7 +115,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peer", required=True)
     parser.add_argument("--run-id", default="p2ptrain-debug")
-    parser.add_argument("--mode", choices=["refused", "silent", "refuses"], default="refused")
+    parser.add_argument("--mode", choices=["refused", "silent", "differs"], default="refused")
     parser.add_argument("--interval", type=float, default=0.5)
     parser.add_argument("--address-file", default="")
     parser.add_argument("--closed-by", default="", metavar="AUTHORITY")

@@ -36,9 +36,8 @@ class AllReduceError(WireError):
         self.views_differ = views_differ
         """A peer elected other members (another digest): elect again shortly, blaming no one."""
         self.refuser = refuser
-        """The member whose handshake refused our dial (views differ, busy, another attempt, …):
-        its word, honest for as long as views take to converge; outer_sync names one that keeps
-        refusing longer."""
+        """The member whose handshake said the views differ, where a dial of ours was refused so:
+        one that says so for longer than views take to converge is lying (outer_sync names it)."""
 
 
 @dataclass

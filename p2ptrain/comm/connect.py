@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from p2ptrain.comm.attempt import AllReduceError, Connection, LaneKey, Registration
 from p2ptrain.comm.dataplane import DataPlaneServer, RingSettings
-from p2ptrain.comm.handshake import AttemptBehind, Credentials, PeerBusy, PeerRefused, ViewsDiffer, dial
+from p2ptrain.comm.handshake import AttemptBehind, Credentials, PeerBusy, ViewsDiffer, dial
 from p2ptrain.comm.members import RingMember
 from p2ptrain.comm.relay import RelayRefused, Role, Route, needs_relay, open_relayed, route
 from p2ptrain.comm.schedule import Schedule
@@ -128,24 +128,16 @@ async def dial_member(
             raise AllReduceError(
                 f"{short_id(member.key)} did not answer the handshake: {exc}", silent
             ) from None
+        except ViewsDiffer as exc:
+            writer.close()
+            raise AllReduceError(f"step {step}: {exc}", views_differ=True, refuser=member.key) from None
         except PeerBusy as exc:
             writer.close()
             if time.monotonic() + busy_delay > busy_deadline:
-                raise AllReduceError(
-                    f"step {step}: {exc} for {settings.setup_timeout:.0f} s", refuser=member.key
-                ) from None
+                raise AllReduceError(f"step {step}: {exc} for {settings.setup_timeout:.0f} s") from None
             await asyncio.sleep(busy_delay)
             busy_delay = min(busy_delay * 2, BUSY_RETRY_MAX)
             continue
-        except AttemptBehind:
-            writer.close()
-            raise
-        except PeerRefused as exc:
-            writer.close()
-            views_differ = isinstance(exc, ViewsDiffer)
-            raise AllReduceError(
-                f"step {step}: {exc}", views_differ=views_differ, refuser=member.key
-            ) from None
         except BaseException:
             writer.close()
             raise
@@ -237,7 +229,7 @@ async def connect_lanes(
             )
         except AttemptBehind as exc:
             server.learn_attempt(step, exc.attempt)
-            raise AllReduceError(f"step {step}: {exc}", refuser=members[peer].key) from None
+            raise AllReduceError(f"step {step}: {exc}") from None
         connections.append(connection)
         if lane >= lanes:
             await _send_go(connection, settings.failure_timeout)

@@ -58,22 +58,16 @@ class HandshakeError(WireError):
     """The peer is not who it should be, or not a member of this step (reason in the message)."""
 
 
-class PeerRefused(HandshakeError):
-    """The peer answered our hello with a refusal (the reason in the message): its word, which an
-    honest peer says only for a while (it left the step, elected other members, is in another
-    attempt); outer_sync names a peer that keeps refusing."""
-
-
-class ViewsDiffer(PeerRefused):
+class ViewsDiffer(HandshakeError):
     """The peer elected other members for this step (another digest): both views are still
     converging, and a new election shortly after, not a blame, is the answer."""
 
 
-class PeerBusy(PeerRefused):
+class PeerBusy(HandshakeError):
     """The peer accepted our proof but is still in an earlier attempt of the step: dial again."""
 
 
-class AttemptBehind(PeerRefused):
+class AttemptBehind(HandshakeError):
     """The peer is at a later attempt of the step than ours (`attempt`): this one is lost."""
 
     def __init__(self, message: str, attempt: int):
@@ -188,16 +182,15 @@ async def dial(
     even for a step it has not reached: it welcomes first, the wait comes after the proof), the
     rest is bounded by `timeout`.
 
-    Raises PeerBusy (dial again), AttemptBehind (start the next attempt at the peer's), another
-    PeerRefused (ViewsDiffer among them: the peer's word), other HandshakeErrors, or WireError.
+    Raises PeerBusy (dial again), AttemptBehind (start the next attempt at the peer's), other
+    HandshakeErrors, or WireError.
     """
     nonce, ephemeral = secrets.token_bytes(NONCE_BYTES), Ephemeral()
     header = hello_header(identity, step, digest, nonce, ephemeral.public, lane, attempt, credentials)
     await write_frame(writer, header, timeout=timeout)
     first = await read_frame(reader, min(timeout, answer_timeout or timeout), MAX_HANDSHAKE_FRAME)
-    if first.kind == "refuse":
-        refusal = ViewsDiffer if first.header.get("views_differ") is True else PeerRefused
-        raise refusal(f"peer refused: {str(first.header.get('reason', ''))[:200]}")
+    if first.kind == "refuse" and first.header.get("views_differ") is True:
+        raise ViewsDiffer(f"peer refused: {str(first.header.get('reason', ''))[:200]}")
     try:
         welcome = expect(first, "welcome")
     except FrameError as exc:
@@ -225,7 +218,6 @@ async def dial(
             raise PeerBusy(reason)
         if "attempt" in answer.header:
             raise AttemptBehind(reason, _int_field(answer.header, "attempt", MAX_ATTEMPT + 1))
-        raise PeerRefused(f"peer refused: {reason[:200]}")
     try:
         expect(answer, "ok")
         secret = ephemeral.shared(peer_ephemeral)

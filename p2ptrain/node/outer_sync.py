@@ -60,15 +60,13 @@ heartbeat interval): a refusal that comes at once must not burn every retry befo
 converge (seen: 20 attempts within a second, then the step given up on every node)."""
 
 
-class Refusers:
-    """Members whose handshake has refused our dials during one step, and since when.
+class DifferingViews:
+    """Members whose handshake has said "our views differ" during one step, and since when.
 
-    An honest member refuses while views converge, within seconds, as records propagate ("our
-    views differ", "in another attempt", "busy", "not a step I reduce"); one that still refuses
-    after `patience` seconds (the setup deadline: what a member that never connects gets) is lying,
-    as a stranger that answers every hello with a refusal would, or broken. Unnamed, it would stall
-    every step: the dial it refuses ends the attempt on every member before anyone's deadline
-    names it, and a refusal is not counted as a failed attempt."""
+    Honest views converge within seconds, as records propagate; a member that still says so after
+    `patience` seconds (the setup deadline: what a member that never connects gets) is lying, as a
+    stranger that answers every hello so would, or broken. Unnamed, it would stall every step: the
+    dial it refuses ends the attempt on every member before anyone's deadline names it."""
 
     def __init__(self, patience: float):
         self.patience = patience
@@ -327,7 +325,7 @@ class OuterSync:
         last_error: Exception | None = None
         attempt = 0
         deadline = time.monotonic() + swarm.election_timeout
-        refusing = Refusers(self.server.settings.setup_timeout)
+        differing = DifferingViews(self.server.settings.setup_timeout)
         while attempt < swarm.sync_retries and time.monotonic() < deadline:
             standby = await self.standby.current()
             try:
@@ -369,11 +367,10 @@ class OuterSync:
                 )
             except AllReduceError as exc:
                 last_error = exc
-                liar = refusing.still(exc.refuser)
-                if (exc.views_differ or exc.refuser is not None) and liar is None:
-                    # our views of the ready records (or attempts) still differ, in our view or
-                    # in the word of a member that refused us: not a failed try; read again only
-                    # after they had time to converge (instant refusals burned every retry)
+                liar = differing.still(exc.refuser) if exc.views_differ else None
+                if exc.views_differ and liar is None:
+                    # our views of the ready records still differ: not a failed try, and read again
+                    # only after they had time to converge (instant refusals burned every retry)
                     log.info("step %d: views differ (%s); electing again", step, exc)
                     attempt -= 1
                     await asyncio.sleep(min(0.5, swarm.heartbeat_interval / 2))
@@ -381,9 +378,9 @@ class OuterSync:
                 log.warning("step %d attempt %d failed (%s); electing the survivors", step, attempt, exc)
                 if liar is not None:
                     log.warning(
-                        "%s has refused us for %.0f s: naming it in the evidence of step %d",
+                        "%s has said our views differ for %.0f s: naming it in the evidence of step %d",
                         short_id(liar),
-                        refusing.patience,
+                        differing.patience,
                         step,
                     )
                     named.add(liar)
