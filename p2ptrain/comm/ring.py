@@ -389,13 +389,8 @@ async def ring_all_reduce(
         plan.check_results()
         server.completed(step)
     except AllReduceError as exc:
-        # views that differ are normal while records propagate (outer_sync says when they are not)
-        log.log(
-            logging.INFO if exc.views_differ else logging.WARNING,
-            "all-reduce of step %d failed: %s",
-            step,
-            exc,
-        )
+        level = logging.INFO if exc.views_differ else logging.WARNING  # normal while records spread
+        log.log(level, "all-reduce of step %d failed: %s", step, exc)
         raise
     except quant.NonFiniteError as exc:
         log.warning("all-reduce of step %d failed: NaN or Inf in this node's contribution", step)
