@@ -367,7 +367,7 @@ class OuterSync:
                 )
             except AllReduceError as exc:
                 last_error = exc
-                liar = differing.still(exc.refuser) if exc.views_differ else None
+                liar = differing.still(exc.refuser)  # set only where the views differ
                 if exc.views_differ and liar is None:
                     # our views of the ready records still differ: not a failed try, and read again
                     # only after they had time to converge (instant refusals burned every retry)
@@ -384,19 +384,20 @@ class OuterSync:
                         step,
                     )
                     named.add(liar)
-                    await self._announce(
-                        step, state=NodeState.READY, extra=self._extra_for(step, named, True)
-                    )
-                    continue
-                # a member that crashed (its port refuses) is left out by everyone's own probe; one
-                # that did not answer (frozen, cut off, a stranger) by the evidence we publish now
-                others = [key for key in election.keys if key != me]
-                await self._live_heartbeats(step)  # their newest records
-                await self.crashes.probe_now(self._seen[key] for key in others if key in self._seen)
-                culprit = exc.unresponsive
-                if culprit in others and culprit in self._seen and self.crashes.alive([self._seen[culprit]]):
-                    log.warning("naming %s in the evidence of step %d", short_id(culprit), step)
-                    named.add(culprit)
+                else:
+                    # a member that crashed (its port refuses) is left out by everyone's own probe;
+                    # one that did not answer (frozen, cut off, a stranger) by the evidence we publish
+                    others = [key for key in election.keys if key != me]
+                    await self._live_heartbeats(step)  # their newest records
+                    await self.crashes.probe_now(self._seen[key] for key in others if key in self._seen)
+                    culprit = exc.unresponsive
+                    if (
+                        culprit in others
+                        and culprit in self._seen
+                        and self.crashes.alive([self._seen[culprit]])
+                    ):
+                        log.warning("naming %s in the evidence of step %d", short_id(culprit), step)
+                        named.add(culprit)
                 await self._announce(step, state=NodeState.READY, extra=self._extra_for(step, named, True))
                 await asyncio.sleep(max(0.0, next_attempt_at - time.monotonic()))
                 continue
