@@ -12,7 +12,6 @@ TORCH_VERSION ?= 2.13.0
 # Where a CPU-only torch build comes from when none is on this machine already.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
-PIP_FLAGS ?= --no-compile
 # Tests run in parallel, one worker per core this process may use (at most 4): most of a
 # multi-process test is waiting (deadlines, timeouts, process start-up), and each test's bounds hold
 # on one core (checked with taskset -c 0). The multi-process tests come first (tests/conftest.py) and
@@ -70,18 +69,16 @@ $(PY):
 #  - with an NVIDIA GPU (nvidia-smi present) pip installs the default CUDA build;
 #  - otherwise only a CPU build is accepted: a local one first, then the CPU index; never the
 #    multi-GB CUDA build that a bare "torch" requirement pulls from PyPI.
-# --no-compile: pip would byte-compile every module of every package (torch, transformers: a minute
-# on a 2-core machine); Python compiles the modules it imports on first use instead.
 $(STAMP): pyproject.toml setup.py $(wildcard cython_ext/*.pyx) | $(PY)
 	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
 		echo "torch $$($(PY) -c 'import torch; print(torch.__version__)') already installed: keeping it"; \
 	elif command -v nvidia-smi >/dev/null 2>&1; then \
-		$(PY) -m pip install $(PIP_FLAGS) "torch==$(TORCH_VERSION)"; \
+		$(PY) -m pip install "torch==$(TORCH_VERSION)"; \
 	else \
-		$(PY) -m pip install $(PIP_FLAGS) "torch==$(TORCH_VERSION)+cpu" 2>/dev/null || \
-		$(PY) -m pip install $(PIP_FLAGS) "torch==$(TORCH_VERSION)+cpu" --extra-index-url "$(TORCH_CPU_INDEX)"; \
+		$(PY) -m pip install "torch==$(TORCH_VERSION)+cpu" 2>/dev/null || \
+		$(PY) -m pip install "torch==$(TORCH_VERSION)+cpu" --extra-index-url "$(TORCH_CPU_INDEX)"; \
 	fi
-	$(PY) -m pip install $(PIP_FLAGS) -e '.[dev]'
+	$(PY) -m pip install -e '.[dev]'
 	@touch $(STAMP)
 
 clean:
