@@ -77,7 +77,7 @@ class CanonicalLayout:
         """`gather` for any tensors shaped and sharded like the parameters (e.g. AdamW's moments)."""
         for entry in self.entries:
             tensor = tensors[entry.name]
-            full = tensor.full_tensor() if _is_dtensor(tensor) else tensor
+            full = tensor.full_tensor() if is_dtensor(tensor) else tensor
             if out is not None:
                 out[entry.offset : entry.offset + entry.numel].copy_(full.detach().reshape(-1))
 
@@ -86,7 +86,7 @@ class CanonicalLayout:
         for entry in self.entries:
             tensor = tensors[entry.name]
             full = flat[entry.offset : entry.offset + entry.numel].view(entry.shape)
-            if _is_dtensor(tensor):
+            if is_dtensor(tensor):
                 from torch.distributed.tensor import distribute_tensor
 
                 # src_data_rank=None: each rank cuts its own shard out of its copy, no communication
@@ -96,7 +96,7 @@ class CanonicalLayout:
                 tensor.copy_(full)
 
 
-def _is_dtensor(tensor: torch.Tensor) -> TypeGuard[DTensor]:
+def is_dtensor(tensor: torch.Tensor) -> TypeGuard[DTensor]:
     """Whether `tensor` is an FSDP shard (a DTensor). Until FSDP has sharded a model its module is
     not even imported (a one-rank node never pays the ~1 s of CPU that importing it costs), and
     then no tensor can be one."""

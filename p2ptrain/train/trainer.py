@@ -34,7 +34,7 @@ from p2ptrain.train.layout import CanonicalLayout, broadcast_flat
 from p2ptrain.train.memory import loss_chunk_tokens, resolve_micro_batch
 from p2ptrain.train.metrics import MetricsWriter, gpu_memory, peak_flops
 from p2ptrain.train.model import Transformer
-from p2ptrain.train.optim import adam_moments, build_inner_optimizer, set_schedule_position
+from p2ptrain.train.optim import InnerAdamW, adam_moments
 from p2ptrain.train.outer import OuterNesterov, all_finite
 from p2ptrain.train.overlap import OverlappedOuter
 from p2ptrain.train.trainer_state import resume_trainer, save_trainer_checkpoint
@@ -116,7 +116,7 @@ class Trainer:
                     work_dir / "metrics.jsonl", config.metrics, work_dir / "tensorboard", short_id(node_key)
                 ),
             )
-        self.optimizer, self.schedule = build_inner_optimizer(self.model, config.train)
+        self.optimizer = InnerAdamW(self.model, config.train)
         self.batches = node_batches(
             config.data,
             config.model.vocab_size,
@@ -174,9 +174,8 @@ class Trainer:
         inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)
         loss = accumulate_gradients(self.model, inputs, targets, self.micro_batch, self._autocast)
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.train.grad_clip)
-        self.optimizer.step()
-        self.schedule.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.step(self.inner_step)
+        self.optimizer.zero_grad()
         value = loss.reshape(1)
         if self.ctx.cpu_group is not None:
             dist.all_reduce(value, group=self.ctx.cpu_group)
@@ -213,7 +212,7 @@ class Trainer:
                     self.inner_step,
                     outer_step=self.phase,
                     loss=round(loss, 5),
-                    lr=self.schedule.get_last_lr()[0],
+                    lr=self.optimizer.lr_at(self.inner_step),
                     tokens_per_s=round(tokens_per_s, 1),
                     **({"mfu": round(mfu, 4)} if mfu is not None else {}),
                     **gpu_memory(self.ctx.device),
@@ -342,14 +341,10 @@ class Trainer:
     def _checkpoint_written(self, path: Path, outer_step: int, seconds: float) -> None:
         self.link.checkpoint_written(CheckpointWritten(outer_step, str(path), seconds))
 
-    def set_schedule(self) -> None:
-        set_schedule_position(self.optimizer, self.schedule, self.inner_step)
-
     def _skip_inner_steps(self, count: int) -> None:
         """Count the inner steps the others did in the step this node catches up in, so the step
-        counters and the LR schedule stay in line with theirs."""
+        counters and the LR schedule (which follows `inner_step`) stay in line with theirs."""
         self.inner_step = min(self.config.train.max_steps, self.inner_step + count)
-        self.set_schedule()
 
     def resume(self, path: Path, own_data: bool = True) -> None:
         """Continue from a checkpoint exactly where it was taken (every rank reads the files).

@@ -77,6 +77,5 @@ def resume_trainer(trainer: Trainer, path: Path, own_data: bool = True) -> None:
     trainer.layout.scatter(trainer.model, trainer.flat)
     for key, tensors in trainer.adam_moments(create=True).items():
         trainer.layout.scatter_tensors(tensors, state[f"adam_{key}"])
-    trainer.set_schedule()
     if own_data:
         trainer.batches.stream.seek(StreamPosition.from_dict(meta["data_position"]))
