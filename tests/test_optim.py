@@ -41,9 +41,22 @@ def _backward(model: nn.Module, step: int) -> None:
     model(inputs).square().mean().backward()
 
 
-def _assert_same_params(ours: nn.Module, theirs: nn.Module) -> None:
-    for (name, mine), other in zip(ours.named_parameters(), theirs.parameters(), strict=True):
-        assert torch.equal(mine, other), name
+def _step_both(
+    step: int,
+    mine: tuple[nn.Module, InnerAdamW],
+    oracle: tuple[nn.Module, torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR],
+) -> None:
+    """One inner step of each on the same batch; then every parameter must be equal, bit for bit."""
+    (ours, optimizer), (theirs, reference, schedule) = mine, oracle
+    _backward(ours, step)
+    _backward(theirs, step)
+    optimizer.step(step)
+    reference.step()
+    schedule.step()
+    optimizer.zero_grad()
+    reference.zero_grad(set_to_none=True)
+    for (name, value), other in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+        assert torch.equal(value, other), name
 
 
 def test_inner_adamw_matches_torch_adamw_bit_for_bit_through_warmup_and_decay() -> None:
@@ -51,15 +64,8 @@ def test_inner_adamw_matches_torch_adamw_bit_for_bit_through_warmup_and_decay() 
     optimizer = InnerAdamW(ours, CONFIG)
     reference, schedule = _reference(theirs)
     for step in range(CONFIG.max_steps):
-        _backward(ours, step)
-        _backward(theirs, step)
         assert optimizer.lr_at(step) == schedule.get_last_lr()[0]
-        optimizer.step(step)
-        reference.step()
-        schedule.step()
-        optimizer.zero_grad()
-        reference.zero_grad(set_to_none=True)
-        _assert_same_params(ours, theirs)
+        _step_both(step, (ours, optimizer), (theirs, reference, schedule))
     assert all(p.grad is None for p in ours.parameters())
     moments = adam_moments(ours, optimizer, CONFIG.max_steps)
     for name, param in theirs.named_parameters():
@@ -90,14 +96,7 @@ def test_moments_loaded_mid_run_continue_as_torch_adamw_would() -> None:
     for group, base in zip(reference.param_groups, schedule.base_lrs, strict=True):
         group["lr"] = base * lr_factor(start, CONFIG.warmup_steps, CONFIG.max_steps)
     for step in range(start, start + 3):
-        _backward(ours, step)
-        _backward(theirs, step)
-        optimizer.step(step)
-        reference.step()
-        schedule.step()
-        optimizer.zero_grad()
-        reference.zero_grad(set_to_none=True)
-        _assert_same_params(ours, theirs)
+        _step_both(step, (ours, optimizer), (theirs, reference, schedule))
 
 
 def test_building_and_stepping_it_does_not_import_torch_dynamo() -> None:
