@@ -92,3 +92,16 @@ def test_offenders_are_named_for_2_then_4_steps_until_they_take_part_again():
     assert [step for step in range(13, 24) if key(9) in offences.named_at(step)] == [14, 15, 16, 17]
     offences.step_done(18, members=[key(1), key(9)], named=[])  # it took part: cleared
     assert offences.named_at(19) == set()
+
+
+def test_a_failure_another_member_named_lengthens_the_next_window_but_names_no_one():
+    """Who names a stranger first depends on timing: the windows must double whoever named it."""
+    offences = Offences()
+    offences.step_done(0, members=[key(1)], named=[], failed=[key(9)])  # tried here, named elsewhere
+    assert all(key(9) not in offences.named_at(step) for step in range(1, 10))
+    assert offences.due_at(10) == set()  # nothing to probe: no window of ours
+    offences.step_done(3, members=[key(1)], named=[key(9)])  # its second failure, named by us
+    assert [step for step in range(3, 12) if key(9) in offences.named_at(step)] == [4, 5, 6, 7]
+    offences.step_done(8, members=[key(1), key(9)], named=[])  # it took part: cleared
+    offences.step_done(9, members=[key(1)], named=[key(9)])
+    assert [step for step in range(9, 15) if key(9) in offences.named_at(step)] == [10, 11]

@@ -300,26 +300,28 @@ class OuterSync:
             np.multiply(vector, np.float32(factor), out=vector)
         await self._probe_offenders(step)
         ignored = self.offences.named_at(step)
-        named = set(ignored)
+        named, tried = set(ignored), set[bytes]()
         self.server.at_step(step)
         ready_at, ready_time = time.monotonic(), time.time()
         await self._announce(
             step, state=NodeState.READY, outer_step=step, tokens=tokens, extra=self._extra_for(step, named)
         )
         try:
-            result = await self._attempts(step, vector, named, ready_at)
+            result = await self._attempts(step, vector, named, tried, ready_at)
         except StepGivenUp:
             self.offences.step_done(step, (), named - ignored)
             raise
-        self.offences.step_done(step, result.election.keys, named - ignored)
+        members = result.election.keys
+        self.offences.step_done(step, members, named - ignored, tried.difference(members))
         self._last_members = (step, frozenset(result.election.keys))
         result.ready_time = ready_time
         return result
 
     async def _attempts(
-        self, step: int, vector: np.ndarray, named: set[bytes], ready_at: float
+        self, step: int, vector: np.ndarray, named: set[bytes], tried: set[bytes], ready_at: float
     ) -> SyncResult:
-        """Elect and all-reduce until an attempt completes; `named` collects whom we blame."""
+        """Elect and all-reduce until an attempt completes; `named` collects whom we blame, `tried`
+        every member of our attempts."""
         swarm = self.config.swarm
         me = self.publisher.current.node_key
         last_error: Exception | None = None
@@ -353,6 +355,7 @@ class OuterSync:
                 await asyncio.sleep(swarm.heartbeat_interval / 2)
                 continue
             attempt += 1
+            tried.update(election.keys)
             elected_at = time.monotonic()
             next_attempt_at = elected_at + min(MIN_ATTEMPT_SECONDS, swarm.heartbeat_interval / 2)
             self.publisher.publish_soon(state=NodeState.SYNCING)  # for the others' tables: no need to wait

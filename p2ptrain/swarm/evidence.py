@@ -109,28 +109,45 @@ class Offences:
     A member this node named in a step is named from the start of the next 2 steps; each time it
     fails again before it took part in a completed step, for twice as many (4, 8, …, at most
     MAX_IGNORE_STEPS). Taking part in a completed step clears its record.
+
+    A failure counts whoever named it: a member that was in one of this node's attempts of a step
+    and not among the members who completed it failed that step here too. Which of the members
+    names a stranger first depends on timing (the one whose patience runs out first), so counting
+    only this node's own naming let the windows of 2 restart with each new namer (seen: tried
+    every third step). Only this node's naming opens a window, so a failure seen elsewhere makes
+    no one named, only named for longer when this node itself sees it fail.
     """
 
     _count: dict[bytes, int] = field(default_factory=dict)
     _last: dict[bytes, int] = field(default_factory=dict)
     _until: dict[bytes, int] = field(default_factory=dict)
 
-    def step_done(self, step: int, members: Iterable[bytes], named: Iterable[bytes]) -> None:
-        """After `step`: who took part in it (cleared) and whom this node named in it."""
+    def step_done(
+        self, step: int, members: Iterable[bytes], named: Iterable[bytes], failed: Iterable[bytes] = ()
+    ) -> None:
+        """After `step`: who took part in it (cleared), whom this node named in it, and who else
+        was tried in it here and failed (left out by someone else's evidence)."""
         for key in members:
             for table in (self._count, self._last, self._until):
                 table.pop(key, None)
         for key in named:
-            if self._last.get(key) == step:
-                continue
-            # no completed step with it since its last offence: a repeat, named for twice as long
-            self._count[key] = self._count.get(key, 0) + 1
-            self._last[key] = step
-            self._until[key] = step + 1 + min(2 ** self._count[key], MAX_IGNORE_STEPS)
+            if self._count_failure(key, step):
+                # no completed step with it since its last offence: a repeat, named for twice as long
+                self._until[key] = step + 1 + min(2 ** self._count[key], MAX_IGNORE_STEPS)
+        for key in failed:
+            self._count_failure(key, step)
         while len(self._last) > MAX_OFFENDERS:
             oldest = min(self._last, key=self._last.__getitem__)
             for table in (self._count, self._last, self._until):
                 table.pop(oldest, None)
+
+    def _count_failure(self, key: bytes, step: int) -> bool:
+        """One more failure of `key`, at most one per step; False if `step` had one already."""
+        if self._last.get(key) == step:
+            return False
+        self._count[key] = self._count.get(key, 0) + 1
+        self._last[key] = step
+        return True
 
     def due_at(self, step: int) -> set[bytes]:
         """Offenders whose window has ended by `step`: tried again unless they still fail a probe."""
