@@ -1,6 +1,6 @@
 """A stranger on the swarm's DHT, run as its own process by the tests and benchmarks.
 
-    python -m tests.stranger --peer MADDR --run-id RUN --mode refused|silent|differs [--address-file F]
+    python -m tests.stranger --peer MADDR --run-id RUN --mode MODE [--address-file F]
                              [--closed-by AUTHORITY --ticket none|copied]
 
 It makes a fresh key and, every `--interval` seconds, publishes a validly signed heartbeat saying
@@ -11,7 +11,9 @@ digest copied from their records) with a data-plane address that cannot take par
 - `silent`: a port of its own that accepts connections and never answers (a frozen or malicious
   node looks like this), so only a timeout can tell;
 - `differs`: a port of its own that answers every hello at once with "our views differ" (the
-  refusal of an honest member that elected other members, which blames no one).
+  refusal of an honest member that elected other members, which blames no one);
+- `refuses`: a port of its own that answers every hello at once with a plain refusal (an honest
+  member's answer to a step that is over there).
 
 In a closed run (`--closed-by`, the run's authority key in hex) it stores its records under that
 run's key, with no ticket or with a ticket copied from an honest node's record (`--ticket copied`),
@@ -60,10 +62,22 @@ async def refuse_as_if_views_differ(reader: asyncio.StreamReader, writer: asynci
         writer.close()
 
 
+async def refuse_plainly(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Read a hello, refuse it with no reason to retry, close: however often it is dialed."""
+    try:
+        await read_frame(reader, 5.0, MAX_HANDSHAKE_FRAME)
+        await write_frame(writer, {"kind": "refuse", "reason": "not now"}, timeout=5.0)
+    except WireError:
+        pass
+    finally:
+        writer.close()
+
+
 async def publish_forever(args: argparse.Namespace, address: str) -> None:
+    handlers = {"differs": refuse_as_if_views_differ, "refuses": refuse_plainly}
     server = None
-    if args.mode == "differs":
-        server = await asyncio.start_server(refuse_as_if_views_differ, "127.0.0.1", 0)
+    if args.mode in handlers:
+        server = await asyncio.start_server(handlers[args.mode], "127.0.0.1", 0)
         address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
     identity = NodeIdentity(Ed25519PrivateKey.generate(), Path(tempfile.gettempdir()))
     dht = SwarmDHT.start(DHTSettings(peers=[args.peer], listen=["/ip4/127.0.0.1/tcp/0"]))
@@ -115,7 +129,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peer", required=True)
     parser.add_argument("--run-id", default="p2ptrain-debug")
-    parser.add_argument("--mode", choices=["refused", "silent", "differs"], default="refused")
+    parser.add_argument("--mode", choices=["refused", "silent", "differs", "refuses"], default="refused")
     parser.add_argument("--interval", type=float, default=0.5)
     parser.add_argument("--address-file", default="")
     parser.add_argument("--closed-by", default="", metavar="AUTHORITY")

@@ -36,8 +36,14 @@ class AllReduceError(WireError):
         self.views_differ = views_differ
         """A peer elected other members (another digest): elect again shortly, blaming no one."""
         self.refuser = refuser
-        """The member whose handshake said the views differ, where a dial of ours was refused so:
-        one that says so for longer than views take to converge is lying (outer_sync names it)."""
+        """The member whose handshake refused a dial of ours outright: our views differ, or a plain
+        no (not "dial again", not "that attempt is over here": honest members say those to each
+        other for as long as any member fails their attempts). An honest member says it only while
+        views converge; one that keeps saying it is lying, as a stranger can, or broken (outer_sync
+        names it then)."""
+        self.connected: frozenset[bytes] = frozenset()
+        """Members whose handshake with this node completed in the failed attempt (either way): they
+        did not refuse it (set by ring_all_reduce)."""
 
 
 @dataclass

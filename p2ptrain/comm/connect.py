@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from p2ptrain.comm.attempt import AllReduceError, Connection, LaneKey, Registration
 from p2ptrain.comm.dataplane import DataPlaneServer, RingSettings
-from p2ptrain.comm.handshake import AttemptBehind, Credentials, PeerBusy, ViewsDiffer, dial
+from p2ptrain.comm.handshake import AttemptBehind, Credentials, HandshakeError, PeerBusy, ViewsDiffer, dial
 from p2ptrain.comm.members import RingMember
 from p2ptrain.comm.relay import RelayRefused, Role, Route, needs_relay, open_relayed, route
 from p2ptrain.comm.schedule import Schedule
@@ -230,6 +230,9 @@ async def connect_lanes(
         except AttemptBehind as exc:
             server.learn_attempt(step, exc.attempt)
             raise AllReduceError(f"step {step}: {exc}") from None
+        except HandshakeError as exc:  # a plain no, or not the peer it should be
+            peer_key = members[peer].key
+            raise AllReduceError(f"step {step}: {short_id(peer_key)}: {exc}", refuser=peer_key) from None
         connections.append(connection)
         if lane >= lanes:
             await _send_go(connection, settings.failure_timeout)

@@ -391,6 +391,7 @@ async def ring_all_reduce(
     except AllReduceError as exc:
         level = logging.INFO if exc.views_differ else logging.WARNING  # normal while records spread
         log.log(level, "all-reduce of step %d failed: %s", step, exc)
+        exc.connected = frozenset(session.peer_key for _, _, session in connections)
         raise
     except quant.NonFiniteError as exc:
         log.warning("all-reduce of step %d failed: NaN or Inf in this node's contribution", step)

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,17 +61,30 @@ heartbeat interval): a refusal that comes at once must not burn every retry befo
 converge (seen: 20 attempts within a second, then the step given up on every node)."""
 
 
-class DifferingViews:
-    """Members whose handshake has said "our views differ" during one step, and since when.
+class Refusers:
+    """Members whose handshake has refused ours during one step, and since when.
 
-    Honest views converge within seconds, as records propagate; a member that still says so after
-    `patience` seconds (the setup deadline: what a member that never connects gets) is lying, as a
-    stranger that answers every hello so would, or broken. Unnamed, it would stall every step: the
-    dial it refuses ends the attempt on every member before anyone's deadline names it."""
+    An honest member refuses outright ("our views differ", or a plain no: the step is over there)
+    only for a while, until records propagate. One that still refuses after `patience` seconds,
+    with no handshake of ours completed meanwhile, is lying, as a stranger that answers every hello
+    so would, or broken. Unnamed, it would stall every step: the dial it refuses ends the attempt on
+    every member before anyone's deadline names it, and counted as failed tries, its refusals burn
+    the step's retries within seconds.
+
+    The patience is twice the setup deadline (what a member that never connects gets): an honest
+    member can be held for up to one deadline by another that never answers before it names that
+    one too, and meanwhile it refuses us (our views differ). With one deadline's patience, nodes
+    that name a member at different times could name each other."""
 
     def __init__(self, patience: float):
         self.patience = patience
         self._since: dict[bytes, float] = {}
+
+    def forgive(self, connected: Iterable[bytes]) -> None:
+        """Members that completed a handshake with us since: whatever they said before, they do not
+        refuse everything (an honest member held by a refuser refuses only some of our dials)."""
+        for key in connected:
+            self._since.pop(key, None)
 
     def still(self, refuser: bytes | None) -> bytes | None:
         """`refuser` if it has said so for `patience` seconds by now, else None (it may be honest)."""
@@ -327,7 +341,7 @@ class OuterSync:
         last_error: Exception | None = None
         attempt = 0
         deadline = time.monotonic() + swarm.election_timeout
-        differing = DifferingViews(self.server.settings.setup_timeout)
+        refusers = Refusers(2 * self.server.settings.setup_timeout)
         while attempt < swarm.sync_retries and time.monotonic() < deadline:
             standby = await self.standby.current()
             try:
@@ -370,20 +384,21 @@ class OuterSync:
                 )
             except AllReduceError as exc:
                 last_error = exc
-                liar = differing.still(exc.refuser)  # set only where the views differ
-                if exc.views_differ and liar is None:
-                    # our views of the ready records still differ: not a failed try, and read again
-                    # only after they had time to converge (instant refusals burned every retry)
-                    log.info("step %d: views differ (%s); electing again", step, exc)
+                refusers.forgive(exc.connected)
+                liar = refusers.still(exc.refuser)
+                if liar is None and (exc.views_differ or exc.refuser is not None):
+                    # views that still differ, a refusal that may yet pass: not a failed try, and read
+                    # again only after they had time to converge (instant refusals burned every retry)
+                    log.info("step %d: refused (%s); electing again", step, exc)
                     attempt -= 1
                     await asyncio.sleep(min(0.5, swarm.heartbeat_interval / 2))
                     continue
                 log.warning("step %d attempt %d failed (%s); electing the survivors", step, attempt, exc)
                 if liar is not None:
                     log.warning(
-                        "%s has said our views differ for %.0f s: naming it in the evidence of step %d",
+                        "%s has refused our handshakes for %.0f s: naming it in the evidence of step %d",
                         short_id(liar),
-                        differing.patience,
+                        refusers.patience,
                         step,
                     )
                     named.add(liar)
