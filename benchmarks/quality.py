@@ -9,7 +9,8 @@ servers on 127.0.0.1 in this process), (a') the same 2 nodes averaging in exact 
 alone (DiLoCo's outer step with itself). The loss that counts is measured on held-out batches
 (another shard of the corpus) with the outer parameters every node agrees on, after every outer
 step. A ratio compares the mean of that loss over the last `--tail` outer steps, summed over
-`--seeds` runs (train.seed 0, 1, …; each seed its own node ids, so its own data order): one
+`--seeds` runs (train.seed 0, 1, …, or from the one `--set train.seed=K` gives; each seed its own
+node ids, so its own data order): one
 evaluation swings by ±2 % from one outer step to the next on the debug model, more than the 1 %
 some targets allow. loss_* are the means, of the last seed. `--tail 1` is the last evaluation
 alone, as the figures measured before --tail were (seed 0 runs the node ids those runs had).
@@ -293,7 +294,7 @@ def seed_runs(config: Config, only: str | None, tmp: Path, writer: csv.writer) -
 def main() -> None:
     cli = parser(__doc__)
     cli.add_argument("--steps", type=int, default=300, help="inner steps per node (default %(default)s)")
-    cli.add_argument("--seeds", type=int, default=1, help="runs of each case, train.seed 0, 1, … (default 1)")
+    cli.add_argument("--seeds", type=int, default=1, help="runs of each case: train.seed 0, 1, … or K, …")
     cli.add_argument("--tail", type=int, default=10, help="last outer steps averaged (default 10)")
     cli.add_argument("--out", default=".bench/quality", help="folder for quality.csv and quality.png")
     cli.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
@@ -316,7 +317,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, (out / "quality.csv").open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["run", "seed", "outer_step", "inner_step", "train_loss", "eval_loss"])
-        for seed in range(args.seeds):
+        first = config.train.seed
+        for seed in range(first, first + args.seeds):
             seeded = config.model_copy(update={"train": config.train.model_copy(update={"seed": seed})})
             for name, curve in seed_runs(seeded, args.only, Path(tmp), writer).items():
                 last[name] = tail_mean(curve, args.tail)
