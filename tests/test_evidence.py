@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from p2ptrain.swarm.election import decide
-from p2ptrain.swarm.evidence import BLAME_FIELD, MAX_BLAMED, Offences, blame_field, left_out
+from p2ptrain.swarm.evidence import BLAME_FIELD, MAX_BLAMED, Offences, Refusers, blame_field, left_out
 from p2ptrain.swarm.records import NodeState
 from tests.test_election import beat, key
 
@@ -105,3 +105,22 @@ def test_a_failure_another_member_named_lengthens_the_next_window_but_names_no_o
     offences.step_done(8, members=[key(1), key(9)], named=[])  # it took part: cleared
     offences.step_done(9, members=[key(1)], named=[key(9)])
     assert [step for step in range(9, 15) if key(9) in offences.named_at(step)] == [10, 11]
+
+
+def test_a_refuser_is_named_after_its_patience_and_a_completed_handshake_starts_it_over():
+    """Outright refusals (views differ, a plain no) name the refuser only once they have lasted the
+    patience; a handshake with it that completed in between shows it does not refuse everything."""
+    now = [100.0]
+    refusers = Refusers(patience=12.0, clock=lambda: now[0])
+    a, b = key(1), key(2)
+    assert refusers.still(None) is None
+    assert refusers.still(a) is None  # its first refusal starts its clock
+    now[0] += 11.9
+    assert refusers.still(a) is None and refusers.still(b) is None
+    now[0] += 0.1
+    assert refusers.still(a) == a  # 12 s of refusals
+    assert refusers.still(b) is None  # b's clock began 0.1 s ago
+    refusers.forgive([a])
+    assert refusers.still(a) is None  # starts over
+    now[0] += 12.0
+    assert refusers.still(a) == a and refusers.still(b) == b

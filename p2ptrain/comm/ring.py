@@ -68,10 +68,8 @@ HELD_UP_S = 0.002
 Frames that go out at once only show that the link kept up (the socket buffers absorb bursts)."""
 MIN_MEASURED_BYTES = 1 << 20
 
-__all__ = [
-    "AllReduceError", "DataPlaneServer", "RingMember", "RingSettings", "RingStats",
-    "choose_topology", "ring_all_reduce", "segment_bounds", "shares",
-]  # fmt: skip
+__all__ = ["AllReduceError", "DataPlaneServer", "RingMember", "RingSettings", "RingStats",
+           "choose_topology", "ring_all_reduce", "segment_bounds", "shares"]  # fmt: skip
 
 
 class _AllReduce(RobustReduce):

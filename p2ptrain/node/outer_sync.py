@@ -12,7 +12,6 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +39,7 @@ from p2ptrain.swarm.election import (
     parse_address,
     ready_for,
 )
-from p2ptrain.swarm.evidence import BLAME_FIELD, Offences, blame_field
+from p2ptrain.swarm.evidence import BLAME_FIELD, Offences, Refusers, blame_field
 from p2ptrain.swarm.membership import HeartbeatPublisher, SwarmView, live
 from p2ptrain.swarm.records import Heartbeat, NodeState
 from p2ptrain.swarm.standby import StandbyRelays
@@ -59,39 +58,6 @@ MIN_ATTEMPT_SECONDS = 0.5
 """Shortest time one failed attempt of a step takes before the next election (at most half the
 heartbeat interval): a refusal that comes at once must not burn every retry before the views
 converge (seen: 20 attempts within a second, then the step given up on every node)."""
-
-
-class Refusers:
-    """Members whose handshake has refused ours during one step, and since when.
-
-    An honest member refuses outright ("our views differ", or a plain no: the step is over there)
-    only for a while, until records propagate. One that still refuses after `patience` seconds,
-    with no handshake of ours completed meanwhile, is lying, as a stranger that answers every hello
-    so would, or broken. Unnamed, it would stall every step: the dial it refuses ends the attempt on
-    every member before anyone's deadline names it, and counted as failed tries, its refusals burn
-    the step's retries within seconds.
-
-    The patience is twice the setup deadline (what a member that never connects gets): an honest
-    member can be held for up to one deadline by another that never answers before it names that
-    one too, and meanwhile it refuses us (our views differ). With one deadline's patience, nodes
-    that name a member at different times could name each other."""
-
-    def __init__(self, patience: float):
-        self.patience = patience
-        self._since: dict[bytes, float] = {}
-
-    def forgive(self, connected: Iterable[bytes]) -> None:
-        """Members that completed a handshake with us since: whatever they said before, they do not
-        refuse everything (an honest member held by a refuser refuses only some of our dials)."""
-        for key in connected:
-            self._since.pop(key, None)
-
-    def still(self, refuser: bytes | None) -> bytes | None:
-        """`refuser` if it has said so for `patience` seconds by now, else None (it may be honest)."""
-        if refuser is None:
-            return None
-        since = self._since.setdefault(refuser, time.monotonic())
-        return refuser if time.monotonic() - since >= self.patience else None
 
 
 class StepGivenUp(RuntimeError):

@@ -27,8 +27,9 @@ beyond one step.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,3 +164,38 @@ class Offences:
     def named_at(self, step: int) -> set[bytes]:
         """Whom to name in the ready record of `step` before any attempt of it."""
         return {key for key, until in self._until.items() if self._last[key] < step < until}
+
+
+class Refusers:
+    """Members whose handshake has refused ours during one step, and since when.
+
+    An honest member refuses outright ("our views differ", or a plain no: the step is over there)
+    only for a while, until records propagate. One that still refuses after `patience` seconds,
+    with no handshake of ours completed meanwhile, is lying, as a stranger that answers every hello
+    so would, or broken. Unnamed, it would stall every step: the dial it refuses ends the attempt on
+    every member before anyone's deadline names it, and counted as failed tries, its refusals burn
+    the step's retries within seconds.
+
+    The patience is twice the setup deadline (what a member that never connects gets): an honest
+    member can be held for up to one deadline by another that never answers before it names that
+    one too, and meanwhile it refuses us (our views differ). With one deadline's patience, nodes
+    that name a member at different times could name each other."""
+
+    def __init__(self, patience: float, clock: Callable[[], float] = time.monotonic):
+        self.patience = patience
+        self._clock = clock
+        self._since: dict[bytes, float] = {}
+
+    def forgive(self, connected: Iterable[bytes]) -> None:
+        """Members that completed a handshake with us since: whatever they said before, they do not
+        refuse everything (an honest member held by a refuser refuses only some of our dials)."""
+        for key in connected:
+            self._since.pop(key, None)
+
+    def still(self, refuser: bytes | None) -> bytes | None:
+        """`refuser` if it has said so for `patience` seconds by now, else None (it may be honest)."""
+        if refuser is None:
+            return None
+        now = self._clock()
+        since = self._since.setdefault(refuser, now)
+        return refuser if now - since >= self.patience else None
