@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import signal
 import socket
 import tempfile
@@ -50,11 +51,19 @@ def silent_listener() -> socket.socket:
     return sock
 
 
-async def refuse_as_if_views_differ(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Read a hello, say the views differ, close: however often it is dialed."""
+REFUSALS = {
+    "differs": {"kind": "refuse", "reason": "membership digest differs", "views_differ": True},
+    "refuses": {"kind": "refuse", "reason": "not now"},
+}
+"""What the stranger answers every hello with, by mode: our views differ, or a plain no."""
+
+
+async def refuse_every_hello(
+    refusal: dict, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    """Read a hello, answer `refusal`, close: however often it is dialed."""
     try:
         await read_frame(reader, 5.0, MAX_HANDSHAKE_FRAME)
-        refusal = {"kind": "refuse", "reason": "membership digest differs", "views_differ": True}
         await write_frame(writer, refusal, timeout=5.0)
     except WireError:
         pass
@@ -62,22 +71,12 @@ async def refuse_as_if_views_differ(reader: asyncio.StreamReader, writer: asynci
         writer.close()
 
 
-async def refuse_plainly(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Read a hello, refuse it with no reason to retry, close: however often it is dialed."""
-    try:
-        await read_frame(reader, 5.0, MAX_HANDSHAKE_FRAME)
-        await write_frame(writer, {"kind": "refuse", "reason": "not now"}, timeout=5.0)
-    except WireError:
-        pass
-    finally:
-        writer.close()
-
-
 async def publish_forever(args: argparse.Namespace, address: str) -> None:
-    handlers = {"differs": refuse_as_if_views_differ, "refuses": refuse_plainly}
     server = None
-    if args.mode in handlers:
-        server = await asyncio.start_server(handlers[args.mode], "127.0.0.1", 0)
+    if args.mode in REFUSALS:
+        server = await asyncio.start_server(
+            functools.partial(refuse_every_hello, REFUSALS[args.mode]), "127.0.0.1", 0
+        )
         address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
     identity = NodeIdentity(Ed25519PrivateKey.generate(), Path(tempfile.gettempdir()))
     dht = SwarmDHT.start(DHTSettings(peers=[args.peer], listen=["/ip4/127.0.0.1/tcp/0"]))

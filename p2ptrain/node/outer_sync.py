@@ -293,7 +293,7 @@ class OuterSync:
             raise
         members = result.election.keys
         self.offences.step_done(step, members, named - ignored, tried.difference(members))
-        self._last_members = (step, frozenset(result.election.keys))
+        self._last_members = (step, frozenset(members))
         result.ready_time = ready_time
         return result
 
