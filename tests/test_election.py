@@ -16,7 +16,6 @@ from p2ptrain.comm.members import RingMember, membership_digest
 from p2ptrain.identity import load_or_create_identity
 from p2ptrain.swarm.election import (
     LINKS_FIELD,
-    OnTheirWay,
     decide,
     elect,
     expected_for,
@@ -322,27 +321,6 @@ def test_a_member_of_the_previous_step_whose_newer_record_is_late_is_waited_for(
     assert decide(beats, 5, deadline_passed=False, in_transit={key(1), key(2)}) is None
     late = decide(beats, 5, deadline_passed=True, in_transit={key(1), key(2)})
     assert late is not None and len(late.members) == 2  # a majority after the deadline, as for a straggler
-
-
-def test_after_a_step_given_up_its_other_members_are_still_waited_for():
-    """Nodes 1 and 3 were left out of step 4 (the evidence) while node 2 and 4, members of their
-    attempts there, still finish it. Taking step 5 between the two of them at once would give two
-    results of one step; they wait, as for members of a step they completed, for those they did not
-    name, and those they named (node 4 here) are not waited for."""
-    trail = OnTheirWay()
-    trail.completed(3, [key(1), key(2), key(3), key(4)])
-    assert trail.towards(4) == {key(1), key(2), key(3), key(4)} and trail.towards(5) == frozenset()
-    trail.gave_up(4, [key(1), key(2), key(3)], named={key(4)})
-    assert trail.towards(5) == {key(1), key(2), key(3)}
-    beats = [beat(1, NodeState.READY, 5), beat(2, NodeState.SYNCING, 4), beat(3, NodeState.READY, 5)]
-    beats.append(beat(4, NodeState.READY, 4))
-    assert decide(beats, 5, deadline_passed=False) is not None  # before: at once, without node 2
-    assert decide(beats, 5, deadline_passed=False, in_transit=trail.towards(5)) is None
-    assert decide(beats, 5, deadline_passed=True, in_transit=trail.towards(5)) is not None  # a majority
-    trail.gave_up(5, [], named=())  # left out before any attempt: those it expected stay expected
-    assert trail.towards(6) == {key(1), key(2), key(3)}
-    trail.completed(6, [key(1), key(3)])
-    assert trail.towards(7) == {key(1), key(3)}
 
 
 def _greedy_oracle(base: list[bytes], throughput: dict) -> list[bytes]:

@@ -34,7 +34,6 @@ from p2ptrain.swarm.election import (
     LINKS_FIELD,
     Election,
     LeftOut,
-    OnTheirWay,
     SwarmAhead,
     elect,
     parse_address,
@@ -124,7 +123,8 @@ class OuterSync:
         """Receiver key → bytes/s of our slow links, latest measurement; published when ready."""
         self.crashes = CrashWatch()
         self.offences = Offences()
-        self._on_their_way = OnTheirWay()
+        self._last_members: tuple[int, frozenset[bytes]] = (-1, frozenset())
+        """The last step this node completed and its members."""
         self._seen: dict[bytes, Heartbeat] = {}
         self.pusher = RecordPusher(config.comm.failure_timeout)
         """Our ready records, pushed to the peers of the step beside the DHT store (record_push.py)."""
@@ -213,8 +213,9 @@ class OuterSync:
         await self.publisher.store_current(record)
 
     def _in_transit(self, step: int) -> frozenset[bytes]:
-        """The nodes of our step - 1, on their way to `step` (election.expected_for)."""
-        return self._on_their_way.towards(step)
+        """The members of our step - 1, on their way to `step` (election.expected_for)."""
+        completed, members = self._last_members
+        return members if completed == step - 1 else frozenset()
 
     def close(self) -> None:
         self.crashes.close()
@@ -289,11 +290,10 @@ class OuterSync:
             result = await self._attempts(step, vector, named, tried, ready_at)
         except StepGivenUp:
             self.offences.step_done(step, (), named - ignored)
-            self._on_their_way.gave_up(step, tried, named)
             raise
         members = result.election.keys
         self.offences.step_done(step, members, named - ignored, tried.difference(members))
-        self._on_their_way.completed(step, members)
+        self._last_members = (step, frozenset(members))
         result.ready_time = ready_time
         return result
 

@@ -108,30 +108,6 @@ def expected_for(
     ]
 
 
-class OnTheirWay:
-    """The nodes this node expects to come on from its last step (`expected_for`'s `in_transit`).
-
-    After a step it completed: that step's members. After a step it gave up or was left out of:
-    the members of its attempts there and those it expected there, less those it named, since
-    they may still be completing that step without it. Without them, two nodes left out of a
-    step by the evidence saw no one expected in the next one and took it at once between them,
-    while the other twelve of a 16-node drill still finished the step before (two results of one
-    step; benchmarks.scale on a saturated machine)."""
-
-    def __init__(self) -> None:
-        self._step, self._keys = -1, frozenset[bytes]()
-
-    def completed(self, step: int, members: Iterable[bytes]) -> None:
-        self._step, self._keys = step, frozenset(members)
-
-    def gave_up(self, step: int, tried: Iterable[bytes], named: Collection[bytes]) -> None:
-        self._step, self._keys = step, (self.towards(step) | frozenset(tried)) - frozenset(named)
-
-    def towards(self, step: int) -> frozenset[bytes]:
-        """Those on their way to `step`: none unless this node's last step was `step` - 1."""
-        return self._keys if self._step == step - 1 else frozenset()
-
-
 def ring_order(keys: Sequence[bytes], step: int, throughput: Throughput | None = None) -> list[bytes]:
     """The ring order every node computes alike.
 
