@@ -5,6 +5,8 @@ Read once per process from the environment:
     P2PTRAIN_INJECT_NAN_STEP=N        the pseudo-gradient of outer step N holds a NaN (trainer rank 0)
     P2PTRAIN_INJECT_LATE=N:SECONDS    the node reports ready(N) SECONDS after it sees another node's
                                       ready(N): a straggler, however fast each node computes (agent)
+    P2PTRAIN_INJECT_GIVE_UP=N         the node gives outer step N up before it reports ready, as one
+                                      whose every attempt failed or that was left out (agent)
     P2PTRAIN_INJECT_DIE_IN_SYNC=N     the node SIGKILLs itself once the all-reduce of step N has data
                                       in flight, as a machine that loses power mid-reduce (agent)
     P2PTRAIN_INJECT_SCALE=N:FACTOR    from outer step N on, the node multiplies its pseudo-gradient by
@@ -72,6 +74,7 @@ class Faults:
     late_step: int = NEVER
     late_seconds: float = 0.0
     die_in_sync_step: int = NEVER
+    give_up_step: int = NEVER
     scale_step: int = NEVER
     scale_factor: float = 1.0
     slow_start: float = 0.0
@@ -95,6 +98,7 @@ class Faults:
             late_step=late_pair[0],
             late_seconds=late_pair[1],
             die_in_sync_step=_step("P2PTRAIN_INJECT_DIE_IN_SYNC"),
+            give_up_step=_step("P2PTRAIN_INJECT_GIVE_UP"),
             scale_step=scale_pair[0],
             scale_factor=scale_pair[1],
             slow_start=_seconds("P2PTRAIN_INJECT_SLOW_START"),

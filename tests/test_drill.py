@@ -160,3 +160,21 @@ def test_eight_nodes_agree_on_every_step(swarm: LocalSwarm):
     assert all(len(log) == 8 for log in logs.values()), {name: len(log) for name, log in logs.items()}
     assert_agreement(logs, range(8))
     assert all(len(entry["members"]) == 8 for entry in logs["node0"]), [e["members"] for e in logs["node0"]]
+
+
+def test_a_node_that_gave_a_step_up_takes_the_next_one_only_after_the_others_finished_it(swarm: LocalSwarm):
+    """node2 gives step 2 up (fault) while node0 waits 6 s for node1's late ready(2). Taking step 3
+    at once, alone after the 2 s straggler deadline (nobody else is at 3 yet), would give step 3 two
+    results: it waits until the others are done with step 2, and step 3 has one result."""
+    faults = {"node1": {"P2PTRAIN_INJECT_LATE": "2:6"}, "node2": {"P2PTRAIN_INJECT_GIVE_UP": "2"}}
+    names = start_drill(swarm, 6, "--set", "swarm.straggler_deadline=2", env=faults)
+    logs = finish(swarm, names)
+    assert [entry["step"] for entry in logs["node2"]] == list(range(6))
+    assert "given_up" in logs["node2"][2] and "fault injection" in logs["node2"][2]["given_up"]
+    assert_agreement({name: logs[name] for name in ("node0", "node1")}, range(6))
+    for step in range(3, 6):  # node2 took these steps with the others, not alone beside them
+        taken = [log[step] for log in logs.values() if "given_up" not in log[step]]
+        assert len({entry["hash"] for entry in taken}) == 1, (step, taken)
+    others_done = max(logs[name][2]["time"] for name in ("node0", "node1"))
+    assert logs["node2"][3]["ready_time"] > others_done, (logs["node2"][3], others_done)
+    assert "waiting for the others to end it" in swarm.log("node2")

@@ -283,6 +283,29 @@ def test_a_node_behind_everyone_is_told_instead_of_going_solo():
         asyncio.run(elect(read, 3, straggler_deadline=0, timeout=5, poll_interval=0, me=me))
 
 
+def test_a_node_that_gave_a_step_up_waits_while_the_others_are_still_at_it():
+    """swarm_still_at, the mirror of swarm_ahead: after giving step 3 up, node 1 (at 4 now) must
+    not take step 4 while the others have not finished 3 (they would take 4 after it: a fork)."""
+    from p2ptrain.swarm.election import swarm_still_at
+
+    me = key(1)
+    mine = beat(1, NodeState.TRAINING, 4)
+    still = [mine, beat(2, NodeState.SYNCING, 3), beat(3, NodeState.READY, 3), beat(4, NodeState.TRAINING, 4)]
+    assert swarm_still_at(still, 3, me)
+    # a strict majority past: the step is the swarm's (replayed), whoever is still at it
+    assert not swarm_still_at([*still[:2], beat(3, NodeState.TRAINING, 4), still[3]], 3, me)
+    # the others gave it up as well (each says so with a record of step 4): nobody waits for anyone
+    assert not swarm_still_at([mine, beat(2, NodeState.TRAINING, 4), beat(3, NodeState.READY, 4)], 3, me)
+    assert not swarm_still_at([mine], 3, me)  # alone
+    # a node far behind still counts as at it while no majority is past (it may still take the step)
+    assert swarm_still_at([mine, beat(2, NodeState.TRAINING, 1)], 3, me)
+    # half past is no majority; the dead, the joining and those that finished are never still at it
+    assert swarm_still_at([mine, beat(2, NodeState.READY, 3), beat(3, NodeState.TRAINING, 4)], 3, me)
+    others = [beat(2, NodeState.DEAD, 3), beat(3, NodeState.JOINING, 0), beat(4, NodeState.FINISHED, 3)]
+    assert not swarm_still_at([mine, *others], 3, me)
+    assert not swarm_still_at([mine, beat(2, NodeState.READY, 3)], 3, me, finished={key(3): 3, key(4): 5})
+
+
 def test_a_node_behind_a_finished_run_catches_up_even_after_the_others_left():
     """A node that finished never takes another step: its history is the swarm's. Remembered after
     it left (deathrattle), so the node behind never takes the step alone."""

@@ -38,6 +38,7 @@ from p2ptrain.swarm.election import (
     elect,
     parse_address,
     ready_for,
+    swarm_still_at,
 )
 from p2ptrain.swarm.evidence import BLAME_FIELD, Offences, Refusers, blame_field
 from p2ptrain.swarm.membership import HeartbeatPublisher, SwarmView, live
@@ -61,12 +62,9 @@ converge (seen: 20 attempts within a second, then the step given up on every nod
 
 
 class StepGivenUp(RuntimeError):
-    """No all-reduce of this step completed within the retries; the vector is unchanged."""
-
-
-class LeftOutOfStep(StepGivenUp):
-    """The others take this step without this node (the evidence, or no room behind NAT): its
-    result is theirs to replay once they have it."""
+    """No all-reduce of this step completed here within the retries, or the others take it without
+    this node (the evidence, or no room behind NAT; its result is theirs to replay once they have
+    it); the vector is unchanged."""
 
 
 @dataclass
@@ -212,6 +210,32 @@ class OuterSync:
             )
         await self.publisher.store_current(record)
 
+    async def _leave(self, step: int, reason: Exception) -> None:
+        """After `step` was given up here: say so at once (a record of step + 1, which takes us out
+        of the others' elections of `step` and counts us past it for those that gave it up too),
+        then wait, at most election_timeout, while the others are still at it (`swarm_still_at`).
+        Taking step + 1 before them would fork the run; once they are past it, the step is theirs
+        for the agent to replay."""
+        await self.publisher.publish(state=NodeState.TRAINING, outer_step=step + 1, params_hash="")
+        me, digest = self.publisher.current.node_key, self.config.digest()
+        started, waiting = time.monotonic(), False
+        while time.monotonic() < started + self.config.swarm.election_timeout:
+            beats = [beat for beat in live(await self.view.read()) if beat.config_digest in (digest, "")]
+            if not swarm_still_at(self.crashes.alive(beats), step, me, self.view.finished):
+                if waiting:
+                    waited = time.monotonic() - started
+                    log.info("the others are done with outer step %d after %.1f s", step, waited)
+                return
+            if not waiting:
+                log.warning("outer step %d given up (%s): waiting for the others to end it", step, reason)
+                waiting = True
+            await asyncio.sleep(self.config.swarm.heartbeat_interval / 2)
+        log.warning(
+            "the others are still at outer step %d %.0f s after this node gave it up: going on",
+            step,
+            self.config.swarm.election_timeout,
+        )
+
     def _in_transit(self, step: int) -> frozenset[bytes]:
         """The members of our step - 1, on their way to `step` (election.expected_for)."""
         completed, members = self._last_members
@@ -283,13 +307,15 @@ class OuterSync:
         named, tried = set(ignored), set[bytes]()
         self.server.at_step(step)
         ready_at, ready_time = time.monotonic(), time.time()
-        await self._announce(
-            step, state=NodeState.READY, outer_step=step, tokens=tokens, extra=self._extra_for(step, named)
-        )
         try:
+            if step == self.faults.give_up_step:
+                raise StepGivenUp(f"fault injection: outer step {step} given up")
+            extra = self._extra_for(step, named)
+            await self._announce(step, state=NodeState.READY, outer_step=step, tokens=tokens, extra=extra)
             result = await self._attempts(step, vector, named, tried, ready_at)
-        except StepGivenUp:
+        except StepGivenUp as exc:
             self.offences.step_done(step, (), named - ignored)
+            await self._leave(step, exc)
             raise
         members = result.election.keys
         self.offences.step_done(step, members, named - ignored, tried.difference(members))
@@ -325,11 +351,11 @@ class OuterSync:
                     standby=standby,
                 )
             except LeftOut as exc:
-                raise LeftOutOfStep(str(exc)) from None
+                raise StepGivenUp(str(exc)) from None
             except (TimeoutError, SwarmAhead) as exc:
                 raise StepGivenUp(str(exc)) from None
             if me in election.left_out:
-                raise LeftOutOfStep(f"left out of outer step {step}: {election.left_out[me]}")
+                raise StepGivenUp(f"left out of outer step {step}: {election.left_out[me]}")
             if me not in election.keys:
                 # our ready record has not reached the others' view yet: read again shortly
                 await asyncio.sleep(swarm.heartbeat_interval / 2)

@@ -45,7 +45,7 @@ from p2ptrain.identity import NodeIdentity
 from p2ptrain.identity import short_id as short_key
 from p2ptrain.node.config_check import refuse_other_settings
 from p2ptrain.node.interrupt import Interrupted, unless
-from p2ptrain.node.outer_sync import LeftOutOfStep, OuterSync, StepGivenUp, node_server
+from p2ptrain.node.outer_sync import OuterSync, StepGivenUp, node_server
 from p2ptrain.node.reachability import Reachability, data_address
 from p2ptrain.swarm.dht import SwarmDHT
 from p2ptrain.swarm.election import swarm_ahead
@@ -184,8 +184,6 @@ class SwarmLink(SoloSwarm):
             result = await self.sync.sync(step, vector, tokens)
         except StepGivenUp as exc:
             log.warning("outer step %d given up: %s", step, exc)
-            if isinstance(exc, LeftOutOfStep):
-                await self._until_swarm_past(step)  # then the agent replays the others' result
             return Averaged(step, 0), f"given up: {exc}"
         seconds = time.monotonic() - started
         comm = self.config.comm
@@ -194,14 +192,6 @@ class SwarmLink(SoloSwarm):
         averaged = Averaged(step, len(ring), ring, seconds, result.stats.bytes_sent)
         averaged.relayed_bytes = self.server.relay.bytes_relayed
         return averaged, f"sync {seconds:.2f} s, {result.stats.bytes_sent / 1e6:.2f} MB sent"
-
-    async def _until_swarm_past(self, step: int) -> None:
-        """Wait (at most election_timeout) until the swarm is done with `step`."""
-        deadline = time.monotonic() + self.config.swarm.election_timeout
-        while time.monotonic() < deadline:
-            if swarm_ahead(await self._peers(), step, self.identity.public_key, self._view().finished):
-                return
-            await asyncio.sleep(self.config.swarm.heartbeat_interval / 2)
 
     async def checkpoint_saved(self, folder: Path, outer_step: int) -> None:
         """Hash the new checkpoint, serve it, and announce its digest."""

@@ -327,15 +327,43 @@ def swarm_ahead(
     That history is the swarm's, so this node catches up (replay, checkpoint) instead of taking the
     step alone, or with others just as far behind, which would fork the run. A majority, so that
     one record claiming a far step (a stranger's, a broken node's) cannot send everyone off."""
-    beats = [b for b in heartbeats if b.node_key != me]
+    position = _positions(heartbeats, me, finished)
+    return 2 * _past(position, step) > len(position)
+
+
+def swarm_still_at(
+    heartbeats: Iterable[Heartbeat], step: int, me: bytes, finished: Mapping[bytes, int] | None = None
+) -> bool:
+    """Others are still at `step` (or before it) and no strict majority is past it: the mirror of
+    swarm_ahead, for a node that gave `step` up or was left out of it.
+
+    Such a node waits while this holds before it takes step + 1: the others will take `step` and
+    only then step + 1, and taking step + 1 without them (alone, or with others left out) would
+    fork the run, two results of one step (seen at 16 nodes under load). Once a majority is past,
+    the step is the swarm's to replay."""
+    position = _positions(heartbeats, me, finished)
+    behind = any(not done and at <= step for at, done in position.values())
+    return behind and 2 * _past(position, step) <= len(position)
+
+
+def _positions(
+    heartbeats: Iterable[Heartbeat], me: bytes, finished: Mapping[bytes, int] | None
+) -> dict[bytes, tuple[int, bool]]:
+    """The other nodes' steps: node → (its outer step, whether it finished the run there)."""
     position = {key: (at, True) for key, at in (finished or {}).items() if key != me}
-    for beat in beats:
+    for beat in heartbeats:
+        if beat.node_key == me:
+            continue
         if beat.state is NodeState.FINISHED:
             position[beat.node_key] = (beat.outer_step, True)
         elif beat.state in IN_STEPS and beat.node_key not in position:
             position[beat.node_key] = (beat.outer_step, False)
-    past = sum(at >= step if done else at > step for at, done in position.values())
-    return 2 * past > len(position)
+    return position
+
+
+def _past(position: Mapping[bytes, tuple[int, bool]], step: int) -> int:
+    """How many are done with `step`: in a later one, or finished at it or later (no more steps)."""
+    return sum(at >= step if done else at > step for at, done in position.values())
 
 
 async def elect(
