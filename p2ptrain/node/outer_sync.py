@@ -12,6 +12,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,17 +211,22 @@ class OuterSync:
             )
         await self.publisher.store_current(record)
 
-    async def _leave(self, step: int, reason: Exception) -> None:
+    async def _leave(self, step: int, reason: Exception, named: Collection[bytes]) -> None:
         """After `step` was given up here: say so at once (a record of step + 1, which takes us out
         of the others' elections of `step` and counts us past it for those that gave it up too),
-        then wait, at most election_timeout, while the others are still at it (`swarm_still_at`).
+        then wait, at most election_timeout, while the others are still at it (`swarm_still_at`),
+        those we `named` in it aside (a stranger that stalled the step need not stay at it).
         Taking step + 1 before them would fork the run; once they are past it, the step is theirs
         for the agent to replay."""
         await self.publisher.publish(state=NodeState.TRAINING, outer_step=step + 1, params_hash="")
         me, digest = self.publisher.current.node_key, self.config.digest()
         started, waiting = time.monotonic(), False
         while time.monotonic() < started + self.config.swarm.election_timeout:
-            beats = [beat for beat in live(await self.view.read()) if beat.config_digest in (digest, "")]
+            beats = [
+                beat
+                for beat in live(await self.view.read())
+                if beat.config_digest in (digest, "") and beat.node_key not in named
+            ]
             if not swarm_still_at(self.crashes.alive(beats), step, me, self.view.finished):
                 if waiting:
                     waited = time.monotonic() - started
@@ -315,7 +321,7 @@ class OuterSync:
             result = await self._attempts(step, vector, named, tried, ready_at)
         except StepGivenUp as exc:
             self.offences.step_done(step, (), named - ignored)
-            await self._leave(step, exc)
+            await self._leave(step, exc, named)
             raise
         members = result.election.keys
         self.offences.step_done(step, members, named - ignored, tried.difference(members))
