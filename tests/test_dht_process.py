@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import signal
 import time
+from collections.abc import Callable
 
+import pytest
 from hivemind.utils import get_dht_time
 
 from p2ptrain import procs
@@ -40,3 +43,36 @@ def test_a_dht_child_answers_then_fails_every_call_at_once_when_it_is_gone() -> 
         assert asyncio.run(dht.get("key")) is None
         assert not asyncio.run(dht.store("key", b"subkey", b"again", get_dht_time() + 60))
         assert time.monotonic() - started < timeout / 4
+
+
+@pytest.mark.parametrize("how", ["cancelled", "cancelled_error"])
+def test_a_call_cancelled_under_the_node_fails_that_call_and_leaves_the_node_running(how: str) -> None:
+    """A DHT answer that comes back cancelled (hivemind's concurrent futures, a peer stopped under
+    the call) is a failed read or store, not a cancellation of the node's own task: it once ended a
+    drill node with a traceback mid-step. The child is stopped (SIGSTOP) so the call stays pending."""
+    with SwarmDHT.start(DHTSettings(listen=["/ip4/127.0.0.1/tcp/0"], timeout=60.0)) as dht:
+        child = dht._pid
+        assert child is not None
+        os.kill(child, signal.SIGSTOP)
+        try:
+
+            async def get_while_its_answer_is_cancelled() -> tuple[object, bool]:
+                reading = asyncio.ensure_future(dht.get("key"))
+                pending = dht._dht._pending  # the parent's side of the pipe: no way in from outside
+                await asyncio.wait_for(_until(lambda: bool(pending)), 10)
+                answer = next(iter(pending.values()))
+                if how == "cancelled":
+                    answer.cancel()
+                else:  # an exception asyncio turns into its own CancelledError
+                    answer.set_exception(concurrent.futures.CancelledError())
+                return await reading, reading.cancelled()
+
+            found, cancelled = asyncio.run(get_while_its_answer_is_cancelled())
+            assert found is None and not cancelled
+        finally:
+            os.kill(child, signal.SIGCONT)
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)

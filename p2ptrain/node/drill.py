@@ -21,8 +21,9 @@ import numpy as np
 
 from p2ptrain.config import Config
 from p2ptrain.identity import NodeIdentity, short_id
+from p2ptrain.node.data_server import node_server
 from p2ptrain.node.interrupt import Interrupted, unless
-from p2ptrain.node.outer_sync import OuterSync, StepGivenUp, node_server
+from p2ptrain.node.outer_sync import OuterSync, StepGivenUp
 from p2ptrain.node.reachability import Reachability, data_address
 from p2ptrain.swarm.dht import SwarmDHT
 from p2ptrain.swarm.membership import HeartbeatPublisher, keep_alive

@@ -18,15 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from p2ptrain.comm.dataplane import AllReduceError, DataPlaneServer, RingSettings
+from p2ptrain.comm.dataplane import AllReduceError, DataPlaneServer
 from p2ptrain.comm.members import RingStats
 from p2ptrain.comm.reach import can_be_dialed
 from p2ptrain.comm.record_push import RecordPusher
 from p2ptrain.comm.ring import ring_all_reduce
 from p2ptrain.config import Config
 from p2ptrain.faults import Faults
-from p2ptrain.identity import NodeIdentity, short_id
-from p2ptrain.swarm.admission import run_credentials
+from p2ptrain.identity import short_id
 from p2ptrain.swarm.crash_watch import CrashWatch, answers_hello
 from p2ptrain.swarm.dht import SwarmDHT
 from p2ptrain.swarm.election import (
@@ -78,28 +77,6 @@ class SyncResult:
     ready_time: float = 0.0
     """Wall-clock time this node was ready, before its record went out (drills on one machine
     compare them)."""
-
-
-def node_server(config: Config, identity: NodeIdentity) -> DataPlaneServer:
-    """A node's data-plane server: the run's all-reduce settings, its relay cap, and in a closed run
-    the tickets shown and checked in every handshake."""
-    credentials = run_credentials(config.run.authority_key, config.node.ticket)
-    return DataPlaneServer(identity, ring_settings(config), config.node.relay_mbps, credentials=credentials)
-
-
-def ring_settings(config: Config) -> RingSettings:
-    comm = config.comm
-    return RingSettings(
-        block=comm.quant_block,
-        chunk_bytes=comm.chunk_bytes,
-        failure_timeout=comm.failure_timeout,
-        zstd=comm.zstd,
-        topology=comm.topology,
-        connections=comm.connections,
-        clip=comm.clip,
-        bits=comm.bits,
-        setup_timeout=max(comm.failure_timeout, config.swarm.heartbeat_timeout),
-    )
 
 
 class OuterSync:

@@ -44,8 +44,9 @@ from p2ptrain.config import Config, parameter_count
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.identity import short_id as short_key
 from p2ptrain.node.config_check import refuse_other_settings
+from p2ptrain.node.data_server import node_server
 from p2ptrain.node.interrupt import Interrupted, unless
-from p2ptrain.node.outer_sync import OuterSync, StepGivenUp, node_server
+from p2ptrain.node.outer_sync import OuterSync, StepGivenUp
 from p2ptrain.node.reachability import Reachability, data_address
 from p2ptrain.swarm.dht import SwarmDHT
 from p2ptrain.swarm.election import swarm_ahead

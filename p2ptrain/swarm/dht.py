@@ -217,12 +217,22 @@ class SwarmDHT:
         self._stop(self._dht, self._pid)
 
     async def _ask(self, request: Request, timeout: float) -> Any:
-        """The DHT child's answer to `request`; TimeoutError (the request cancelled there) past `timeout`."""
+        """The DHT child's answer to `request`; TimeoutError (the request cancelled there) past `timeout`.
+        An answer that comes back cancelled (or as concurrent.futures' CancelledError, which asyncio
+        reads as its own) raises ConnectionError, a failed call: the caller's task is not cancelled."""
         call_id, answer = self._dht.call(request)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(answer), timeout)
-        except (asyncio.TimeoutError, asyncio.CancelledError):
+        except asyncio.TimeoutError:
             self._dht.cancel(call_id)
+            raise
+        except asyncio.CancelledError:
+            under_us = answer.cancelled() or (
+                answer.done() and isinstance(answer.exception(), concurrent.futures.CancelledError)
+            )
+            self._dht.cancel(call_id)
+            if under_us:
+                raise ConnectionError("the DHT call was cancelled under us") from None
             raise
 
     def _stop_started(self, starting: asyncio.Future[DHTProcess]) -> None:
