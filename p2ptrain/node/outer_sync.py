@@ -195,6 +195,7 @@ class OuterSync:
         those we `named` in it aside (a stranger that stalled the step need not stay at it).
         Taking step + 1 before them would fork the run; once they are past it, the step is theirs
         for the agent to replay."""
+        self.server.at_step(step + 1)  # hellos for `step` refused at once, not kept waiting
         await self.publisher.publish(state=NodeState.TRAINING, outer_step=step + 1, params_hash="")
         me, digest = self.publisher.current.node_key, self.config.digest()
         started, waiting = time.monotonic(), False
