@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import signal
 import time
@@ -69,6 +70,30 @@ def test_a_call_cancelled_under_the_node_fails_that_call_and_leaves_the_node_run
 
             found, cancelled = asyncio.run(get_while_its_answer_is_cancelled())
             assert found is None and not cancelled
+        finally:
+            os.kill(child, signal.SIGCONT)
+
+
+def test_cancelling_a_task_whose_dht_call_is_pending_cancels_it() -> None:
+    """The other side of the test above: a node that stops cancels its tasks, and one waiting for
+    the DHT must end as cancelled, not take it for a failed call and go on (a loop that reads again
+    would keep the event loop, and the node, from ever exiting: seen at 16 drill nodes)."""
+    with SwarmDHT.start(DHTSettings(listen=["/ip4/127.0.0.1/tcp/0"], timeout=60.0)) as dht:
+        child = dht._pid
+        assert child is not None
+        os.kill(child, signal.SIGSTOP)
+        try:
+
+            async def cancel_a_pending_get() -> bool:
+                reading = asyncio.ensure_future(dht.get("key"))
+                await asyncio.wait_for(_until(lambda: bool(dht._dht._pending)), 10)
+                reading.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reading
+                return reading.cancelled()
+
+            assert asyncio.run(cancel_a_pending_get())
+            assert not dht._dht._pending, "the call is cancelled in the child too"
         finally:
             os.kill(child, signal.SIGCONT)
 

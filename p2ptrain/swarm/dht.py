@@ -218,21 +218,17 @@ class SwarmDHT:
 
     async def _ask(self, request: Request, timeout: float) -> Any:
         """The DHT child's answer to `request`; TimeoutError (the request cancelled there) past `timeout`.
-        An answer that comes back cancelled (or as concurrent.futures' CancelledError, which asyncio
-        reads as its own) raises ConnectionError, a failed call: the caller's task is not cancelled."""
+        An answer that comes back cancelled (or as concurrent.futures' CancelledError, which
+        asyncio.wrap_future would turn into its own) raises ConnectionError, a failed call: only the
+        cancellation of the caller's own task raises CancelledError."""
         call_id, answer = self._dht.call(request)
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[Any] = loop.create_future()
+        answer.add_done_callback(lambda done: _settle_soon(loop, waiter, done))
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(answer), timeout)
-        except asyncio.TimeoutError:
+            return await asyncio.wait_for(waiter, timeout)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
             self._dht.cancel(call_id)
-            raise
-        except asyncio.CancelledError:
-            under_us = answer.cancelled() or (
-                answer.done() and isinstance(answer.exception(), concurrent.futures.CancelledError)
-            )
-            self._dht.cancel(call_id)
-            if under_us:
-                raise ConnectionError("the DHT call was cancelled under us") from None
             raise
 
     def _stop_started(self, starting: asyncio.Future[DHTProcess]) -> None:
@@ -331,3 +327,23 @@ def _size(value: Any) -> int:
 
 def _first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else "unknown error"
+
+
+def _settle_soon(
+    loop: asyncio.AbstractEventLoop, waiter: asyncio.Future[Any], done: concurrent.futures.Future[Any]
+) -> None:
+    """From the thread that read the DHT child's answer: settle `waiter` with it on the loop."""
+    with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+        loop.call_soon_threadsafe(_settle, waiter, done)
+
+
+def _settle(waiter: asyncio.Future[Any], done: concurrent.futures.Future[Any]) -> None:
+    if waiter.done():  # our caller gave up (timeout, cancelled)
+        return
+    if done.cancelled():
+        waiter.set_exception(ConnectionError("the DHT call was cancelled under us"))
+    elif (exc := done.exception()) is not None:
+        cancelled = isinstance(exc, concurrent.futures.CancelledError)
+        waiter.set_exception(ConnectionError("the DHT call was cancelled under us") if cancelled else exc)
+    else:
+        waiter.set_result(done.result())
