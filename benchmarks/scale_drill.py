@@ -15,7 +15,10 @@ drill.jsonl and its process tree, per n (medians over nodes and steps):
   moved, and their number, per second (SwarmDHT.traffic; the DHT's replication comes on top);
 - connections_per_node_step: data-plane connections a node opens or accepts per step;
 - rss_mib_per_node: resident memory of a node's process tree (agent, DHT child, p2pd), its peak
-  over the run's samples.
+  over the run's samples;
+- steps_given_up: node-steps given up (left out, timed out, the swarm past them), all nodes;
+- steps_with_two_results: steps whose completed all-reduces differ between nodes (a fork: the
+  swarm must never have one).
 """
 
 from __future__ import annotations
@@ -101,6 +104,9 @@ def _row(n: int, logs: dict[str, list[dict[str, Any]]], peaks: dict[str, int]) -
         per_node["connections"].append(
             2 * (last["lanes_accepted"] - first["lanes_accepted"]) / (len(lines) - 1)
         )
+    first_hash: dict[int, str] = {}
+    for line in every:
+        first_hash.setdefault(line["step"], line["hash"])
     last_ready: dict[int, float] = {}
     for line in every:
         last_ready[line["step"]] = max(last_ready.get(line["step"], 0.0), line["ready_time"])
@@ -109,6 +115,9 @@ def _row(n: int, logs: dict[str, list[dict[str, Any]]], peaks: dict[str, int]) -
         "n": n,
         "steps_done": min(len(lines) for lines in done.values()),
         "steps_given_up": sum(len(logs[name]) - len(done[name]) for name in logs),
+        "steps_with_two_results": len(
+            {line["step"] for line in every if line["hash"] != first_hash[line["step"]]}
+        ),
         "members": statistics.median(len(line["members"]) for line in every),
         "overhead_s": _median(line["sync_s"] for line in every),
         "election_s": _median(line["election_s"] for line in every),
