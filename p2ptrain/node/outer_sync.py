@@ -110,15 +110,20 @@ class OuterSync:
         """Pushed records our view took (newer than the DHT's copy when they came)."""
         server.on_record = self._record_pushed
 
+    async def _records_of_this_config(self, cached: bool = False) -> list[Heartbeat]:
+        """Live nodes of this run with this config: a node of another config is never a member."""
+        digest = self.config.digest()
+        return [
+            beat for beat in live(await self.view.read(cached=cached)) if beat.config_digest in (digest, "")
+        ]
+
     async def _live_heartbeats(self, step: int) -> list[Heartbeat]:
         """Live nodes of this run with this config (a node of another config is never a member),
         without those whose data port refuses connections: crashed, not worth waiting for."""
-        digest, me = self.config.digest(), self.publisher.current.node_key
+        me = self.publisher.current.node_key
         pushed = self._pushed.is_set()
         self._pushed.clear()
-        beats = [
-            beat for beat in live(await self.view.read(cached=pushed)) if beat.config_digest in (digest, "")
-        ]
+        beats = await self._records_of_this_config(cached=pushed)
         # our own record as we last signed it: the copy in the DHT may not show our newest evidence yet
         beats = sorted(
             [beat for beat in beats if beat.node_key != me] + [self.publisher.current],
@@ -197,14 +202,10 @@ class OuterSync:
         for the agent to replay."""
         self.server.at_step(step + 1)  # hellos for `step` refused at once, not kept waiting
         await self.publisher.publish(state=NodeState.TRAINING, outer_step=step + 1, params_hash="")
-        me, digest = self.publisher.current.node_key, self.config.digest()
+        me = self.publisher.current.node_key
         started, waiting = time.monotonic(), False
         while time.monotonic() < started + self.config.swarm.election_timeout:
-            beats = [
-                beat
-                for beat in live(await self.view.read())
-                if beat.config_digest in (digest, "") and beat.node_key not in named
-            ]
+            beats = [beat for beat in await self._records_of_this_config() if beat.node_key not in named]
             if not swarm_still_at(self.crashes.alive(beats), step, me, self.view.finished):
                 if waiting:
                     waited = time.monotonic() - started

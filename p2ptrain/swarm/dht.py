@@ -340,10 +340,10 @@ def _settle_soon(
 def _settle(waiter: asyncio.Future[Any], done: concurrent.futures.Future[Any]) -> None:
     if waiter.done():  # our caller gave up (timeout, cancelled)
         return
-    if done.cancelled():
+    exc = None if done.cancelled() else done.exception()
+    if done.cancelled() or isinstance(exc, concurrent.futures.CancelledError):
         waiter.set_exception(ConnectionError("the DHT call was cancelled under us"))
-    elif (exc := done.exception()) is not None:
-        cancelled = isinstance(exc, concurrent.futures.CancelledError)
-        waiter.set_exception(ConnectionError("the DHT call was cancelled under us") if cancelled else exc)
+    elif exc is not None:
+        waiter.set_exception(exc)
     else:
         waiter.set_result(done.result())
