@@ -215,3 +215,47 @@ def test_a_reader_verifies_each_record_once_and_a_changed_byte_again(identities)
     verified.read_done()
     verified.read_done()  # a read without it: forgotten, so verified afresh next time
     assert verified.decode(value) is not first and verified.decode(value) == first
+
+
+def test_the_validator_verifies_a_records_bytes_once_and_still_checks_where_they_are_stored(
+    identities, monkeypatch: pytest.MonkeyPatch
+):
+    """A get hears the same record from every replica, and nodes poll the key several times a
+    second: the validator verifies the signature of given bytes once (a bounded number of them),
+    but where they are stored (key, subkey, expiration) and their sequence it checks every time."""
+    import p2ptrain.swarm.records as records
+    import p2ptrain.swarm.validator as validator_module
+
+    verifications = []
+
+    def counting_verify(*args):
+        verifications.append(args)
+        return verify(*args)
+
+    verify = records.verify
+    monkeypatch.setattr(records, "verify", counting_verify)
+    a, b = identities
+    validator = HeartbeatValidator((RUN, "other"))
+    value = beat(a, seq=5).sign(a)
+    for _ in range(10):
+        assert validator.validate(as_record(value, a.public_key))
+    assert len(verifications) == 1
+    assert not validator.validate(as_record(value, b.public_key))  # under another node's subkey
+    assert not validator.validate(as_record(value, a.public_key, run="other"))  # under another run
+    assert not validator.validate(as_record(value, a.public_key, expiration=SOON + 60))
+    assert validator.validate(as_record(beat(a, seq=6).sign(a), a.public_key))
+    assert not validator.validate(as_record(value, a.public_key))  # verified bytes, but replayed now
+    tampered = bytearray(value)
+    tampered[-1] ^= 1
+    assert not validator.validate(as_record(bytes(tampered), a.public_key))
+    assert len(verifications) == 3  # seq 6 and the tampered bytes: each verified afresh
+
+    monkeypatch.setattr(validator_module, "MAX_VERIFIED", 2)
+    fresh = HeartbeatValidator((RUN,))
+    older = [beat(b, seq=seq).sign(b) for seq in (1, 2, 3)]
+    for signed in older:
+        assert fresh.validate(as_record(signed, b.public_key))
+    verifications.clear()
+    assert fresh.validate(as_record(older[2], b.public_key))  # among the last two: not again
+    assert not fresh.validate(as_record(older[0], b.public_key))  # forgotten: verified, then stale
+    assert len(verifications) == 1

@@ -9,11 +9,12 @@ can re-store an old record with a longer life.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import hashlib
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -93,9 +94,11 @@ class Heartbeat:
     """Small fields of later protocol revisions; readers ignore what they do not know."""
 
     def body(self) -> bytes:
-        fields = asdict(self)
-        fields["state"] = self.state.value
-        return msgpack.packb(fields, use_bin_type=True)
+        """The signed bytes: every field in declaration order (no deep copy: `dataclasses.asdict`
+        copied `extra` for nothing, and was half of what a DHT peer spent checking a record)."""
+        values = {item.name: getattr(self, item.name) for item in dataclasses.fields(self)}
+        values["state"] = self.state.value
+        return msgpack.packb(values, use_bin_type=True)
 
     def sign(self, identity: NodeIdentity) -> bytes:
         if identity.public_key != self.node_key:
@@ -106,8 +109,9 @@ class Heartbeat:
             raise ValueError(f"heartbeat of {len(value)} bytes exceeds {MAX_RECORD_BYTES}")
         return value
 
-    @property
+    @functools.cached_property
     def digest(self) -> bytes:
+        """sha256 of the body, computed once (the record is immutable)."""
         return hashlib.sha256(self.body()).digest()
 
     @functools.cached_property
