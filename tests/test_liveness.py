@@ -106,6 +106,38 @@ def test_nodes_that_finished_the_run_are_remembered_after_they_left():
     assert swarm.finished == {bytes([1]) * 32: 7, bytes([3]) * 32: 7}
 
 
+def test_a_pushed_records_bytes_are_taken_held_or_refused(tmp_path):
+    """What a receiver answers a push (record_push.py): "held" only for a verified record of a
+    known node of this run that it has now, taken or already there (or newer); a node whose pushes
+    are all held elects before its DHT store is done."""
+    from p2ptrain.identity import load_or_create_identity
+    from p2ptrain.swarm.membership import Offered
+
+    known, stranger = load_or_create_identity(tmp_path / "a"), load_or_create_identity(tmp_path / "b")
+
+    def signed(identity, seq: int, run_id: str = "r") -> bytes:
+        record = Heartbeat(
+            run_id=run_id,
+            node_key=identity.public_key,
+            seq=seq,
+            timestamp=0.0,
+            expiration=time.time() + 60,
+            state=NodeState.READY,
+        )
+        return record.sign(identity)
+
+    swarm = view(Clock())
+    swarm.judge([replace(beat(1, 10), node_key=known.public_key)])
+    assert swarm.offer_signed(signed(known, 11), "peer") is Offered.TAKEN
+    assert swarm.offer_signed(signed(known, 11), "peer") is Offered.HELD  # the same again
+    assert swarm.offer_signed(signed(known, 10), "peer") is Offered.HELD  # it has a newer one
+    assert swarm.offer_signed(signed(stranger, 11), "peer") is Offered.REFUSED  # a node it does not know
+    assert swarm.offer_signed(signed(known, 12, run_id="other"), "peer") is Offered.REFUSED
+    tampered = bytearray(signed(known, 13))
+    tampered[-1] ^= 1
+    assert swarm.offer_signed(bytes(tampered), "peer") is Offered.REFUSED
+
+
 def test_a_pushed_record_counts_only_for_a_known_node_and_only_when_newer():
     """Records pushed over the data plane (record_push.py) make news of known nodes arrive before the
     DHT has them; they add no one, bring back nothing older, and the next DHT read keeps them."""

@@ -7,6 +7,7 @@ only when no member of a step can relay."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
 import time
@@ -29,7 +30,7 @@ from p2ptrain.swarm.dht import DHTSettings, SwarmDHT
 from p2ptrain.swarm.election import decide
 from p2ptrain.swarm.membership import HeartbeatPublisher
 from p2ptrain.swarm.records import Heartbeat, NodeState
-from p2ptrain.swarm.standby import StandbyRelays
+from p2ptrain.swarm.standby import REFRESH_S, StandbyRelays
 from p2ptrain.swarm.validator import HeartbeatValidator
 from tests.helpers import LocalSwarm, assert_one_line_error, cli, wait_until
 
@@ -108,6 +109,21 @@ def test_a_relaying_bootstrap_splices_its_runs_ends_behind_nat_and_refuses_every
         with pytest.raises(HandshakeError, match="member of no step"):
             await dial_member(ids["home0"], relay, STEP, digest, RingSettings(setup_timeout=5.0))
         assert time.monotonic() - started < 3.0
+        # a node asks for the relays when it is ready for a step: past REFRESH_S it gets the last
+        # read's at once, and the next read goes on in the background (here: a DHT that stalls)
+        now = [0.0]
+        standby = StandbyRelays(dht, RUN, clock=lambda: now[0])
+        assert await standby.current() == [relay]
+        assert dht._pid is not None
+        os.kill(dht._pid, signal.SIGSTOP)
+        try:
+            now[0] += REFRESH_S
+            started = time.monotonic()
+            assert await standby.current() == [relay]
+            assert time.monotonic() - started < 1.0, "the read past REFRESH_S held the caller up"
+        finally:
+            standby.close()
+            os.kill(dht._pid, signal.SIGCONT)
 
     with SwarmDHT.start(settings) as dht:
         asyncio.run(scenario(dht))

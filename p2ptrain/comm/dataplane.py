@@ -36,10 +36,10 @@ from p2ptrain.comm.handshake import (
 )
 from p2ptrain.comm.members import RingMember
 from p2ptrain.comm.reach import REACH_KINDS, ReachService
-from p2ptrain.comm.record_push import RECORD_KIND, RecordSink, receive_record
+from p2ptrain.comm.record_push import HELD, NOT_HELD, RECORD_KIND, RecordSink, receive_record
 from p2ptrain.comm.relay import RELAY_KINDS
 from p2ptrain.comm.relay_service import RelayAdmit, RelayService
-from p2ptrain.comm.wire import ClosedBetweenFrames, WireError, read_frame
+from p2ptrain.comm.wire import ClosedBetweenFrames, WireError, read_frame, write_frame
 from p2ptrain.identity import NodeIdentity, short_id
 from p2ptrain.untrusted import ThrottledLog
 
@@ -338,9 +338,11 @@ class DataPlaneServer:
             if first.kind == RECORD_KIND:
                 # a pushed record holds its pending slot until it is read: the budget bounds them
                 record = await receive_record(reader, self.settings.failure_timeout)
+                held = self.on_record is not None and self.on_record(record, source)
+                await write_frame(
+                    writer, {"kind": HELD if held else NOT_HELD}, timeout=self.settings.failure_timeout
+                )
                 writer.close()
-                if self.on_record is not None:
-                    self.on_record(record, source)
                 return
             if first.kind in REACH_KINDS or first.kind in RELAY_KINDS:
                 idle_no_more()

@@ -98,7 +98,7 @@ async def run_drill(
                     "bytes_sent": result.stats.bytes_sent,
                     "lanes_accepted": server.lanes_accepted,
                     "relayed_bytes": server.relay.bytes_relayed,
-                    "records": [sync.pusher.sent, sync.records_taken],
+                    "records": [sync.pusher.sent, sync.reads.records_taken],
                     "dht": [dht.traffic.stored, dht.traffic.read, dht.traffic.calls],
                     "time": round(time.time(), 3),
                 }

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -26,12 +25,12 @@ from p2ptrain.comm.ring import ring_all_reduce
 from p2ptrain.config import Config
 from p2ptrain.faults import Faults
 from p2ptrain.identity import short_id
+from p2ptrain.node.election_reads import ElectionReads
+from p2ptrain.node.record_extras import RecordExtras
 from p2ptrain.swarm.crash_watch import CrashWatch, answers_hello
 from p2ptrain.swarm.dht import SwarmDHT
 from p2ptrain.swarm.election import (
     IN_STEPS,
-    LINK_PREFIX_HEX,
-    LINKS_FIELD,
     Election,
     LeftOut,
     SwarmAhead,
@@ -40,21 +39,13 @@ from p2ptrain.swarm.election import (
     ready_for,
     swarm_still_at,
 )
-from p2ptrain.swarm.evidence import BLAME_FIELD, Offences, Refusers, blame_field
+from p2ptrain.swarm.evidence import Offences, Refusers
 from p2ptrain.swarm.membership import HeartbeatPublisher, SwarmView, live
 from p2ptrain.swarm.records import Heartbeat, NodeState
 from p2ptrain.swarm.standby import StandbyRelays
 
 log = logging.getLogger(__name__)
 
-MAX_PUBLISHED_LINKS = 16
-"""Slow links a node keeps in its heartbeat (~30 bytes each; records stay far below 16 KiB)."""
-
-
-MIN_READ_GAP = 0.05
-"""Seconds between two reads of the records in an election, however often members dial us."""
-MIN_PUSH_GAP = 0.01
-"""Seconds between two looks at the records pushed to us (no DHT read: a decision on what we have)."""
 MIN_ATTEMPT_SECONDS = 0.5
 """Shortest time one failed attempt of a step takes before the next election (at most half the
 heartbeat interval): a refusal that comes at once must not burn every retry before the views
@@ -95,8 +86,7 @@ class OuterSync:
         self.standby = StandbyRelays(dht, config.run.id, config.run.authority_key)
         """The run's standby relays (bootstrap --relay), for steps whose members are all behind NAT."""
         self.faults = Faults.from_env()
-        self.links: dict[bytes, float] = {}
-        """Receiver key → bytes/s of our slow links, latest measurement; published when ready."""
+        self.extras = RecordExtras()
         self.crashes = CrashWatch()
         self.offences = Offences()
         self._last_members: tuple[int, frozenset[bytes]] = (-1, frozenset())
@@ -104,26 +94,13 @@ class OuterSync:
         self._seen: dict[bytes, Heartbeat] = {}
         self.pusher = RecordPusher(config.comm.failure_timeout)
         """Our ready records, pushed to the peers of the step beside the DHT store (record_push.py)."""
-        self._pushed = asyncio.Event()
-        """A peer's pushed record changed our view since the election last looked."""
-        self.records_taken = 0
-        """Pushed records our view took (newer than the DHT's copy when they came)."""
-        server.on_record = self._record_pushed
-
-    async def _records_of_this_config(self, cached: bool = False) -> list[Heartbeat]:
-        """Live nodes of this run with this config: a node of another config is never a member."""
-        digest = self.config.digest()
-        return [
-            beat for beat in live(await self.view.read(cached=cached)) if beat.config_digest in (digest, "")
-        ]
+        self.reads = ElectionReads(self.view, config.digest(), server)
 
     async def _live_heartbeats(self, step: int) -> list[Heartbeat]:
         """Live nodes of this run with this config (a node of another config is never a member),
         without those whose data port refuses connections: crashed, not worth waiting for."""
         me = self.publisher.current.node_key
-        pushed = self._pushed.is_set()
-        self._pushed.clear()
-        beats = await self._records_of_this_config(cached=pushed)
+        beats = await self.reads.current()
         # our own record as we last signed it: the copy in the DHT may not show our newest evidence yet
         beats = sorted(
             [beat for beat in beats if beat.node_key != me] + [self.publisher.current],
@@ -142,56 +119,39 @@ class OuterSync:
         )
         return self.crashes.alive(beats)
 
-    async def _pause(self, seconds: float) -> None:
-        """The election's wait between two reads: cut short when a peer pushes us a newer record
-        (the next read is of what we have, no DHT round trip) or when a member dials us for the
-        step (it has decided, so the records it saw are in the DHT). Never below MIN_PUSH_GAP and
-        MIN_READ_GAP: pushes and hellos (anyone may send them) cannot make this node decide or
-        read the DHT more often than that."""
-        started = time.monotonic()
-        await asyncio.sleep(min(seconds, MIN_PUSH_GAP))
-        if self._pushed.is_set():
-            return
-        waits = {
-            asyncio.ensure_future(self._pushed.wait()),
-            asyncio.ensure_future(self.server.dialed(seconds - MIN_PUSH_GAP)),
-        }
-        try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for wait in waits:
-                wait.cancel()
-        if not self._pushed.is_set():
-            await asyncio.sleep(max(0.0, min(seconds, MIN_READ_GAP) - (time.monotonic() - started)))
-
-    def _record_pushed(self, value: bytes, source: str) -> None:
-        """A record a peer pushed to our data port: the view verifies it and takes it only for a
-        node it knows, and only when newer (`SwarmView.offer_signed`)."""
-        if self.view.offer_signed(value, source):
-            self.records_taken += 1
-            self._pushed.set()
-
     async def _announce(self, step: int, **changes: Any) -> None:
-        """Publish our record with `changes`: pushed at once to the nodes of the step we know of
-        (`swarm.push_records`), and stored in the DHT before we elect: once we decide we dial the
-        others, and the read our hello wakes them to must find our record (a node the push missed;
-        a store that failed under load left some nodes with our record, others without it, and
-        their views apart)."""
+        """Publish our record with `changes` before we elect: once we decide we dial the others,
+        and the read our hello wakes them to must find our record (a store that failed under load
+        left some nodes with our record, others without it, and their views apart). So we wait for
+        the DHT store, or, with `swarm.push_records`, until every node of the step we know of says
+        it holds the record we pushed to it, whichever comes first (a store took a second at 16
+        nodes on 2 cores; the push, milliseconds); the store goes on either way."""
         record, me = self.publisher.advance(**changes), self.publisher.current.node_key
-        if self.config.swarm.push_records:
-            self.pusher.push(
-                record,
-                [
-                    address
-                    for beat in self._seen.values()
-                    if beat.node_key != me
-                    and beat.state in IN_STEPS
-                    and beat.outer_step in (step - 1, step)
-                    and can_be_dialed(beat.data_reach)
-                    and (address := parse_address(beat.data_addr)) is not None
-                ],
-            )
-        await self.publisher.store_current(record)
+        if not self.config.swarm.push_records:
+            await self.publisher.store_current(record)
+            return
+        peers = [
+            beat
+            for beat in self._seen.values()
+            if beat.node_key != me and beat.state in IN_STEPS and beat.outer_step in (step - 1, step)
+        ]
+        addresses = [
+            address
+            for beat in peers
+            if can_be_dialed(beat.data_reach) and (address := parse_address(beat.data_addr)) is not None
+        ]
+        pushes = self.pusher.push(record, addresses)
+        stored = self.publisher.store_soon(record)
+        if len(addresses) < len(peers):  # one we cannot push to (behind NAT) reads the DHT
+            await stored
+            return
+        held = asyncio.ensure_future(self.pusher.held_by_all(pushes))
+        try:
+            await asyncio.wait((stored, held), return_when=asyncio.FIRST_COMPLETED)
+            if not (held.done() and held.result()):
+                await stored
+        finally:
+            held.cancel()
 
     async def _leave(self, step: int, reason: Exception, named: Collection[bytes]) -> None:
         """After `step` was given up here: say so at once (a record of step + 1, which takes us out
@@ -205,7 +165,7 @@ class OuterSync:
         me = self.publisher.current.node_key
         started, waiting = time.monotonic(), False
         while time.monotonic() < started + self.config.swarm.election_timeout:
-            beats = [beat for beat in await self._records_of_this_config() if beat.node_key not in named]
+            beats = [beat for beat in await self.reads.records() if beat.node_key not in named]
             if not swarm_still_at(self.crashes.alive(beats), step, me, self.view.finished):
                 if waiting:
                     waited = time.monotonic() - started
@@ -229,31 +189,7 @@ class OuterSync:
     def close(self) -> None:
         self.crashes.close()
         self.pusher.close()
-
-    def _remember_links(self, rates: dict[bytes, float]) -> None:
-        for key, rate in rates.items():
-            self.links.pop(key, None)
-            if math.isfinite(rate):
-                self.links[key] = rate  # the newest last, so the oldest go first below
-        while len(self.links) > MAX_PUBLISHED_LINKS:
-            self.links.pop(next(iter(self.links)))
-
-    def _extra_for(self, step: int, named: set[bytes], report: bool = False) -> dict:
-        """The record's extra fields with our slow links, which elections use to order the ring, and
-        the members we name for `step` (evidence.py): `report` after a failed attempt, even if we
-        name no one."""
-        extra = {
-            key: value
-            for key, value in self.publisher.current.extra.items()
-            if key not in (LINKS_FIELD, BLAME_FIELD)
-        }
-        if named or report:
-            extra[BLAME_FIELD] = blame_field(step, named)
-        if self.links:
-            extra[LINKS_FIELD] = {
-                key.hex()[:LINK_PREFIX_HEX]: round(rate) for key, rate in self.links.items()
-            }
-        return extra
+        self.standby.close()
 
     async def _straggle(self, step: int) -> None:
         """P2PTRAIN_INJECT_LATE: be `late_seconds` later than the first other node ready for `step`."""
@@ -295,13 +231,16 @@ class OuterSync:
         try:
             if step == self.faults.give_up_step:
                 raise StepGivenUp(f"fault injection: outer step {step} given up")
-            extra = self._extra_for(step, named)
+            extra = self.extras.extra_for(self.publisher.current.extra, step, named)
+            self.reads.start()  # the election's first read, beside our ready record's store
             await self._announce(step, state=NodeState.READY, outer_step=step, tokens=tokens, extra=extra)
             result = await self._attempts(step, vector, named, tried, ready_at)
         except StepGivenUp as exc:
             self.offences.step_done(step, (), named - ignored)
             await self._leave(step, exc, named)
             raise
+        finally:
+            self.reads.stop()  # the step is over: a read under way is of no use now
         members = result.election.keys
         self.offences.step_done(step, members, named - ignored, tried.difference(members))
         self._last_members = (step, frozenset(members))
@@ -332,7 +271,7 @@ class OuterSync:
                     finished=self.view.finished,
                     in_transit=self._in_transit(step),
                     max_tokens=self.config.max_tokens(),
-                    pause=self._pause,
+                    pause=self.reads.pause,
                     standby=standby,
                 )
             except LeftOut as exc:
@@ -393,10 +332,11 @@ class OuterSync:
                     ):
                         log.warning("naming %s in the evidence of step %d", short_id(culprit), step)
                         named.add(culprit)
-                await self._announce(step, state=NodeState.READY, extra=self._extra_for(step, named, True))
+                extra = self.extras.extra_for(self.publisher.current.extra, step, named, report=True)
+                await self._announce(step, state=NodeState.READY, extra=extra)
                 await asyncio.sleep(max(0.0, next_attempt_at - time.monotonic()))
                 continue
-            self._remember_links(stats.link_rates)
+            self.extras.remember_links(stats.link_rates)
             for key, chunks in stats.clipped.items():
                 log.warning(
                     "step %d: clipped %s's share in %d chunk(s) (comm.clip: its pseudo-gradient is "

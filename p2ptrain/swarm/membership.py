@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -60,7 +61,7 @@ class HeartbeatPublisher:
         self._identity = identity
         self._ttl = ttl
         self._seq = int(time.time() * 1000)
-        self._pending: set[asyncio.Task[None]] = set()
+        self._pending: set[asyncio.Task[bool]] = set()
         self.current = Heartbeat(
             run_id=run_id,
             node_key=identity.public_key,
@@ -105,9 +106,17 @@ class HeartbeatPublisher:
         """`publish` without waiting for the DHT (a store takes a round trip to the replicas, a
         third of a second on a loaded machine): `current` has the changes at once, and a store
         that lands after a newer one is refused by the replicas, which keep the highest seq."""
-        task = asyncio.create_task(self._store_or_warn(self._next(changes)))
+        self._track(self._store_or_warn(self._next(changes)))
+
+    def store_soon(self, signed: bytes) -> asyncio.Task[bool]:
+        """`store_current` as a task of its own, for a caller that may go on without it."""
+        return self._track(self._store_or_warn(self.current, signed))
+
+    def _track(self, store: Coroutine[Any, Any, bool]) -> asyncio.Task[bool]:
+        task = asyncio.create_task(store)
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
+        return task
 
     def _next(self, changes: dict[str, Any]) -> Heartbeat:
         self._seq += 1
@@ -128,11 +137,13 @@ class HeartbeatPublisher:
             timeout=timeout,
         )
 
-    async def _store_or_warn(self, record: Heartbeat) -> None:
-        if not await self._store(record, None):
-            log.warning(
-                "heartbeat (%s, step %d) not stored by any DHT peer", record.state.value, record.outer_step
-            )
+    async def _store_or_warn(self, record: Heartbeat, signed: bytes | None = None) -> bool:
+        if await self._store(record, None, signed):
+            return True
+        log.warning(
+            "heartbeat (%s, step %d) not stored by any DHT peer", record.state.value, record.outer_step
+        )
+        return False
 
     async def deathrattle(self, timeout: float = DEATHRATTLE_TIMEOUT) -> bool:
         """Tell the swarm at once that this node is gone, instead of letting it wait for the timeout.
@@ -253,6 +264,17 @@ def decode_all(
     return sorted(heartbeats, key=lambda beat: beat.node_key)
 
 
+class Offered(enum.Enum):
+    """What a view made of a record offered to it."""
+
+    TAKEN = "taken"
+    """Newer than the node's record it had: this view's now."""
+    HELD = "held"
+    """It had this record, or a newer one of the node, already."""
+    REFUSED = "refused"
+    """Invalid, of another run, or of a node this view does not know."""
+
+
 class SwarmView:
     """The heartbeats of one run as this node sees them, silent nodes left out.
 
@@ -295,12 +317,16 @@ class SwarmView:
     async def read(self, cached: bool = False) -> list[Heartbeat]:
         """Every heartbeat in the DHT whose sender is not silent, ordered by node key. `cached`:
         the last read's records again, without a DHT round trip (with what was `offer`ed since)."""
-        if not cached or self._clock() - self._read_at > MAX_CACHED_AGE:
+        if not cached or not self.fresh():
             self._last_read = await read_heartbeats(
                 self._dht, self.run_id, self._refusals, self._verified, self.authority
             )
             self._read_at = self._clock()
         return self.judge(self._last_read)
+
+    def fresh(self) -> bool:
+        """Whether the last DHT read is recent enough for a `cached` read (MAX_CACHED_AGE)."""
+        return self._clock() - self._read_at <= MAX_CACHED_AGE
 
     def offer(self, beat: Heartbeat) -> bool:
         """A verified record that came another way than the DHT (pushed by its sender): taken, and
@@ -312,7 +338,7 @@ class SwarmView:
         self._newest[beat.node_key] = (beat, self._clock())
         return True
 
-    def offer_signed(self, value: bytes, source: str) -> bool:
+    def offer_signed(self, value: bytes, source: str) -> Offered:
         """`offer` for a record's signed bytes as they came (record_push.py): verified like a
         record read from the DHT (signature, ticket in a closed run); refusals logged, throttled."""
         try:
@@ -320,8 +346,12 @@ class SwarmView:
             check_admitted(beat, self.authority, get_dht_time())
         except (RecordError, TypeError) as exc:
             self._refusals.warning("record pushed from %s ignored: %s", source, exc)
-            return False
-        return self.offer(beat)
+            return Offered.REFUSED
+        if self.offer(beat):
+            return Offered.TAKEN
+        known = self._newest.get(beat.node_key)
+        held = known is not None and known[0].seq >= beat.seq and beat.run_id == self.run_id
+        return Offered.HELD if held else Offered.REFUSED
 
     def judge(self, heartbeats: list[Heartbeat]) -> list[Heartbeat]:
         """The non-silent subset of one DHT read (its records replaced by newer ones seen before)."""

@@ -63,25 +63,39 @@ class StandbyRelays:
         self._clock = clock
         self._read_at: float | None = None
         self._relays: list[RingMember] = []
+        self._reading: asyncio.Future[None] | None = None
         self._refusals = ThrottledLog(log)
 
     async def current(self) -> list[RingMember]:
-        """The relays of the last read, read again when it is older than REFRESH_S."""
+        """The relays of the last read. The first call reads; after that a read older than
+        REFRESH_S is renewed in the background and this call answers at once: a node calls this
+        when it is ready for a step, and a DHT read there (0.6 s at 16 nodes on 2 cores) held
+        every step it fell in up by as much."""
         now = self._clock()
-        if self._read_at is None or now - self._read_at >= REFRESH_S:
+        if self._read_at is None:
             self._read_at = now
-            beats = await read_relays(self._dht, self._run_id, self._authority, self._refusals)
-            relays = []
-            for beat in live(beats):
-                address = parse_address(beat.data_addr)
-                if address is not None:
-                    relays.append(RingMember(beat.node_key, *address))
-            relays = relays[:MAX_STANDBY]  # the records come ordered by key
-            if relays != self._relays:
-                names = ", ".join(f"{short_id(r.key)} at {r.host}:{r.port}" for r in relays) or "none"
-                log.info("standby relays of the run: %s", names)
-            self._relays = relays
+            await self._read()
+        elif now - self._read_at >= REFRESH_S and (self._reading is None or self._reading.done()):
+            self._read_at = now
+            self._reading = asyncio.ensure_future(self._read())
         return self._relays
+
+    def close(self) -> None:
+        if self._reading is not None:
+            self._reading.cancel()
+
+    async def _read(self) -> None:
+        beats = await read_relays(self._dht, self._run_id, self._authority, self._refusals)
+        relays = []
+        for beat in live(beats):
+            address = parse_address(beat.data_addr)
+            if address is not None:
+                relays.append(RingMember(beat.node_key, *address))
+        relays = relays[:MAX_STANDBY]  # the records come ordered by key
+        if relays != self._relays:
+            names = ", ".join(f"{short_id(r.key)} at {r.host}:{r.port}" for r in relays) or "none"
+            log.info("standby relays of the run: %s", names)
+        self._relays = relays
 
 
 class RunEnds:
