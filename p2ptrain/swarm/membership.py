@@ -140,9 +140,10 @@ class HeartbeatPublisher:
     async def _store_or_warn(self, record: Heartbeat, signed: bytes | None = None) -> bool:
         if await self._store(record, None, signed):
             return True
-        log.warning(
-            "heartbeat (%s, step %d) not stored by any DHT peer", record.state.value, record.outer_step
-        )
+        if record.seq == self.current.seq:  # a newer record since: the replicas refuse this one
+            log.warning(
+                "heartbeat (%s, step %d) not stored by any DHT peer", record.state.value, record.outer_step
+            )
         return False
 
     async def deathrattle(self, timeout: float = DEATHRATTLE_TIMEOUT) -> bool:
