@@ -266,14 +266,13 @@ def decode_all(
 
 
 class Offered(enum.Enum):
-    """What a view made of a record offered to it."""
+    """What a view made of a record offered to it: TAKEN, newer than the node's record it had (its
+    view's now); HELD, it had this record or a newer one of the node; REFUSED, invalid, of another
+    run, or of a node this view does not know."""
 
     TAKEN = "taken"
-    """Newer than the node's record it had: this view's now."""
     HELD = "held"
-    """It had this record, or a newer one of the node, already."""
     REFUSED = "refused"
-    """Invalid, of another run, or of a node this view does not know."""
 
 
 class SwarmView:

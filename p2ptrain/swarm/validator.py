@@ -38,7 +38,8 @@ maxima), plus that clock skew. Nodes of one run may differ in these settings (th
 the shared config), so every validator uses this bound: about two hours, not ten years."""
 MAX_PROTECTED_KEYS = 4096
 MAX_VERIFIED = 4096
-"""Records kept verified by their exact bytes (at most 4 KiB each, so at most 16 MiB)."""
+"""Records kept verified by their exact bytes (at most 4 KiB each: some 20 MiB at most). A flood of
+validly signed records under fresh keys can only push honest ones out, to be checked again."""
 
 
 @functools.lru_cache(maxsize=256)
