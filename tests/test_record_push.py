@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from pathlib import Path
@@ -53,12 +54,18 @@ def test_a_pushed_record_reaches_the_server_whole_and_nothing_else_does(tmp_path
             too_big = ({"kind": RECORD_KIND}, b""), ({"kind": "body"}, b"x" * (MAX_PUSHED_RECORD + 1))
             assert await send_raw(server.address, *too_big) == b""
             assert await send_raw(server.address, ({"kind": RECORD_KIND}, b"")) == b""  # times out: 1 s
-            reader, writer = await asyncio.open_connection(*server.address)
-            relayed = asyncio.create_task(server.serve_relayed(reader, writer))
+            # through a relay: serve_relayed reads what the relay's end of the edge hands it
+            ends: asyncio.Queue[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = asyncio.Queue()
+            relay = await asyncio.start_server(lambda r, w: ends.put_nowait((r, w)), "127.0.0.1", 0)
+            reader, writer = await asyncio.open_connection(*relay.sockets[0].getsockname()[:2])
             writer.writelines(encode_frame({"kind": RECORD_KIND}))
+            writer.writelines(encode_frame({"kind": "body"}, record[::-1]))
             await writer.drain()
-            await asyncio.wait_for(relayed, 5)
+            await asyncio.wait_for(server.serve_relayed(*await ends.get()), 5)
+            with contextlib.suppress(ConnectionResetError):  # closed with the body unread
+                assert await asyncio.wait_for(reader.read(), 5) == b""
             writer.close()
+            relay.close()
             assert received == [(record, "127.0.0.1")]
             assert server.pending_handshakes == 0
         finally:
