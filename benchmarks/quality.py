@@ -21,6 +21,9 @@ within 1 % of 1).
 
 And (a''') the same 2 nodes with `outer.overlap` (each step's average taken at the end of the next
 inner phase, train/overlap.py): overlap_vs_blocking_loss_ratio (target within 1 % of 1).
+`--set outer.overlap_steps=K` takes it K inner steps in: what `outer.take_on_arrival` (on by default)
+does where the sync takes K steps (benchmarks.swarm's taken_after_steps). Here, in one process, an
+answer has no sync time to arrive after, so these runs take it at τ, take_on_arrival off.
 
 Robust aggregation, 3 nodes through the int8 all-reduce: (c) the plain weighted mean, (d) with
 `comm.clip` (1 unless set; butterfly, shares clipped at the owners), (e) the same with node 2
@@ -190,7 +193,8 @@ def run_overlapped(
     outer.overlap_steps into it), the phases in between start from the eager estimate. The curve
     is S's, step for step like `run`'s: θ_outer after each step once it is taken (its evaluation
     is a phase later than blocking's), then the last step's after the drain."""
-    config = config.model_copy(update={"outer": config.outer.model_copy(update={"overlap": True})})
+    outer = config.outer.model_copy(update={"overlap": True, "take_on_arrival": False})
+    config = config.model_copy(update={"outer": outer})
     exchange = Lockstep(average, nodes)
     seed = config.train.seed
     trainers = [

@@ -13,6 +13,9 @@ reads every node's metrics.jsonl:
   two inner phases (from the last inner step of one to the start of the first of the next: gather,
   election, all-reduce, Nesterov step, load; with outer.overlap only the wait for the previous
   step's sync and the local work);
+- taken_after_steps (with outer.overlap): median over nodes and steps of the inner steps of the
+  next phase after which a step's result was taken (τ; on arrival, what the sync took; H: the
+  phase's end);
 - join_s: the joiner's start → member of an outer step (it contributes from the next);
 - recover_s: SIGKILL → the survivors' next completed outer step;
 - recover_stall_s: what the fault cost the survivors: the wall time of their first outer step
@@ -178,6 +181,9 @@ def run(
         "params_hash_agree": summary["params_hash_agree"],
         "seconds": summary["seconds"],
     }
+    taken = [r["taken_after_steps"] for n in starters for r in records[n] if "taken_after_steps" in r]
+    if taken:
+        result["taken_after_steps"] = statistics.median(taken)
     if nat:
         # outer records of the nodes behind NAT: `members` > 1 means they took part with the others
         with_others = [outer for outer in hidden if outer.get("members", 0) > 1]
@@ -236,23 +242,11 @@ def main() -> None:
             config_error = str(exc)
         if config_error:
             cli.error(config_error)
-        if args.set and args.beside_default:
-            default = run(nodes, args.steps, args.kill_at, args.freeze, args.bandwidth, args.json)
-            changed = run(
-                nodes, args.steps, args.kill_at, args.freeze, args.bandwidth, args.json, settings=args.set
-            )
-            report(
-                {
-                    "ok": default["ok"] and changed["ok"],
-                    "settings": args.set,
-                    "default": default,
-                    "with_settings": changed,
-                    "compute_util_ratio": round(changed["compute_util"] / default["compute_util"], 3),
-                },
-                args.json,
-            )
-            return
         keep = Path(args.keep) if args.keep else None
+        beside = args.set and args.beside_default
+        default = (
+            run(nodes, args.steps, args.kill_at, args.freeze, args.bandwidth, args.json) if beside else None
+        )
         result = run(
             nodes,
             args.steps,
@@ -263,6 +257,18 @@ def main() -> None:
             settings=args.set,
             keep=keep,
         )
+        if default is not None:
+            report(
+                {
+                    "ok": default["ok"] and result["ok"],
+                    "settings": args.set,
+                    "default": default,
+                    "with_settings": result,
+                    "compute_util_ratio": round(result["compute_util"] / default["compute_util"], 3),
+                },
+                args.json,
+            )
+            return
         if args.nat:
             behind = run(
                 nodes, args.steps, args.kill_at, args.freeze, args.bandwidth, args.json, args.nat, args.set

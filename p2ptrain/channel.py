@@ -35,6 +35,7 @@ progress or done but not yet taken stays in the channel (`pending`, `take`) for 
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
 import struct
 import threading
@@ -169,6 +170,10 @@ class RankChannel:
                 raise ChannelError("the node agent closed the channel")
             data += piece
         return bytes(data)
+
+    def has_message(self) -> bool:
+        """Whether a message has started to arrive (`receive` would not wait for the agent)."""
+        return bool(select.select([self.sock], [], [], 0)[0])
 
     def receive(self) -> Message:
         (size,) = _LENGTH.unpack(self._read_exactly(_LENGTH.size))

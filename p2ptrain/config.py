@@ -261,7 +261,13 @@ class OuterConfig(Section):
     overlap_steps: int = Field(0, ge=0, le=1_000_000)
     """With overlap: apply step N's result after this many inner steps of phase N + 1 (the time the
     sync has to hide in), moving the working weights by what the estimate missed; 0: at the end of
-    that phase. Fewer steps: less staleness (closer to blocking DiLoCo's loss), less time to hide."""
+    that phase. Fewer steps: less staleness (closer to blocking DiLoCo's loss), less time to hide.
+    With `take_on_arrival`, the earliest step it is taken after."""
+    take_on_arrival: bool = True
+    """With overlap: take step N's result after the first inner step of phase N + 1 at whose end it
+    is here (not before `overlap_steps`), at the latest at the phase's end: as little staleness as
+    the sync's time allows, no wait. Where each node takes it is its own; S is the same. False:
+    at `overlap_steps` (0: the phase's end) whenever it came."""
 
 
 class CommConfig(Section):

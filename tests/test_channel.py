@@ -5,13 +5,23 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from p2ptrain.channel import AgentChannel, ChannelError, Finished, RankChannel, StepDone, encode
+from p2ptrain.channel import (
+    AgentChannel,
+    Averaged,
+    ChannelError,
+    Finished,
+    RankChannel,
+    StepDone,
+    encode,
+)
 from p2ptrain.node.agent import TrainingNode
 from p2ptrain.node.interrupt import Interrupted, unless
+from p2ptrain.train.agent_link import ChannelLink
 
 
 def test_a_cancelled_receive_loses_no_message_even_between_its_length_and_its_body():
@@ -96,3 +106,23 @@ def test_the_agent_loses_no_message_when_a_rank_exit_interrupts_its_wait_for_the
 
 
 COUNT = 300
+
+
+def test_rank_zero_asks_whether_a_steps_answer_is_here_without_waiting_and_keeps_it(tmp_path: Path):
+    """outer.take_on_arrival: rank 0 looks at the channel between inner steps. Nothing there, or
+    only another step's answer: not here, and no wait. The answer: here, and `collect` returns it
+    without reading again."""
+    agent_end, rank_end = socket.socketpair()
+    link = ChannelLink(RankChannel(rank_end), tmp_path / "buffer")
+    assert not link.arrived(5)  # nothing sent: it must not block
+    agent_end.sendall(encode(Averaged(outer_step=4, members=2)))
+    assert not link.arrived(5)  # an old step's answer is read and dropped
+    answer = Averaged(outer_step=5, members=3, sync_s=1.5)
+    agent_end.sendall(encode(answer) + encode(Averaged(outer_step=6, members=2)))
+    assert link.arrived(5)
+    assert link.arrived(5)  # kept: asking again reads nothing more
+    assert link.collect(5) == answer
+    assert link.arrived(6)  # the next answer was left on the channel
+    assert link.collect(6) == Averaged(outer_step=6, members=2)
+    agent_end.close()
+    rank_end.close()

@@ -18,13 +18,17 @@ from tests.helpers import LIGHT_SETTINGS
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("overlap", "merge_after"), [(False, 0), (True, 0), (True, 3)])
+@pytest.mark.parametrize(
+    ("overlap", "merge_after", "on_arrival"),
+    [(False, 0, False), (True, 0, False), (True, 3, False), (True, 0, True)],
+)
 def test_n_steps_straight_equal_half_then_resume_then_half(
-    tmp_path: Path, overlap: bool, merge_after: int
+    tmp_path: Path, overlap: bool, merge_after: int, on_arrival: bool
 ) -> None:
     """With outer.overlap a checkpoint of S holds the step this node had handed over (its Δ) and
     where the next inner phase started: the resumed node hands it over again and goes on from there
-    (with outer.overlap_steps it takes the pending step that many inner steps in, as straight)."""
+    (with outer.overlap_steps it takes the pending step that many inner steps in, as straight; on
+    arrival, after one: a node's own link has the answer at once)."""
     torch.set_num_threads(1)
     config = load_config(
         "debug",
@@ -35,6 +39,7 @@ def test_n_steps_straight_equal_half_then_resume_then_half(
             'checkpoint.staging=""',
             f"outer.overlap={str(overlap).lower()}",
             f"outer.overlap_steps={merge_after}",
+            f"outer.take_on_arrival={str(on_arrival).lower()}",
         ],
     )
     straight = Trainer(config, b"k" * 32, tmp_path / "straight", RankContext())

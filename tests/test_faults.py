@@ -61,8 +61,9 @@ def overlap_flags(overlap: bool) -> list[str]:
 def test_training_survives_bootstrap_loss_sigterm_and_a_kill_mid_all_reduce(
     swarm: LocalSwarm, overlap: bool
 ) -> None:
-    """With outer.overlap the same faults hit the pipeline: step N syncs during phase N + 1, and the
-    kill in step 2's all-reduce comes once the last phase is over (nothing left to overlap)."""
+    """With outer.overlap (its result taken on arrival, the default) the same faults hit the
+    pipeline: step N syncs during phase N + 1, and the kill in step 2's all-reduce comes once the
+    last phase is over (nothing left to overlap)."""
     swarm.start_bootstrap()
     for name in ("a", "b", "c", "d"):
         env = {"P2PTRAIN_INJECT_DIE_IN_SYNC": "2"} if name == "c" else None
@@ -80,8 +81,8 @@ def test_training_survives_bootstrap_loss_sigterm_and_a_kill_mid_all_reduce(
     a, b = metrics(swarm.root / "a", "outer"), metrics(swarm.root / "b", "outer")
     assert [r["step"] for r in a] == list(range(STEPS)) == [r["step"] for r in b]
     assert [r["params_hash"] for r in a] == [r["params_hash"] for r in b]
-    # d left by SIGTERM during step 1's inner steps (with overlap: once step 0 was taken, at the
-    # end of phase 1, so step 1 may still have synced with it), c died in step 2's all-reduce
+    # d left by SIGTERM during step 1's inner steps (with overlap: once step 0 was taken in phase 1,
+    # on arrival or at its end, so step 1 may still have synced with it), c died in step 2's all-reduce
     members = [r["members"] for r in a]
     assert members == [4, 3, 2] or (overlap and members == [4, 4, 2]), a
     assert "all-reduce of step 2 failed" in swarm.log("a") + swarm.log("b")

@@ -1,6 +1,7 @@
 """outer.overlap_steps: the pending step is taken τ inner steps into the next phase, on a real
 trainer (one node, its own link): S takes its step there, and the working weights move by what the
-estimate they started from missed."""
+estimate they started from missed. outer.take_on_arrival: taken after the first step at whose end
+the answer is here."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from p2ptrain.channel import Averaged
 from p2ptrain.config import load_config
 from p2ptrain.train.agent_link import SoloLink
+from p2ptrain.train.metrics import read_metrics
 from p2ptrain.train.overlap import OverlappedOuter
 from p2ptrain.train.trainer import RankContext, Trainer
 
@@ -49,13 +51,13 @@ def test_the_pending_step_is_taken_tau_steps_into_the_next_phase(
     merge = OverlappedOuter.merge
     shifts: list[tuple[torch.Tensor, ...]] = []
 
-    def watched(overlapped: OverlappedOuter) -> bool:
+    def watched(overlapped: OverlappedOuter, steps_done: int) -> bool:
         state = overlapped.state
         assert state is not None
         before, start = torch.empty_like(trainer.flat), state.start.clone()
         params = trainer.outer.params.clone()
         trainer.layout.gather(trainer.model, before)
-        assert merge(overlapped)
+        assert merge(overlapped, steps_done)
         after = torch.empty_like(trainer.flat)
         trainer.layout.gather(trainer.model, after)
         shifts.append((before, start, params, trainer.outer.params.clone(), after, state.start.clone()))
@@ -70,4 +72,37 @@ def test_the_pending_step_is_taken_tau_steps_into_the_next_phase(
         assert torch.equal(new_start, taken)
         assert not torch.equal(start, taken)  # the estimate missed: the shift is real
         assert torch.equal(taken, params) == (step == given_up)  # S moved unless given up
+    assert trainer.outer_step == 3
+
+
+class LateLink(RecordingLink):
+    """Step N's answer arrives `late` inner steps into phase N + 1 (H = 4)."""
+
+    def __init__(self, late: int):
+        super().__init__()
+        self.late = late
+
+    def arrived(self, outer_step: int) -> bool:
+        assert self.trainer is not None
+        return self.trainer.inner_step - 4 * (outer_step + 1) >= self.late
+
+
+@pytest.mark.parametrize(("late", "tau", "taken_after"), [(1, 0, 1), (3, 0, 3), (1, 2, 2), (6, 0, 4)])
+def test_on_arrival_the_pending_step_is_taken_after_the_first_step_that_ends_with_it_here(
+    tmp_path: Path, late: int, tau: int, taken_after: int
+) -> None:
+    """H = 4: the answer arrives `late` steps into the next phase; it is taken right after that step,
+    not before τ, and at the end of the phase (4) when it is later than the phase's last step (the
+    step of a run's last phase only once the run is over: 12). The outer metrics line says where."""
+    torch.set_num_threads(1)
+    overrides = ["train.max_steps=12", "train.inner_steps=4", 'checkpoint.staging=""']
+    overrides += ["checkpoint.interval=0", "outer.overlap=true", "outer.take_on_arrival=true"]
+    config = load_config("debug", overrides=[*overrides, f"outer.overlap_steps={tau}"])
+    link = LateLink(late)
+    trainer = Trainer(config, b"m" * 32, tmp_path / "node", RankContext(), link=link)
+    link.trainer = trainer
+    trainer.run()
+    assert link.collected == [(0, 4 + taken_after), (1, 8 + taken_after), (2, 12)]
+    lines = [line for line in read_metrics(tmp_path / "node" / "metrics.jsonl") if line["kind"] == "outer"]
+    assert [line.get("taken_after_steps") for line in lines] == [taken_after, taken_after, None]
     assert trainer.outer_step == 3

@@ -52,15 +52,19 @@ def rank_pids(agent_pid: int) -> dict[int, int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("overlap", "merge_after"), [(False, 0), (True, 4)])
+@pytest.mark.parametrize(
+    ("overlap", "merge_after", "on_arrival"), [(False, 0, False), (True, 4, False), (True, 1, True)]
+)
 def test_two_nodes_of_two_ranks_hold_the_same_params_after_every_outer_step(
-    swarm: LocalSwarm, overlap: bool, merge_after: int
+    swarm: LocalSwarm, overlap: bool, merge_after: int, on_arrival: bool
 ) -> None:
     """With outer.overlap too: each step syncs during the next inner phase (its result taken 4 inner
-    steps into it; taken at the end of the phase, test_faults' [True] cases), and S (whose hash the
-    records hold) is the same on both nodes after every step."""
+    steps into it; taken at the end of the phase, test_faults' [True] cases; or, on arrival, after the
+    first step from the first on at whose end rank 0 has it, which both ranks of a node must agree
+    on), and S (whose hash the records hold) is the same on both nodes after every step."""
     swarm.start_bootstrap()
     mode = ["--set", f"outer.overlap={str(overlap).lower()}", "--set", f"outer.overlap_steps={merge_after}"]
+    mode += ["--set", f"outer.take_on_arrival={str(on_arrival).lower()}"]
     for shard, name in enumerate(("a", "b")):  # pinned: two random node keys share a shard 1 time in 64
         pinned = ["--set", f"data.shard={shard}"]
         swarm.start_node(
@@ -75,6 +79,13 @@ def test_two_nodes_of_two_ranks_hold_the_same_params_after_every_outer_step(
         assert mine["params_hash"] == theirs["params_hash"]
     assert a[0]["loss"] != b[0]["loss"]  # the nodes read different shards of the corpus
     assert "deathrattle sent" in swarm.log("a")
+    if overlap:  # steps 0 and 1 taken in the next phase, at τ or (on arrival) from τ to its end
+        taken = [[r["taken_after_steps"] for r in records[:2]] for records in (a, b)]
+        assert all(
+            steps == merge_after or (on_arrival and merge_after <= steps <= 10)
+            for steps in taken[0] + taken[1]
+        ), taken
+        print("taken after inner steps (a, b):", taken)
 
 
 @pytest.mark.slow

@@ -34,6 +34,7 @@ class AgentLink(Protocol):
     def progress(self, progress: Progress) -> None: ...
     def average(self, ready: Ready, buffer: torch.Tensor) -> Averaged: ...
     def submit(self, ready: Ready) -> None: ...
+    def arrived(self, outer_step: int) -> bool: ...
     def collect(self, outer_step: int) -> Averaged: ...
     def step_done(self, done: StepDone) -> None: ...
     def checkpoint_written(self, written: CheckpointWritten) -> None: ...
@@ -60,6 +61,9 @@ class SoloLink:
     def submit(self, ready: Ready) -> None:
         pass
 
+    def arrived(self, outer_step: int) -> bool:
+        return True
+
     def collect(self, outer_step: int) -> Averaged:
         return Averaged(outer_step, 1)
 
@@ -81,6 +85,8 @@ class ChannelLink:
     def __init__(self, channel: RankChannel, buffer_path: Path):
         self.channel = channel
         self.buffer_path = buffer_path
+        self._arrived: Averaged | None = None
+        """An answer `arrived` read, for `collect`."""
 
     def buffer(self, numel: int) -> torch.Tensor:
         with self.buffer_path.open("wb") as handle:
@@ -103,11 +109,25 @@ class ChannelLink:
         an inner phase runs meanwhile)."""
         self.channel.send(ready)
 
+    def arrived(self, outer_step: int) -> bool:
+        """Whether the answer for `outer_step` is here, without waiting for it."""
+        while self._arrived is None and self.channel.has_message():
+            self._arrived = self._answer(outer_step, self.channel.receive())
+        return self._arrived is not None and self._arrived.outer_step == outer_step
+
     def collect(self, outer_step: int) -> Averaged:
-        while True:
-            reply = self.channel.receive()
-            if isinstance(reply, Averaged) and reply.outer_step == outer_step:
-                return reply
+        reply = (
+            self._arrived if self._arrived is not None and self._arrived.outer_step == outer_step else None
+        )
+        self._arrived = None
+        while reply is None:
+            reply = self._answer(outer_step, self.channel.receive())
+        return reply
+
+    @staticmethod
+    def _answer(outer_step: int, reply: object) -> Averaged | None:
+        """`reply` if it answers `outer_step` (nothing else comes to rank 0 while it waits)."""
+        return reply if isinstance(reply, Averaged) and reply.outer_step == outer_step else None
 
     def step_done(self, done: StepDone) -> None:
         self.channel.send(done)

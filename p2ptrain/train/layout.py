@@ -108,3 +108,12 @@ def broadcast_flat(flat: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     """Send rank 0's `flat` to every local rank (no-op without a process group)."""
     if group is not None:
         dist.broadcast(flat, src=0, group=group)
+
+
+def rank0_decides(flag: bool, group: dist.ProcessGroup | None) -> bool:
+    """Rank 0's `flag` on every local rank, so that they all take the same branch at one step."""
+    if group is None:
+        return flag
+    box = torch.tensor([float(flag)])
+    dist.broadcast(box, src=0, group=group)
+    return bool(box.item())

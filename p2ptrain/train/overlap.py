@@ -29,6 +29,9 @@ sync has those steps to hide in; Streaming DiLoCo's overlap, Douillard et al. 20
 there, and the working weights move by what the estimate missed, w ← w + (θ_S − w_{N+1}), keeping the
 τ steps' progress; the rest of the phase runs from S's true params, so its Δ is measured from them.
 τ = 0 (the end of the phase) is the one-step overlap above; the smaller τ, the closer to blocking.
+With `outer.take_on_arrival` the result is taken after the first inner step at whose end it is
+here (τ at the earliest): τ is then as many steps as the sync took, no more. It is taken there the
+same way, so S is the same whichever step each node takes it at; the working weights are local.
 
 Where no average is known (the first step, a step given up, a checkpoint reloaded) R̂_N = Δ_N. A
 step given up applies nothing to S (the agent has already tried to replay it from the swarm's
@@ -48,6 +51,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from p2ptrain.channel import Averaged, Ready, StepDone
+from p2ptrain.train.layout import rank0_decides
 from p2ptrain.train.outer import OuterNesterov
 
 if TYPE_CHECKING:  # trainer.py imports this module
@@ -127,6 +131,8 @@ class OverlappedOuter:
         self.phase_counted = False
         self.merge_after = trainer.config.outer.overlap_steps
         """τ: inner steps into a phase after which the pending step is taken (0: at its end)."""
+        self.on_arrival = trainer.config.outer.take_on_arrival
+        """Take it after the first step, from τ on, at whose end it has arrived."""
         self._reloaded = False
         """A merge mid-phase reloaded a checkpoint: the phase under way is void."""
         leader = trainer.leader
@@ -140,16 +146,25 @@ class OverlappedOuter:
         return self.trainer.outer_step + (self.pending is not None)
 
     def merge_due(self, steps_done: int) -> bool:
-        """Whether the pending step is to be taken now, `steps_done` inner steps into the phase."""
-        return self.pending is not None and 0 < self.merge_after == steps_done
+        """Whether the pending step is to be taken now, `steps_done` inner steps into the phase
+        (the same answer on every local rank: rank 0's, whose link the answer comes by)."""
+        trainer = self.trainer
+        if self.pending is None:
+            return False
+        if not self.on_arrival:
+            return 0 < self.merge_after == steps_done
+        if not max(1, self.merge_after) <= steps_done < trainer.config.train.inner_steps:
+            return False  # the phase's last step: end_of_phase takes it
+        here = trainer.leader is not None and trainer.link.arrived(self.pending.step)
+        return rank0_decides(here, trainer.ctx.cpu_group)
 
-    def merge(self) -> bool:
+    def merge(self, steps_done: int) -> bool:
         """Take the pending step τ steps into the phase: S takes its step, and the working weights
         move by the difference between S's params and the estimate the phase started from (a step
         given up moves S by nothing: the weights go back onto S). False when the agent answered
         with a checkpoint to reload instead: the phase under way is void."""
         trainer, leader, state = self.trainer, self.trainer.leader, self.state
-        if not self._take(self._collect()):
+        if not self._take(self._collect(), steps_done):
             self._reloaded = True
             return False
         trainer.layout.gather(trainer.model, trainer.flat if leader is not None else None)
@@ -175,7 +190,7 @@ class OverlappedOuter:
             torch.sub(state.start, trainer.flat, out=trainer.flat)  # Δ = w − y: this phase's progress
             ready = trainer.checked_ready(phase, tokens, trainer.flat)
             averaged = self._collect()
-        if not self._take(averaged):
+        if not self._take(averaged, tokens // trainer.tokens_per_step):
             return False
         if leader is not None and state is not None and ready is not None:
             trainer.writer.wait()  # a checkpoint's thread may still read the pending Δ and w
@@ -205,8 +220,9 @@ class OverlappedOuter:
             return None
         return self.trainer.link.collect(self.pending.step)
 
-    def _take(self, averaged: Averaged | None) -> bool:
-        """Apply the pending step's answer (on rank 0 `averaged`): S's step and StepDone, or a reload."""
+    def _take(self, averaged: Averaged | None, steps_in: int | None = None) -> bool:
+        """Apply the pending step's answer (on rank 0 `averaged`): S's step and StepDone, or a reload;
+        `steps_in`: inner steps of the next phase the step is taken after (its metrics line says)."""
         trainer, leader, state = self.trainer, self.trainer.leader, self.state
         reload, replayed = trainer.shared_instruction(averaged)
         if reload:
@@ -223,7 +239,8 @@ class OverlappedOuter:
             state.absorb(leader.outer, leader.buffer, averaged)
             params_hash = leader.outer.params_hash()
             pending = self.pending
-            trainer.record_outer(averaged, pending.finite, params_hash, loss=pending.loss)
+            taken = {} if steps_in is None else {"taken_after_steps": steps_in}
+            trainer.record_outer(averaged, pending.finite, params_hash, loss=pending.loss, **taken)
             trainer.link.step_done(StepDone(pending.step, params_hash, pending.loss))
         trainer.outer_step += 1
         self.pending = None

@@ -30,7 +30,7 @@ from p2ptrain.identity import short_id
 from p2ptrain.train.accumulate import accumulate_gradients
 from p2ptrain.train.agent_link import AgentLink, SoloLink
 from p2ptrain.train.data import node_batches
-from p2ptrain.train.layout import CanonicalLayout, broadcast_flat
+from p2ptrain.train.layout import CanonicalLayout, broadcast_flat, rank0_decides
 from p2ptrain.train.memory import loss_chunk_tokens, resolve_micro_batch
 from p2ptrain.train.metrics import MetricsWriter, gpu_memory, peak_flops
 from p2ptrain.train.model import Transformer
@@ -188,10 +188,7 @@ class Trainer:
         box = self.config.train.time_box
         if box <= 0:
             return False
-        flag = torch.tensor([float(time.monotonic() - started >= box)])
-        if self.ctx.cpu_group is not None:
-            dist.broadcast(flag, src=0, group=self.ctx.cpu_group)
-        return bool(flag.item())
+        return rank0_decides(time.monotonic() - started >= box, self.ctx.cpu_group)
 
     def inner_phase(self) -> tuple[int, float]:
         """Up to H inner steps; returns (tokens processed, mean loss)."""
@@ -227,7 +224,11 @@ class Trainer:
                     )
                 )
             overlapped = self.overlapped
-            if overlapped is not None and overlapped.merge_due(len(losses)) and not overlapped.merge():
+            if (
+                overlapped is not None
+                and overlapped.merge_due(len(losses))
+                and not overlapped.merge(len(losses))
+            ):
                 break  # reloaded a checkpoint: the phase is void (end_of_phase says so)
         self.last_loss = sum(losses) / len(losses) if losses else math.nan
         return len(losses) * self.tokens_per_step, self.last_loss
@@ -280,8 +281,10 @@ class Trainer:
         params_hash: str,
         seconds: float = 0.0,
         loss: float | None = None,
+        **overlap: int,
     ) -> None:
-        """Rank 0's metrics line for the outer step just taken (`loss`: its phase's, if not the last)."""
+        """Rank 0's metrics line for the outer step just taken (`loss`: its phase's, if not the last;
+        `overlap`: where in the next phase an overlapped step was taken)."""
         assert self.leader is not None
         self.leader.metrics.write(
             "outer",
@@ -296,6 +299,7 @@ class Trainer:
             finite=finite,
             params_hash=params_hash,
             seconds=round(seconds, 3),
+            **overlap,
         )
 
     def load_flat(self) -> None:
