@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import re
 import signal
 import sys
@@ -10,8 +12,11 @@ import urllib.request
 
 import pytest
 
+from p2ptrain.comm.dataplane import DataPlaneServer, RingSettings
 from p2ptrain.identity import load_or_create_identity
+from p2ptrain.swarm.crash_watch import answers_hello
 from tests.helpers import LocalSwarm, cli, data_port, metrics, read_address, wait_until
+from tests.stranger import REFUSALS, refuse_every_hello
 from tests.test_drill import DRILL, assert_agreement, drill_args, finish, start_drill
 
 STEPS = 15
@@ -63,6 +68,38 @@ def test_a_stranger_ready_at_every_step_with_a_dead_address_does_not_stall_the_s
     # a step that tries the stranger pays one failed attempt; then it is left out for 2, 4, 8 steps
     retried = [entry["step"] for entry in logs["node0"] if entry["attempts"] > 1]
     assert len(retried) <= 4, retried
+
+
+def test_the_probe_of_a_named_node_takes_our_views_differ_to_a_step_nobody_is_at_for_a_lie(tmp_path):
+    """A node named for refusing is probed before it is tried again. An honest data port answers the
+    probe's hello (a step far beyond any); a port that answers every hello "our views differ" does
+    too, but that answer cannot be honest there (no attempt of that step to differ from), so it
+    fails the probe and stays named, as a port that refuses connections does. A plain no passes: an
+    honest node of a closed run gives one to a probe without a ticket."""
+
+    async def scenario() -> dict[str, bool]:
+        honest = DataPlaneServer(load_or_create_identity(tmp_path / "honest"), RingSettings())
+        host, port = await honest.start("127.0.0.1", 0)
+        honest.at_step(3)
+        liars = {
+            mode: await asyncio.start_server(functools.partial(refuse_every_hello, refusal), "127.0.0.1", 0)
+            for mode, refusal in REFUSALS.items()
+        }
+        prober = load_or_create_identity(tmp_path / "prober")
+        addresses = {"honest": f"{host}:{port}", "closed port": "127.0.0.1:9"}
+        addresses |= {
+            mode: f"127.0.0.1:{server.sockets[0].getsockname()[1]}" for mode, server in liars.items()
+        }
+        try:
+            return {name: await answers_hello(address, prober) for name, address in addresses.items()}
+        finally:
+            await honest.close()
+            for server in liars.values():
+                server.close()
+                await server.wait_closed()
+
+    answers = asyncio.run(scenario())
+    assert answers == {"honest": True, "closed port": False, "differs": False, "refuses": True}
 
 
 @pytest.mark.parametrize("mode", ["idle", "hellos", "reaches", "records"])

@@ -213,7 +213,7 @@ class OuterSync:
         answers = await asyncio.gather(*(answers_hello(beat.data_addr, identity) for beat in due))
         failing = [beat.node_key for beat, answered in zip(due, answers, strict=True) if not answered]
         for key in failing:
-            log.warning("%s still does not answer its data port; named again in step %d", short_id(key), step)
+            log.warning("%s still fails its probe; named again in step %d", short_id(key), step)
         self.offences.still_failing(step, failing)
 
     async def sync(self, step: int, vector: np.ndarray, tokens: int) -> SyncResult:

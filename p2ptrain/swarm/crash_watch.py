@@ -40,7 +40,9 @@ PROBE_STEP = 1 << 62
 
 async def answers_hello(address: str, identity: NodeIdentity, timeout: float = PROBE_TIMEOUT) -> bool:
     """True when the data port at `address` answers a hello (for a far step: a live node refuses it
-    at once) within `timeout`; False for a port that refuses, never answers, or is unreachable."""
+    at once) within `timeout`; False for a port that refuses, never answers, or is unreachable, and
+    for an answer "our views differ": no honest node elected members for a step nobody is at (it
+    has no attempt to compare with), so that answer to every hello is a liar's, or a broken node's."""
     parsed = parse_address(address)
     if parsed is None:
         return False
@@ -49,13 +51,13 @@ async def answers_hello(address: str, identity: NodeIdentity, timeout: float = P
         reader, writer = await asyncio.wait_for(asyncio.open_connection(*parsed), timeout)
         hello = hello_header(identity, PROBE_STEP, bytes(32), secrets.token_bytes(NONCE_BYTES), bytes(32))
         await write_frame(writer, hello, timeout=timeout)
-        await read_frame(reader, timeout, 4096)
+        answer = await read_frame(reader, timeout, 4096)
     except (OSError, asyncio.TimeoutError, WireError):
         return False
     finally:
         if writer is not None:
             writer.close()
-    return True
+    return not (answer.kind == "refuse" and answer.header.get("views_differ") is True)
 
 
 async def port_refuses(address: str, timeout: float = PROBE_TIMEOUT) -> bool:

@@ -20,9 +20,9 @@ the next attempt from the ready records minus `left_out(ready, N)`:
 A node that has seen a member fail steps in a row names it in its ready record from the start of
 the next steps (`Offences`), so an unreachable node is ignored for a while instead of costing every
 step a failed attempt; when that while is over, the node first probes it (a hello it must answer
-within a second) and names it again at once if it still does not answer. Records of other steps and
-names that match no ready member count for nothing, so an old or forged accusation cannot reach
-beyond one step.
+within a second, and not with "our views differ": no honest node says so to a step nobody is at)
+and names it again at once if it fails. Records of other steps and names that match no ready
+member count for nothing, so an old or forged accusation cannot reach beyond one step.
 """
 
 from __future__ import annotations
