@@ -13,8 +13,10 @@ bf16 autocast as the config says). It reads every node's metrics.jsonl and repor
   attention, over the GPU's bf16 peak); gpu_peak_gib: the most GPU memory a rank had allocated
   (each node's log gives the estimate it was sized by, "memory: about … per rank");
 - sync_s: median seconds of the agents' syncs (election + all-reduce); outer_wait_s: median seconds
-  the training loop spent between two inner phases (the sync when blocking, plus the outer step's
-  own work: Δ off the GPU, S's step and hash on the CPU, the weights back);
+  per phase the training loop spent outside inner steps (the sync when blocking, plus the outer
+  step's own work: Δ off the GPU, S's step and hash on the CPU, the weights back; with overlap that
+  work wherever in the phase the result was taken); taken_after_steps: median inner steps of the
+  next phase a result was taken after (overlap);
 - with --beside-blocking, the same run with overlap off under "blocking", and hidden_fraction =
   (blocking outer_wait_s − outer_wait_s) / blocking sync_s: near 1 when overlap hides the sync;
 - params_hash_agree: both nodes held the same S (θ_outer's hash) after every outer step.
@@ -78,10 +80,18 @@ def figures(records: dict[str, list[dict[str, Any]]], tokens_per_step: int) -> d
         step_s += [tokens_per_step / r["tokens_per_s"] for r in inner]
         mfu += [r["mfu"] for r in inner if "mfu" in r]
         peak += [r["gpu_peak_gib"] for r in inner if "gpu_peak_gib" in r]
+        # per phase, the loop's time outside inner steps: the wait before it, and with the result
+        # taken mid-phase (outer.take_on_arrival, overlap_steps) that step's work too
+        loop_s: dict[int, float] = {}
         for before, after in itertools.pairwise(inner):
+            gap = after["time"] - tokens_per_step / after["tokens_per_s"] - before["time"]
             if after["outer_step"] == before["outer_step"] + 1:  # the loop between two phases
-                waits.append(after["time"] - tokens_per_step / after["tokens_per_s"] - before["time"])
+                loop_s[after["outer_step"]] = gap
+            elif after["outer_step"] in loop_s:
+                loop_s[after["outer_step"]] += gap
+        waits += loop_s.values()
     syncs = [r["sync_s"] for name in NODES for r in outer[name] if r.get("sync_s")]
+    taken = [r["taken_after_steps"] for name in NODES for r in outer[name] if "taken_after_steps" in r]
     hashes = [{r["step"]: r["params_hash"] for r in outer[name]} for name in NODES]
     common = set(hashes[0]) & set(hashes[1])
     sync_s = statistics.median(syncs) if syncs else None
@@ -93,14 +103,15 @@ def figures(records: dict[str, list[dict[str, Any]]], tokens_per_step: int) -> d
         "gpu_peak_gib": max(peak) if peak else None,
         "sync_s": round(sync_s, 3) if sync_s is not None else None,
         "outer_wait_s": round(wait_s, 3) if wait_s is not None else None,
+        "taken_after_steps": statistics.median(taken) if taken else None,
         "params_hash_agree": bool(common) and all(hashes[0][step] == hashes[1][step] for step in common),
     }
 
 
 def hidden_fraction(overlapped: dict[str, Any], blocking: dict[str, Any]) -> float | None:
     """The share of the blocking run's sync that overlap took off the training loop: the loop's
-    wait between phases also holds work that is not the sync (Δ off the GPU, S's step and hash on
-    the CPU, the weights back), so it is compared with the same wait without overlap."""
+    time outside inner steps also holds work that is not the sync (Δ off the GPU, S's step and hash
+    on the CPU, the weights back), so it is compared with the same time without overlap."""
     waits = overlapped["outer_wait_s"], blocking["outer_wait_s"]
     if None in waits or not blocking["sync_s"]:
         return None
