@@ -253,8 +253,8 @@ class OuterConfig(Section):
     momentum: float = Field(0.9, ge=0, lt=1)
     nesterov: bool = True
     overlap: bool = False
-    """Sync step N while the inner phase of N + 1 runs (train/overlap.py); its result is applied at
-    the end of that phase."""
+    """Sync step N while the inner phase of N + 1 runs (train/overlap.py); its result is applied in
+    that phase (`take_on_arrival`, `overlap_steps`), at the latest at its end."""
     eager: bool = True
     """With overlap: the next phase starts from the step the node's own fresh pseudo-gradient would
     take, in place of the pending average; False: the step the last average would take."""

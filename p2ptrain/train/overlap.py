@@ -1,6 +1,6 @@
 """One-step overlap (`outer.overlap`): the sync of outer step N runs while the inner phase of N + 1
-does, and its result is applied at the end of that phase (Kale, Douillard, Donchev 2025, "Eager
-updates for overlapped communication and computation in DiLoCo").
+does, and its result is applied at the end of that phase, or in it (τ, on arrival: below) (Kale,
+Douillard, Donchev 2025, "Eager updates for overlapped communication and computation in DiLoCo").
 
 What is shared, and bit-identical on every member of every step, is the outer state
 S = (θ_outer, momentum, step): it changes only by `OuterNesterov.step` with the swarm's average R_N,
