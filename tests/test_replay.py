@@ -183,3 +183,38 @@ def test_a_collector_keeps_every_result_of_a_download_while_members_keep_two(tmp
 
     asyncio.run(scenario())
     assert "no more are collected" in caplog.text
+
+
+def test_a_step_no_member_serves_does_not_hold_up_the_collection_of_the_steps_after_it(tmp_path) -> None:
+    """A fast swarm took steps 3 to 6 between two reads; its member keeps only 5 and 6. The collector
+    takes both at its first read: waiting its tries at 3 and 4 first (a round apart, here 60 s), it
+    would find 5 and 6 dropped too once the swarm had moved on."""
+
+    async def scenario() -> None:
+        kept = RecentResults(2)
+        for step in range(3, 7):
+            kept.add(step, one_chunk(step))
+        sidecar = CheckpointSidecar(tmp_path, results=kept)
+        port = await sidecar.start("127.0.0.1", 0)
+        beat = Heartbeat(
+            "run", bytes(32), 1, 0.0, 0.0, NodeState.TRAINING, outer_step=7,
+            ckpt_addr=f"http://127.0.0.1:{port}", ckpt_reach="open",
+        )  # fmt: skip
+        reads = 0
+
+        async def read() -> list[Heartbeat]:
+            nonlocal reads
+            reads += 1
+            return [beat]
+
+        collector = ResultCollector(read, 1 << 20, 1 << 20, 5.0, 60.0)
+        collector.start(3)
+        try:
+            await settle(lambda: collector.kept == 2, "the results of steps 5 and 6")
+            assert reads == 1
+            assert [collector.take(s) for s in (3, 4, 5, 6)] == [None, None, kept.packed(5), kept.packed(6)]
+        finally:
+            collector.stop()
+            await sidecar.close()
+
+    asyncio.run(scenario())

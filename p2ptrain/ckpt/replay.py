@@ -179,7 +179,7 @@ class ResultCollector:
     ):
         self._peers, self._limit, self._timeout, self._interval = peers, limit, timeout, interval
         self.max_bytes = max_bytes
-        self._results: OrderedDict[int, bytes] = OrderedDict()
+        self._results: dict[int, bytes] = {}
         self._task: asyncio.Task[None] | None = None
 
     def start(self, first_step: int) -> None:
@@ -202,12 +202,17 @@ class ResultCollector:
 
     def take(self, step: int) -> bytes | None:
         """The result of `step`, if collected; older ones are dropped (never needed again)."""
-        while self._results and next(iter(self._results)) < step:
-            self._results.popitem(last=False)
+        for older in [kept for kept in self._results if kept < step]:
+            del self._results[older]
         return self._results.pop(step, None)
 
     async def _collect(self, step: int) -> None:
-        misses = 0
+        """Each round, every result of a step the swarm is past and not collected yet: a step that
+        no member serves (yet) is tried again the next rounds, up to COLLECT_TRIES, without holding
+        up the steps after it, which members keep only a while (a fast swarm takes several steps
+        a round)."""
+        tries: dict[int, int] = {}
+        """Steps past whose result is not collected yet, and the rounds that tried them."""
         while True:
             try:
                 beats = await self._peers()
@@ -217,18 +222,20 @@ class ResultCollector:
                 continue
             # a strict majority past `step` has done its all-reduce (one record claiming a far step, a
             # stranger's, moves nothing on); a member past it keeps its result a while
-            if swarm_ahead(beats, step, b""):
-                packed = await fetch_result(result_sources(beats, step), step, self._limit, self._timeout)
-                if packed is not None:
-                    held = sum(len(result) for result in self._results.values())
-                    if held + len(packed) > self.max_bytes:
-                        log.warning("collected results hold %d bytes: no more are collected", held)
-                        return
-                    self._results[step] = packed
-                if packed is not None or misses >= COLLECT_TRIES - 1:
-                    if packed is None:
-                        log.info("no member served the result of step %d: not collected", step)
-                    step, misses = step + 1, 0
+            while swarm_ahead(beats, step, b""):
+                tries[step], step = 0, step + 1
+            for wanted in sorted(tries):
+                packed = await fetch_result(result_sources(beats, wanted), wanted, self._limit, self._timeout)
+                if packed is None:
+                    tries[wanted] += 1
+                    if tries[wanted] >= COLLECT_TRIES:
+                        log.info("no member served the result of step %d: not collected", wanted)
+                        del tries[wanted]
                     continue
-                misses += 1
+                del tries[wanted]
+                held = sum(len(result) for result in self._results.values())
+                if held + len(packed) > self.max_bytes:
+                    log.warning("collected results hold %d bytes: no more are collected", held)
+                    return
+                self._results[wanted] = packed
             await asyncio.sleep(self._interval)

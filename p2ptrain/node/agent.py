@@ -119,6 +119,8 @@ class TrainingNode:
         self.diverged = ""
         """Why the node's params are not the swarm's; written into its checkpoint's meta on exit."""
         self.params_hash = ""
+        self.loaded_step: int | None = None
+        """The step of the majority's checkpoint this node loaded and took no step from since."""
         self.joining = False
         self.recoveries = 0
         self.last_rate: float | None = None
@@ -152,7 +154,6 @@ class TrainingNode:
         path = await self._fetch_checkpoint(reason, wait=True)
         if path is None:
             raise Diverged(step, f"{reason}, and no majority of live members offers a checkpoint")
-        self.params_hash = ""  # the majority's params now: known again after the next step
         return path
 
     async def _fetch_checkpoint(self, reason: str, wait: bool) -> Path | None:
@@ -161,6 +162,8 @@ class TrainingNode:
         if path is not None:
             self.say(f"{reason}: recovered {path.name} from peers in {time.monotonic() - started:.1f} s")
             self.joining = True
+            self.params_hash = ""  # the majority's params now: known again after the next step
+            self.loaded_step = checkpoint_step(path)
         return path
 
     def _copy_in_background(self, folder: Path) -> None:
@@ -269,7 +272,7 @@ class TrainingNode:
         elif isinstance(message, StepDone):
             self.last_step_done = message.outer_step
             self.recoveries = 0
-            self.params_hash = message.params_hash
+            self.params_hash, self.loaded_step = message.params_hash, None
             extra = {"loss": message.loss} if message.loss == message.loss else {}
             if self.last_rate is not None:
                 extra["allreduce_mbps"] = self.last_rate
@@ -354,10 +357,13 @@ class TrainingNode:
         while not self.stop.is_set():
             majority = await self._guarded(self.swarm.final_majority(step))
             if majority is not None and majority != self.params_hash:
-                reason = f"its final params differ from the majority's at outer step {step}"
-                path = await self._recover(reason, step)
-                await self.swarm.checkpoint_saved(path, step)
-                self._copy_in_background(path)
+                # a node that loaded the majority's final checkpoint (it joined as the run ended)
+                # holds the majority's params, though it took no step to hash them
+                if self.loaded_step != step:
+                    reason = f"its final params differ from the majority's at outer step {step}"
+                    path = await self._recover(reason, step)
+                    await self.swarm.checkpoint_saved(path, step)
+                    self._copy_in_background(path)
                 self.params_hash = majority
                 await self.swarm.finish(step, self.params_hash)
             behind = await self._guarded(self.swarm.behind())
