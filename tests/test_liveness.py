@@ -6,7 +6,7 @@ import time
 from dataclasses import replace
 
 from p2ptrain.faults import shift_wall_clock
-from p2ptrain.swarm.membership import SwarmView
+from p2ptrain.swarm.membership import Offered, SwarmView
 from p2ptrain.swarm.records import Heartbeat, NodeState
 from tests.helpers import assert_one_line_error, cli
 
@@ -111,7 +111,6 @@ def test_a_pushed_records_bytes_are_taken_held_or_refused(tmp_path):
     known node of this run that it has now, taken or already there (or newer); a node whose pushes
     are all held elects before its DHT store is done."""
     from p2ptrain.identity import load_or_create_identity
-    from p2ptrain.swarm.membership import Offered
 
     known, stranger = load_or_create_identity(tmp_path / "a"), load_or_create_identity(tmp_path / "b")
 
@@ -144,11 +143,11 @@ def test_a_pushed_record_counts_only_for_a_known_node_and_only_when_newer():
     clock = Clock()
     swarm = view(clock)
     swarm.judge([beat(1, 10), beat(2, 20)])
-    assert not swarm.offer(beat(3, 99, NodeState.READY)), "a node this view does not know"
-    assert not swarm.offer(beat(1, 9, NodeState.READY)), "older than the record known"
-    assert not swarm.offer(beat(1, 10, NodeState.READY)), "the same seq: nothing new"
-    assert not swarm.offer(replace(beat(1, 11, NodeState.READY), run_id="another run"))
-    assert swarm.offer(beat(1, 11, NodeState.READY))
+    assert swarm.offer(beat(3, 99, NodeState.READY)) is Offered.REFUSED, "a node this view does not know"
+    assert swarm.offer(beat(1, 9, NodeState.READY)) is Offered.HELD, "older than the record known"
+    assert swarm.offer(beat(1, 10, NodeState.READY)) is Offered.HELD, "the same seq: nothing new"
+    assert swarm.offer(replace(beat(1, 11, NodeState.READY), run_id="another run")) is Offered.REFUSED
+    assert swarm.offer(beat(1, 11, NodeState.READY)) is Offered.TAKEN
     clock.now += 5.0
     seen = {b.node_key[0]: b for b in swarm.judge([beat(1, 10), beat(2, 20)])}  # the DHT lags behind
     assert (seen[1].seq, seen[1].state) == (11, NodeState.READY)

@@ -328,15 +328,17 @@ class SwarmView:
         """Whether the last DHT read is recent enough for a `cached` read (MAX_CACHED_AGE)."""
         return self._clock() - self._read_at <= MAX_CACHED_AGE
 
-    def offer(self, beat: Heartbeat) -> bool:
-        """A verified record that came another way than the DHT (pushed by its sender): taken, and
-        True, only for a node this view knows and only when newer than its record here. So it
-        cannot add a node to the swarm, nor bring back an older record."""
+    def offer(self, beat: Heartbeat) -> Offered:
+        """A verified record that came another way than the DHT (pushed by its sender): taken only
+        for a node this view knows and only when newer than its record here. So it cannot add a
+        node to the swarm, nor bring back an older record."""
         known = self._newest.get(beat.node_key)
-        if known is None or known[0].seq >= beat.seq or beat.run_id != self.run_id:
-            return False
+        if known is None or beat.run_id != self.run_id:
+            return Offered.REFUSED
+        if known[0].seq >= beat.seq:
+            return Offered.HELD
         self._newest[beat.node_key] = (beat, self._clock())
-        return True
+        return Offered.TAKEN
 
     def offer_signed(self, value: bytes, source: str) -> Offered:
         """`offer` for a record's signed bytes as they came (record_push.py): verified like a
@@ -347,11 +349,7 @@ class SwarmView:
         except (RecordError, TypeError) as exc:
             self._refusals.warning("record pushed from %s ignored: %s", source, exc)
             return Offered.REFUSED
-        if self.offer(beat):
-            return Offered.TAKEN
-        known = self._newest.get(beat.node_key)
-        held = known is not None and known[0].seq >= beat.seq and beat.run_id == self.run_id
-        return Offered.HELD if held else Offered.REFUSED
+        return self.offer(beat)
 
     def judge(self, heartbeats: list[Heartbeat]) -> list[Heartbeat]:
         """The non-silent subset of one DHT read (its records replaced by newer ones seen before)."""
