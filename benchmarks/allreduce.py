@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import parser, report, unwind_on_sigterm
+from p2ptrain.config import Topology
 from p2ptrain.procs import free_port
 
 WORLD = 3
@@ -51,7 +52,7 @@ def worker(
     out: Path,
     connections: int = 1,
     bits: int = 8,
-    topology: str = "auto",
+    topology: Topology = "auto",
     clip: float = 0.0,
 ) -> None:
     """One member: `rounds` ring all-reduces, then `rounds` gloo all-reduces, timings to `out`."""
@@ -135,7 +136,7 @@ def run(
     bandwidth: float | None,
     connections: int = 1,
     bits: int = 8,
-    topology: str = "auto",
+    topology: Topology = "auto",
     clip: float = 0.0,
 ) -> dict[str, Any]:
     length = (mib << 20) // 4

@@ -74,7 +74,10 @@ def node_command(root: Path, name: str, peer: str, args: Any, shard: int, overla
 def figures(records: dict[str, list[dict[str, Any]]], tokens_per_step: int) -> dict[str, Any]:
     """The report's figures from both nodes' metrics (see the module docstring)."""
     outer = {name: [r for r in records[name] if r["kind"] == "outer"] for name in NODES}
-    step_s, waits, mfu, peak = [], [], [], []
+    step_s: list[float] = []
+    waits: list[float] = []
+    mfu: list[float] = []
+    peak: list[float] = []
     for name in NODES:
         inner = [r for r in records[name] if r["kind"] == "inner" and r.get("tokens_per_s")]
         step_s += [tokens_per_step / r["tokens_per_s"] for r in inner]

@@ -41,8 +41,9 @@ import csv
 import math
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
@@ -61,6 +62,12 @@ EVAL_BATCHES = 8
 Averager = Callable[[list[torch.Tensor], list[int], int], None]
 Curve = dict[int, float]
 """Outer step → held-out loss of the outer params after it."""
+
+
+class RowWriter(Protocol):
+    """What `csv.writer` returns, as far as the runs use it."""
+
+    def writerow(self, row: Iterable[Any], /) -> Any: ...
 
 
 def held_out(config: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -91,7 +98,10 @@ def node_id(index: int, seed: int) -> bytes:
 
 def exact_mean(buffers: list[torch.Tensor], weights: list[int], step: int) -> None:
     total = sum(weights)
-    mean = sum(buf.double() * (w / total) for buf, w in zip(buffers, weights, strict=True)).float()
+    mean = torch.zeros_like(buffers[0], dtype=torch.float64)
+    for buf, w in zip(buffers, weights, strict=True):
+        mean += buf.double() * (w / total)
+    mean = mean.float()
     for buf in buffers:
         buf.copy_(mean)
 
@@ -128,7 +138,7 @@ class Int8Ring:
         self.loop.close()
 
 
-def run(name: str, config: Config, nodes: int, average: Averager, work: Path, writer: csv.writer) -> Curve:
+def run(name: str, config: Config, nodes: int, average: Averager, work: Path, writer: RowWriter) -> Curve:
     """Train `nodes` in lock-step; the held-out loss of the shared outer params after every step."""
     seed = config.train.seed
     trainers = [
@@ -142,9 +152,10 @@ def run(name: str, config: Config, nodes: int, average: Averager, work: Path, wr
             trainer.prepare_outer(tokens) for trainer, (tokens, _) in zip(trainers, phases, strict=True)
         ]
         buffers = [t.leader.buffer for t in trainers if t.leader is not None]
-        average(buffers, [r.tokens for r in readies if r is not None], trainers[0].outer_step)
+        ready = [r for r in readies if r is not None]  # every trainer here is rank 0 of its node
+        average(buffers, [r.tokens for r in ready], trainers[0].outer_step)
         hashes = {
-            t.apply_outer(r, Averaged(r.outer_step, nodes)) for t, r in zip(trainers, readies, strict=True)
+            t.apply_outer(r, Averaged(r.outer_step, nodes)) for t, r in zip(trainers, ready, strict=True)
         }
         assert len(hashes) == 1, f"{name}: nodes diverged"
         loss = curve[trainers[0].outer_step] = eval_loss(trainers[0].model, evaluation)
@@ -152,7 +163,7 @@ def run(name: str, config: Config, nodes: int, average: Averager, work: Path, wr
     return curve
 
 
-def log_step(writer: csv.writer, name: str, trainer: Trainer, train_loss: float, loss: float) -> None:
+def log_step(writer: RowWriter, name: str, trainer: Trainer, train_loss: float, loss: float) -> None:
     row = [name, trainer.config.train.seed, trainer.outer_step, trainer.inner_step, train_loss, loss]
     writer.writerow([round(value, 4) if isinstance(value, float) else value for value in row])
     print(f"{name}, seed {row[1]}: outer step {row[2]}, held-out loss {loss:.4f}", flush=True)
@@ -187,7 +198,7 @@ class Lockstep:
 
 
 def run_overlapped(
-    name: str, config: Config, nodes: int, average: Averager, work: Path, writer: csv.writer
+    name: str, config: Config, nodes: int, average: Averager, work: Path, writer: RowWriter
 ) -> Curve:
     """`run` with outer.overlap: every step's average is taken at the end of the next phase (or
     outer.overlap_steps into it), the phases in between start from the eager estimate. The curve
@@ -264,11 +275,11 @@ ROBUST_CASES = {
 """Robust aggregation's runs: (shares clipped at comm.clip, or 1 where unset; the poisoner's factor)."""
 
 
-Runner = Callable[[str, Config, int, Averager, Path, csv.writer], Curve]
+Runner = Callable[[str, Config, int, Averager, Path, RowWriter], Curve]
 """`run` or `run_overlapped`."""
 
 
-def seed_runs(config: Config, only: str | None, tmp: Path, writer: csv.writer) -> dict[str, Curve]:
+def seed_runs(config: Config, only: str | None, tmp: Path, writer: RowWriter) -> dict[str, Curve]:
     """Every run `only` asks for, with config's train.seed: run name → curve."""
     curves: dict[str, Curve] = {}
 

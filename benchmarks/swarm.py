@@ -163,8 +163,9 @@ def run(
             )
             for name in starters
         ]
-        if all(after):
-            recover_s = round(max(after) - summary["killed_at"], 2)
+        firsts = [first for first in after if first is not None]
+        if firsts and len(firsts) == len(after):
+            recover_s = round(max(firsts) - killed_at, 2)
         stalls = [stall_after(records[name], killed_at, tokens_per_step) for name in starters]
         if stalls and all(stall is not None for stall in stalls):
             recover_stall_s = round(max(s for s in stalls if s is not None), 2)

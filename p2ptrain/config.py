@@ -22,6 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from p2ptrain.config_files import describe, env_overrides, flag_overrides, read_toml, set_dotted
 from p2ptrain.errors import ConfigError
 
+Topology = Literal["auto", "ring", "butterfly"]
+"""comm.topology: the reduce-scatter path (auto: the ring at 3 members or fewer, else butterfly)."""
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
@@ -282,7 +285,7 @@ class CommConfig(Section):
     one connection's window cannot fill the pipe)."""
     zstd: bool = False
     failure_timeout: float = Field(5.0, gt=0, le=600)
-    topology: Literal["auto", "ring", "butterfly"] = "auto"
+    topology: Topology = "auto"
     """Reduce-scatter path: ring (neighbours only) or butterfly (straight to each segment's owner)."""
     clip: float = Field(0.0, ge=0, le=1000)
     """Robust aggregation when > 0: the butterfly's owner of each chunk clips every member's share

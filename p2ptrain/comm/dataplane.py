@@ -20,7 +20,6 @@ import logging
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from p2ptrain.comm.attempt import AllReduceError, Connection, LaneKey, Registration
 from p2ptrain.comm.budget import PendingBudget, WaitingBudget, wait_until
@@ -40,6 +39,7 @@ from p2ptrain.comm.record_push import HELD, NOT_HELD, RECORD_KIND, RecordSink, r
 from p2ptrain.comm.relay import RELAY_KINDS
 from p2ptrain.comm.relay_service import RelayAdmit, RelayService
 from p2ptrain.comm.wire import ClosedBetweenFrames, WireError, read_frame, write_frame
+from p2ptrain.config import Topology
 from p2ptrain.identity import NodeIdentity, short_id
 from p2ptrain.untrusted import ThrottledLog
 
@@ -67,7 +67,7 @@ class RingSettings:
     setup_timeout: float = 30.0
     """How long members may take to arrive at the step and connect."""
     zstd: bool = False
-    topology: Literal["auto", "ring", "butterfly"] = "auto"
+    topology: Topology = "auto"
     """How the reduce-scatter travels; see ring.py. "auto" takes the ring up to 3 members."""
     connections: int = 1
     """Parallel TCP connections (lanes) to each peer; chunks take them in turn. More than one
