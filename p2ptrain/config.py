@@ -222,6 +222,10 @@ class DataConfig(Section):
     """This node's first shard; default: derived from the node key (stable across restarts)."""
     eos_id: int | None = Field(None, ge=0)
     """Token id put between documents; default: 0 for bytes, the tokenizer's end-of-text token."""
+    interleave: int = Field(1, ge=1, le=256)
+    """Files read at once: the sequences of a batch come from this many streams in turn (file j of
+    the node's order in stream j mod K), so a batch mixes K documents rather than one long file's
+    run. 1: one file after another."""
 
 
 class CheckpointConfig(Section):

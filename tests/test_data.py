@@ -13,6 +13,7 @@ from p2ptrain.train.data import (
     Batches,
     ByteTokenizer,
     DataError,
+    DataPosition,
     StreamPosition,
     TokenStream,
     list_files,
@@ -79,7 +80,46 @@ def test_ranks_split_the_node_batch(tmp_path: Path) -> None:
         assert torch.equal(torch.cat([p[0] for p in parts]), inputs)
         assert torch.equal(inputs[:, 1:], targets[:, :-1])  # targets are the inputs shifted by one
     with pytest.raises(DataError, match="multiple of the local ranks"):
-        Batches(whole.stream, 4, 16, rank=0, world_size=3)
+        Batches(whole.streams, 4, 16, rank=0, world_size=3)
+
+
+def test_interleaved_batches_take_their_sequences_from_that_many_files_in_turn(tmp_path: Path) -> None:
+    corpus = DataConfig(paths=[str(make_corpus(tmp_path / "c"))])
+    order = node_file_order(list_files(corpus), corpus.num_shards, 0)
+    one = node_batches(corpus.model_copy(update={"shard": 0}), 256, b"x" * 32, 4, 16, 0, 1)
+    alone = TokenStream(order, ByteTokenizer())  # interleave 1: the batches read as they always did
+    for _ in range(5):
+        assert (
+            one.next()[0].flatten().tolist() == alone.take(4 * 17).reshape(4, 17)[:, :-1].flatten().tolist()
+        )
+    three = node_batches(corpus.model_copy(update={"shard": 0, "interleave": 3}), 256, b"x" * 32, 4, 16, 0, 1)
+    streams = [TokenStream(order[j::3], ByteTokenizer()) for j in range(3)]
+    row = 0
+    for _ in range(5):  # 4 sequences a batch from 3 streams: the turn goes on across batches
+        for sequence in three.next()[0]:
+            assert sequence.tolist() == streams[row % 3].take(17)[:-1].tolist()
+            row += 1
+    assert (
+        len(node_batches(corpus.model_copy(update={"interleave": 50}), 256, b"x" * 32, 4, 16, 0, 1).streams)
+        == 12
+    )
+
+
+def test_interleaved_streams_resume_where_they_were(tmp_path: Path) -> None:
+    corpus = DataConfig(paths=[str(make_corpus(tmp_path / "c"))], interleave=3)
+    first = node_batches(corpus, 256, b"x" * 32, 5, 16, 0, 1)
+    for _ in range(7):
+        first.next()
+    saved = DataPosition.from_dict(json.loads(json.dumps(first.position.to_dict())))
+    expected = [first.next()[0] for _ in range(6)]
+    second = node_batches(corpus, 256, b"x" * 32, 5, 16, 0, 1)
+    assert second.seek(saved) and saved.turn == 35 % 3
+    assert all(torch.equal(second.next()[0], batch) for batch in expected)
+    other = node_batches(corpus.model_copy(update={"interleave": 2}), 256, b"x" * 32, 5, 16, 0, 1)
+    assert not other.seek(saved)  # data.interleave changed: nothing moves
+    assert other.position.streams == [StreamPosition(), StreamPosition()]
+    old = DataPosition.from_dict({"files_done": 2, "offset": 7})  # saved before data.interleave
+    assert old.streams == [StreamPosition(2, 7)] and old.turn == 0
 
 
 def test_jsonl_records_skip_malformed_lines(tmp_path: Path) -> None:

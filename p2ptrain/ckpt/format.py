@@ -46,7 +46,7 @@ class CheckpointMeta(TypedDict, total=False):
     inner_step: int
     config_digest: str
     data_position: dict[str, Any]
-    """Where this node's data stream continues (train/data.py StreamPosition)."""
+    """Where this node's data streams continue (train/data.py DataPosition)."""
     model: dict[str, Any]
     layout_digest: str
     """Digest of the canonical parameter layout: a checkpoint loads only into the same model."""

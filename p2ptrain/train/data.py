@@ -8,6 +8,11 @@ with an end-of-text token between documents and cut into sequences of seq_len + 
 The position in that stream — how many files were finished and how far into the current one — is a
 pair of integers, saved with every checkpoint, and the same for any number of local ranks: every
 rank walks the whole node stream and keeps its own slice of each batch.
+
+With `data.interleave = K` the node reads K such streams at once (file j of its order in stream
+j mod K) and takes each sequence of a batch from the next of them in turn: a batch, and an inner
+phase, then mix K documents where one long file would otherwise fill several phases. The position
+is then K pairs and whose turn it is.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -198,6 +203,24 @@ class StreamPosition:
         return cls(int(data["files_done"]), int(data["offset"]))
 
 
+@dataclass
+class DataPosition:
+    """Where each of the node's streams is (data.interleave of them), and which gives the next
+    sequence."""
+
+    streams: list[StreamPosition]
+    turn: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"streams": [position.to_dict() for position in self.streams], "turn": self.turn}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DataPosition:
+        if "streams" not in data:  # saved before data.interleave: one stream
+            return cls([StreamPosition.from_dict(data)])
+        return cls([StreamPosition.from_dict(item) for item in data["streams"]], int(data["turn"]))
+
+
 class TokenStream:
     """Endless token stream over the node's file order; `take(n)` returns the next n tokens."""
 
@@ -244,25 +267,47 @@ class TokenStream:
 
 
 class Batches:
-    """Packed batches of one rank: the node takes batch_size sequences per step, rank r keeps slice r."""
+    """Packed batches of one rank: the node takes batch_size sequences per step, from its streams in
+    turn (one sequence each), and rank r keeps slice r."""
 
     def __init__(
-        self, stream: TokenStream, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1
+        self, streams: list[TokenStream], batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1
     ):
         if batch_size % world_size:
             raise DataError(
                 f"train.batch_size ({batch_size}) must be a multiple of the local ranks ({world_size})"
             )
-        self.stream = stream
+        self.streams = streams
+        self.turn = 0
+        """The stream the next sequence comes from."""
         self.batch_size = batch_size
         self.seq_len = seq_len
         self.rank = rank
         self.world_size = world_size
 
+    @property
+    def position(self) -> DataPosition:
+        copies = [StreamPosition(s.position.files_done, s.position.offset) for s in self.streams]
+        return DataPosition(copies, self.turn)
+
+    def seek(self, position: DataPosition) -> bool:
+        """Continue from `position`; False (nothing moved) where it has another number of streams
+        (data.interleave changed since it was saved)."""
+        if len(position.streams) != len(self.streams):
+            return False
+        for stream, where in zip(self.streams, position.streams, strict=True):
+            stream.seek(where)
+        self.turn = position.turn % len(self.streams)
+        return True
+
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         import torch  # here: the agent imports this module to check the corpus, and never loads torch
 
-        tokens = self.stream.take(self.batch_size * (self.seq_len + 1))
+        pieces = []
+        for _ in range(self.batch_size):  # with one stream: the next batch_size sequences of it
+            pieces.append(self.streams[self.turn].take(self.seq_len + 1))
+            self.turn = (self.turn + 1) % len(self.streams)
+        tokens = np.concatenate(pieces)
         rows = torch.from_numpy(tokens).view(self.batch_size, self.seq_len + 1)
         per_rank = self.batch_size // self.world_size
         mine = rows[self.rank * per_rank : (self.rank + 1) * per_rank]
@@ -284,4 +329,6 @@ def node_batches(
     if first >= config.num_shards:
         raise DataError(f"data.shard ({first}) must be below data.num_shards ({config.num_shards})")
     files = node_file_order(list_files(config), config.num_shards, first)
-    return Batches(TokenStream(files, tokenizer, config.text_field), batch_size, seq_len, rank, world_size)
+    count = min(config.interleave, len(files))
+    streams = [TokenStream(files[j::count], tokenizer, config.text_field) for j in range(count)]
+    return Batches(streams, batch_size, seq_len, rank, world_size)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from p2ptrain.ckpt.format import CheckpointMeta
 from p2ptrain.train.checkpoint import load_state
-from p2ptrain.train.data import StreamPosition
+from p2ptrain.train.data import DataPosition
 from p2ptrain.train.overlap import OVERLAP_DELTA, OVERLAP_START, Pending
 
 if TYPE_CHECKING:  # trainer.py imports this module
@@ -35,7 +35,7 @@ def save_trainer_checkpoint(trainer: Trainer, background: bool = True) -> None:
         "outer_step": trainer.outer_step,
         "inner_step": trainer.inner_step,
         "config_digest": trainer.config.digest(),
-        "data_position": trainer.batches.stream.position.to_dict(),
+        "data_position": trainer.batches.position.to_dict(),
     }
     overlap = trainer.overlapped
     if overlap is not None and overlap.pending is not None and overlap.state is not None:
@@ -78,4 +78,11 @@ def resume_trainer(trainer: Trainer, path: Path, own_data: bool = True) -> None:
     for key, tensors in trainer.adam_moments(create=True).items():
         trainer.layout.scatter_tensors(tensors, state[f"adam_{key}"])
     if own_data:
-        trainer.batches.stream.seek(StreamPosition.from_dict(meta["data_position"]))
+        position = DataPosition.from_dict(meta["data_position"])
+        if not trainer.batches.seek(position):
+            log.warning(
+                "%s: data.interleave is %d here, %d there: its data position is not restored",
+                path,
+                len(trainer.batches.streams),
+                len(position.streams),
+            )
