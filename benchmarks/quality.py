@@ -2,6 +2,7 @@
 
     python -m benchmarks.quality --json [--steps 300] [--seeds 1] [--tail 10] [--out DIR]
                                     [--set comm.clip=1.5] [--only robust|bits|overlap]
+                                    [--config debug] [--device cpu|cuda]
 
 On the `debug` config over the embedded corpus, three runs of the same number of inner steps per
 node: (a) 2 nodes averaging pseudo-gradients through the real int8 all-reduce (two data-plane
@@ -32,6 +33,12 @@ clipped_vs_mean_loss_ratio = d / c (target within 0.5 % of 1) and poisoned_vs_ho
 e / d (target ≤ 1.03), with loss_poisoned_unclipped for scale.
 
 Writes quality.csv and, with matplotlib installed, quality.png into --out.
+
+On a GPU, the overlap's cost on a larger model (the nodes train one after another on the one
+device; the outer step and the all-reduce stay on the host):
+
+    python -m benchmarks.quality --json --only overlap --device cuda --config 150m --steps 300 \
+        --set train.inner_steps=30 --set train.warmup_steps=30 --set train.batch_size=16
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import math
 import tempfile
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -53,8 +61,9 @@ from p2ptrain.comm.dataplane import DataPlaneServer, RingSettings
 from p2ptrain.comm.members import RingMember
 from p2ptrain.comm.ring import ring_all_reduce
 from p2ptrain.config import Config, load_config
+from p2ptrain.errors import UserError
 from p2ptrain.identity import load_or_create_identity
-from p2ptrain.train.agent_link import SoloLink
+from p2ptrain.train.agent_link import AgentLink, SoloLink
 from p2ptrain.train.data import node_batches
 from p2ptrain.train.trainer import RankContext, Trainer, build_model
 
@@ -80,7 +89,8 @@ def held_out(config: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
 @torch.no_grad()
 def eval_loss(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     model.eval()
-    losses = [float(model(inputs, targets)) for inputs, targets in batches]
+    device = next(model.parameters()).device
+    losses = [float(model(inputs.to(device), targets.to(device))) for inputs, targets in batches]
     model.train()
     return sum(losses) / len(losses)
 
@@ -138,12 +148,24 @@ class Int8Ring:
         self.loop.close()
 
 
-def run(name: str, config: Config, nodes: int, average: Averager, work: Path, writer: RowWriter) -> Curve:
+@dataclass(frozen=True)
+class Bench:
+    """What every run shares: a scratch folder, the csv rows, the device its nodes train on."""
+
+    work: Path
+    writer: RowWriter
+    device: torch.device
+
+    def trainer(self, name: str, config: Config, index: int, link: AgentLink | None = None) -> Trainer:
+        """Node `index` of run `name` (its own folder under `work`)."""
+        seed = config.train.seed
+        folder = self.work / f"{name}-{seed}-{index}"
+        return Trainer(config, node_id(index, seed), folder, RankContext(device=self.device), link=link)
+
+
+def run(name: str, config: Config, nodes: int, average: Averager, bench: Bench) -> Curve:
     """Train `nodes` in lock-step; the held-out loss of the shared outer params after every step."""
-    seed = config.train.seed
-    trainers = [
-        Trainer(config, node_id(i, seed), work / f"{name}-{seed}-{i}", RankContext()) for i in range(nodes)
-    ]
+    trainers = [bench.trainer(name, config, i) for i in range(nodes)]
     evaluation = held_out(config)
     curve: Curve = {}
     while trainers[0].inner_step < config.train.max_steps:
@@ -159,7 +181,7 @@ def run(name: str, config: Config, nodes: int, average: Averager, work: Path, wr
         }
         assert len(hashes) == 1, f"{name}: nodes diverged"
         loss = curve[trainers[0].outer_step] = eval_loss(trainers[0].model, evaluation)
-        log_step(writer, name, trainers[0], sum(p[1] for p in phases) / nodes, loss)
+        log_step(bench.writer, name, trainers[0], sum(p[1] for p in phases) / nodes, loss)
     return curve
 
 
@@ -197,9 +219,7 @@ class Lockstep:
         return Link()
 
 
-def run_overlapped(
-    name: str, config: Config, nodes: int, average: Averager, work: Path, writer: RowWriter
-) -> Curve:
+def run_overlapped(name: str, config: Config, nodes: int, average: Averager, bench: Bench) -> Curve:
     """`run` with outer.overlap: every step's average is taken at the end of the next phase (or
     outer.overlap_steps into it), the phases in between start from the eager estimate. The curve
     is S's, step for step like `run`'s: θ_outer after each step once it is taken (its evaluation
@@ -207,14 +227,10 @@ def run_overlapped(
     outer = config.outer.model_copy(update={"overlap": True, "take_on_arrival": False})
     config = config.model_copy(update={"outer": outer})
     exchange = Lockstep(average, nodes)
-    seed = config.train.seed
-    trainers = [
-        Trainer(config, node_id(i, seed), work / f"{name}-{seed}-{i}", RankContext(), link=exchange.link(i))
-        for i in range(nodes)
-    ]
+    trainers = [bench.trainer(name, config, i, exchange.link(i)) for i in range(nodes)]
     exchange.buffers = [t.leader.buffer for t in trainers if t.leader is not None]
     evaluation = held_out(config)
-    outer_model = build_model(config, RankContext())
+    outer_model = build_model(config, RankContext(device=bench.device))
     curve: Curve = {}
 
     def evaluate_outer(train_loss: float) -> None:
@@ -224,7 +240,7 @@ def run_overlapped(
         if leader.outer_step not in curve:
             leader.layout.scatter(outer_model, leader.outer.params)
             curve[leader.outer_step] = eval_loss(outer_model, evaluation)
-            log_step(writer, name, leader, train_loss, curve[leader.outer_step])
+            log_step(bench.writer, name, leader, train_loss, curve[leader.outer_step])
 
     while trainers[0].inner_step < config.train.max_steps:
         phases = [trainer.inner_phase() for trainer in trainers]
@@ -275,20 +291,20 @@ ROBUST_CASES = {
 """Robust aggregation's runs: (shares clipped at comm.clip, or 1 where unset; the poisoner's factor)."""
 
 
-Runner = Callable[[str, Config, int, Averager, Path, RowWriter], Curve]
+Runner = Callable[[str, Config, int, Averager, Bench], Curve]
 """`run` or `run_overlapped`."""
 
 
-def seed_runs(config: Config, only: str | None, tmp: Path, writer: RowWriter) -> dict[str, Curve]:
+def seed_runs(config: Config, only: str | None, bench: Bench) -> dict[str, Curve]:
     """Every run `only` asks for, with config's train.seed: run name → curve."""
     curves: dict[str, Curve] = {}
 
     def through_ring(
         name: str, nodes: int, settings: RingSettings | None = None, poison: float = 1, runner: Runner = run
     ) -> None:
-        ring = Int8Ring(nodes, tmp / f"{name.replace(' ', '-')}-{config.train.seed}", settings, poison)
+        ring = Int8Ring(nodes, bench.work / f"{name.replace(' ', '-')}-{config.train.seed}", settings, poison)
         try:
-            curves[name] = runner(name, config, nodes, ring, tmp, writer)
+            curves[name] = runner(name, config, nodes, ring, bench)
         finally:
             ring.close()
 
@@ -299,8 +315,8 @@ def seed_runs(config: Config, only: str | None, tmp: Path, writer: RowWriter) ->
     if only in (None, "overlap"):
         through_ring("2 nodes int8 overlap", 2, runner=run_overlapped)
     if only is None:
-        curves["2 nodes fp32"] = run("2 nodes fp32", config, 2, exact_mean, tmp, writer)
-        curves["1 node"] = run("1 node", config, 1, lambda buffers, weights, step: None, tmp, writer)
+        curves["2 nodes fp32"] = run("2 nodes fp32", config, 2, exact_mean, bench)
+        curves["1 node"] = run("1 node", config, 1, lambda buffers, weights, step: None, bench)
     for name, (clipped, poison) in ROBUST_CASES.items() if only in (None, "robust") else ():
         through_ring(name, 3, RingSettings(clip=config.comm.clip or 1.0) if clipped else None, poison)
     return curves
@@ -312,6 +328,10 @@ def main() -> None:
     cli.add_argument("--seeds", type=int, default=1, help="runs of each case: train.seed 0, 1, … or K, …")
     cli.add_argument("--tail", type=int, default=10, help="last outer steps averaged (default 10)")
     cli.add_argument("--out", default=".bench/quality", help="folder for quality.csv and quality.png")
+    cli.add_argument("--config", default="debug", help="the model and training settings (default debug)")
+    cli.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="where the nodes train, one after another"
+    )
     cli.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     cli.add_argument(
         "--only",
@@ -323,7 +343,13 @@ def main() -> None:
         cli.error("--steps, --seeds and --tail must be at least 1")
     torch.set_num_threads(2)
     overrides = [f"train.max_steps={args.steps}", "checkpoint.interval=0", 'checkpoint.staging=""', *args.set]
-    config = load_config("debug", overrides=overrides)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        cli.error("--device cuda: torch sees no CUDA device here")
+    try:
+        config = load_config(args.config, overrides=overrides)
+    except UserError as error:
+        cli.error(str(error))
+    device = torch.device(args.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -335,7 +361,7 @@ def main() -> None:
         first = config.train.seed
         for seed in range(first, first + args.seeds):
             seeded = config.model_copy(update={"train": config.train.model_copy(update={"seed": seed})})
-            for name, curve in seed_runs(seeded, args.only, Path(tmp), writer).items():
+            for name, curve in seed_runs(seeded, args.only, Bench(Path(tmp), writer, device)).items():
                 last[name] = tail_mean(curve, args.tail)
                 sums[name] = sums.get(name, 0.0) + last[name]
     plotted = plot(out / "quality.csv", out / "quality.png")
