@@ -225,7 +225,7 @@ class DataConfig(Section):
     interleave: int = Field(1, ge=1, le=256)
     """Files read at once: the sequences of a batch come from this many streams in turn (file j of
     the node's order in stream j mod K), so a batch mixes K documents rather than one long file's
-    run. 1: one file after another."""
+    run. 1: one file after another. Each stream holds its current file's tokens in memory."""
 
 
 class CheckpointConfig(Section):
