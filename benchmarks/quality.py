@@ -2,7 +2,7 @@
 
     python -m benchmarks.quality --json [--steps 300] [--seeds 1] [--tail 10] [--out DIR]
                                     [--set comm.clip=1.5] [--only robust|bits|overlap]
-                                    [--config debug] [--device cpu|cuda]
+                                    [--config debug] [--device cpu|cuda] [--held-out-files K]
 
 On the `debug` config over the embedded corpus, three runs of the same number of inner steps per
 node: (a) 2 nodes averaging pseudo-gradients through the real int8 all-reduce (two data-plane
@@ -15,6 +15,8 @@ node ids, so its own data order): one
 evaluation swings by ±2 % from one outer step to the next on the debug model, more than the 1 %
 some targets allow. loss_* are the means, of the last seed. `--tail 1` is the last evaluation
 alone, as the figures measured before --tail were (seed 0 runs the node ids those runs had).
+The held-out batches are 64 sequences read as the nodes read (with data.interleave = 1, from one
+or two files of that shard); `--held-out-files K` takes them from K files in turn instead.
 
 Reports int8_vs_fp32_loss_ratio (target within 2 % of 1) and diloco_vs_single_loss_ratio (< 1);
 and, (a'') the same 2 nodes with 4-bit codes (comm.bits = 4), bits4_vs_int8_loss_ratio (target
@@ -79,9 +81,11 @@ class RowWriter(Protocol):
     def writerow(self, row: Iterable[Any], /) -> Any: ...
 
 
-def held_out(config: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Batches from a shard no node starts in (data.shard pinned past the nodes' own)."""
-    eval_data = config.data.model_copy(update={"shard": config.data.num_shards - 1})
+def held_out(config: Config, files: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches from a shard no node starts in (data.shard pinned past the nodes' own), their
+    sequences from `files` files in turn (0: as the nodes read, data.interleave)."""
+    update = {"shard": config.data.num_shards - 1} | ({"interleave": files} if files else {})
+    eval_data = config.data.model_copy(update=update)
     batches = node_batches(eval_data, config.model.vocab_size, b"eval", 8, config.model.seq_len, 0, 1)
     return [batches.next() for _ in range(EVAL_BATCHES)]
 
@@ -155,6 +159,8 @@ class Bench:
     work: Path
     writer: RowWriter
     device: torch.device
+    held_out_files: int = 0
+    """The files the held-out sequences come from in turn (0: as the nodes read)."""
 
     def trainer(self, name: str, config: Config, index: int, link: AgentLink | None = None) -> Trainer:
         """Node `index` of run `name` (its own folder under `work`)."""
@@ -166,7 +172,7 @@ class Bench:
 def run(name: str, config: Config, nodes: int, average: Averager, bench: Bench) -> Curve:
     """Train `nodes` in lock-step; the held-out loss of the shared outer params after every step."""
     trainers = [bench.trainer(name, config, i) for i in range(nodes)]
-    evaluation = held_out(config)
+    evaluation = held_out(config, bench.held_out_files)
     curve: Curve = {}
     while trainers[0].inner_step < config.train.max_steps:
         phases = [trainer.inner_phase() for trainer in trainers]
@@ -229,7 +235,7 @@ def run_overlapped(name: str, config: Config, nodes: int, average: Averager, ben
     exchange = Lockstep(average, nodes)
     trainers = [bench.trainer(name, config, i, exchange.link(i)) for i in range(nodes)]
     exchange.buffers = [t.leader.buffer for t in trainers if t.leader is not None]
-    evaluation = held_out(config)
+    evaluation = held_out(config, bench.held_out_files)
     outer_model = build_model(config, RankContext(device=bench.device))
     curve: Curve = {}
 
@@ -328,6 +334,12 @@ def main() -> None:
     cli.add_argument("--seeds", type=int, default=1, help="runs of each case: train.seed 0, 1, … or K, …")
     cli.add_argument("--tail", type=int, default=10, help="last outer steps averaged (default 10)")
     cli.add_argument("--out", default=".bench/quality", help="folder for quality.csv and quality.png")
+    cli.add_argument(
+        "--held-out-files",
+        type=int,
+        default=0,
+        help="held-out sequences from this many files in turn (default: as the nodes read, data.interleave)",
+    )
     cli.add_argument("--config", default="debug", help="the model and training settings (default debug)")
     cli.add_argument(
         "--device", choices=["cpu", "cuda"], default="cpu", help="where the nodes train, one after another"
@@ -341,6 +353,8 @@ def main() -> None:
     args = cli.parse_args()
     if args.seeds < 1 or args.tail < 1 or args.steps < 1:
         cli.error("--steps, --seeds and --tail must be at least 1")
+    if not 0 <= args.held_out_files <= 256:
+        cli.error("--held-out-files must be 0 to 256")
     torch.set_num_threads(2)
     overrides = [f"train.max_steps={args.steps}", "checkpoint.interval=0", 'checkpoint.staging=""', *args.set]
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -361,7 +375,9 @@ def main() -> None:
         first = config.train.seed
         for seed in range(first, first + args.seeds):
             seeded = config.model_copy(update={"train": config.train.model_copy(update={"seed": seed})})
-            for name, curve in seed_runs(seeded, args.only, Bench(Path(tmp), writer, device)).items():
+            for name, curve in seed_runs(
+                seeded, args.only, Bench(Path(tmp), writer, device, args.held_out_files)
+            ).items():
                 last[name] = tail_mean(curve, args.tail)
                 sums[name] = sums.get(name, 0.0) + last[name]
     plotted = plot(out / "quality.csv", out / "quality.png")
