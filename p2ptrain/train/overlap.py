@@ -21,8 +21,9 @@ Kale et al.'s eager estimate mixes the node's fresh Δ_N (its share s) with the 
 R_{N−1}; here, with S taking only true averages, that mix diverged in a scalar model at DiLoCo's
 outer lr 0.7 and momentum 0.9 once an inner phase moves far (Δ ≈ 0.8 of the distance to its
 optimum) and cost 11 % of held-out loss on the debug model, where the node's own Δ_N converged
-like blocking DiLoCo in the same model and cost 2.3 % (benchmarks.quality). One node alone has
-R = Δ, so its eager overlap is blocking DiLoCo up to float rounding.
+like blocking DiLoCo in the same model and cost 4.2 % over three seeds, the result taken at the
+phase's end (benchmarks.quality; docs/architecture.md says on what that cost depends). One node
+alone has R = Δ, so its eager overlap is blocking DiLoCo up to float rounding.
 
 With `outer.overlap_steps = τ` > 0 the result is taken τ inner steps into phase N + 1 instead (the
 sync has those steps to hide in; Streaming DiLoCo's overlap, Douillard et al. 2025): S takes its step
