@@ -66,7 +66,7 @@ def _member(
         outbox.put(("address", index, identity.public_key, host, port))
         members = await asyncio.get_running_loop().run_in_executor(None, inbox.get)
         if fault == "vanish":  # elected, then gone before dialing anyone: its port refuses
-            os.kill(os.getpid(), signal.SIGKILL)
+            die(outbox)
         buffer = member_data(index, length, outlier)
         frames = 0
 
@@ -74,7 +74,7 @@ def _member(
             nonlocal frames
             frames += 1
             if fault == "kill" and frames >= fault_after:
-                os.kill(os.getpid(), signal.SIGKILL)
+                die(outbox)
             if fault == "stall" and frames >= fault_after:
                 time.sleep(3600)  # a hung process: nothing moves, the sockets stay open
             if fault == "slow":
@@ -118,6 +118,16 @@ def _member(
         outbox.put(("done", outcome))
 
     asyncio.run(main())
+
+
+def die(outbox: Any) -> None:
+    """SIGKILL this member, but only once its queue's feeder thread has let go of the queue's write
+    lock, which every member shares: a member killed between writing its address and releasing
+    that lock (a busy machine can leave the thread unscheduled that long) would hold it forever,
+    and the survivors' outcomes would never reach the test."""
+    outbox.close()
+    outbox.join_thread()
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def lie(fault: str, factor: int) -> None:
