@@ -49,7 +49,12 @@ def _worker(
             layout.scatter(model, target)
             again = layout.new_flat() if rank == 0 else None
             layout.gather(model, again)
-            result = {"initial": initial, "target": target, "again": again, "digest": layout.digest()}
+            result: dict[str, torch.Tensor | float | str | None] = {
+                "initial": initial,
+                "target": target,
+                "again": again,
+                "digest": layout.digest(),
+            }
         else:
             work = Path(out).parent / f"work-{world}{'-resumed' if resume else ''}"
             trainer = Trainer(config, b"k" * 32, work, ctx, resume=Path(resume) if resume else None)

@@ -7,7 +7,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -137,8 +137,10 @@ def lie(fault: str, factor: int) -> None:
     the all-gather it passes on (the owner's signature then no longer matches)."""
     if fault == "lying_owner":
 
-        def unclipped(arrived: dict[int, np.ndarray], *_: Any) -> tuple[np.ndarray, list[int]]:
-            return np.sum(list(arrived.values()), axis=0, dtype=np.float32), []
+        def unclipped(
+            arrived: dict[int, np.ndarray], fractions: Sequence[float], limits: Sequence[float] | np.ndarray
+        ) -> tuple[np.ndarray, list[int]]:
+            return np.asarray(np.sum(list(arrived.values()), axis=0, dtype=np.float32)), []
 
         robust.clipped_sum = unclipped
     elif fault == "low_claims":
@@ -205,7 +207,7 @@ def run_ring(
     for process in processes:
         process.start()
     try:
-        addresses = {}
+        addresses: dict[int, tuple[bytes, str, int]] = {}
         while len(addresses) < n:
             _, index, key, host, port = outbox.get(timeout=timeout)
             addresses[index] = (key, host, port)

@@ -30,7 +30,9 @@ import functools
 import signal
 import socket
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TypedDict
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -51,7 +53,7 @@ def silent_listener() -> socket.socket:
     return sock
 
 
-REFUSALS = {
+REFUSALS: dict[str, dict[str, object]] = {
     "differs": {"kind": "refuse", "reason": "membership digest differs", "views_differ": True},
     "refuses": {"kind": "refuse", "reason": "not now"},
 }
@@ -59,7 +61,7 @@ REFUSALS = {
 
 
 async def refuse_every_hello(
-    refusal: dict, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    refusal: Mapping[str, object], reader: asyncio.StreamReader, writer: asyncio.StreamWriter
 ) -> None:
     """Read a hello, answer `refusal`, close: however often it is dialed."""
     try:
@@ -69,6 +71,15 @@ async def refuse_every_hello(
         pass
     finally:
         writer.close()
+
+
+class Claimed(TypedDict):
+    """What the stranger's records copy from the newest honest one, to look ready at its step."""
+
+    state: NodeState
+    outer_step: int
+    tokens: int
+    config_digest: str
 
 
 async def publish_forever(args: argparse.Namespace, address: str) -> None:
@@ -95,7 +106,7 @@ async def publish_forever(args: argparse.Namespace, address: str) -> None:
             ]
             if honest:
                 newest = max(honest, key=lambda beat: beat.outer_step)
-                changes = {
+                changes: Claimed = {
                     "state": NodeState.READY,
                     "outer_step": newest.outer_step,
                     "tokens": 1000,

@@ -9,6 +9,7 @@ import logging
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -61,7 +62,9 @@ def stored(value: bytes, node: NodeIdentity, key: str) -> DHTRecord:
     return DHTRecord(key_id(key), msgpack.packb(node.public_key), msgpack.packb(value), SOON)
 
 
-def test_a_ticket_round_trips_as_text_and_admits_its_node_only_until_it_expires(keys):
+def test_a_ticket_round_trips_as_text_and_admits_its_node_only_until_it_expires(
+    keys: dict[str, NodeIdentity],
+) -> None:
     authority, a, b = keys["authority"].public_key, keys["a"], keys["b"]
     ticket = parse_ticket_text(issue_ticket(keys["authority"], a.public_key, LATER).to_text())
     check_admits(ticket, a.public_key, authority, time.time())
@@ -73,7 +76,7 @@ def test_a_ticket_round_trips_as_text_and_admits_its_node_only_until_it_expires(
         check_admits(ticket, a.public_key, keys["rogue"].public_key, time.time())
 
 
-def test_a_changed_or_cut_ticket_is_refused(keys):
+def test_a_changed_or_cut_ticket_is_refused(keys: dict[str, NodeIdentity]) -> None:
     ticket = issue_ticket(keys["authority"], keys["a"].public_key, LATER)
     longer = dataclasses.replace(ticket, expires=LATER + 86400 * 365)  # the holder extends it
     with pytest.raises(TicketError, match="not signed"):
@@ -83,7 +86,9 @@ def test_a_changed_or_cut_ticket_is_refused(keys):
             parse_ticket_text(text)
 
 
-def test_every_validator_keeps_a_closed_runs_key_for_records_its_authority_admitted(keys):
+def test_every_validator_keeps_a_closed_runs_key_for_records_its_authority_admitted(
+    keys: dict[str, NodeIdentity],
+) -> None:
     """A bootstrap-like validator (no run configured) tells, from the key alone, which authority
     must have signed the ticket of every record stored there."""
     authority, rogue, a, b = keys["authority"], keys["rogue"], keys["a"], keys["b"]
@@ -108,7 +113,7 @@ def test_every_validator_keeps_a_closed_runs_key_for_records_its_authority_admit
         decode_heartbeat(closed_beat(b, good).sign(b))  # a ticket copied from a's record
 
 
-def test_readers_of_a_closed_run_take_only_admitted_records(keys):
+def test_readers_of_a_closed_run_take_only_admitted_records(keys: dict[str, NodeIdentity]) -> None:
     """Records read from a DHT node that runs no validator are checked again by the reader."""
     authority, a, b = keys["authority"], keys["a"], keys["b"]
     admitted = closed_beat(a, issue_ticket(authority, a.public_key, LATER).to_bytes())
@@ -135,7 +140,7 @@ def page_nodes(port: int) -> set[str]:
         return {node["id"] for node in json.loads(response.read())["nodes"]}
 
 
-def test_a_closed_run_takes_its_ticketed_nodes_and_refuses_everyone_else(swarm: LocalSwarm):
+def test_a_closed_run_takes_its_ticketed_nodes_and_refuses_everyone_else(swarm: LocalSwarm) -> None:
     """Three admitted drill nodes take every step; a stranger storing 'ready' records under the
     run's key with a ticket copied from an admitted node's record is never a member; a node without
     a ticket, or with another node's, is refused in one line before it joins."""
@@ -182,7 +187,7 @@ def test_a_closed_run_takes_its_ticketed_nodes_and_refuses_everyone_else(swarm: 
 
 
 @pytest.mark.slow
-def test_admission_mistakes_are_one_line_errors(tmp_path):
+def test_admission_mistakes_are_one_line_errors(tmp_path: Path) -> None:
     key_file = str(tmp_path / "authority.key")
     assert cli("admit", "--new", "--authority-key", key_file).returncode == 0
     node = "ab" * 32
@@ -205,7 +210,7 @@ def test_admission_mistakes_are_one_line_errors(tmp_path):
         assert needle in result.stderr and result.stderr.count("\n") == 1, (args, result.stderr)
 
 
-def test_the_handshake_of_a_closed_run_admits_ticketed_members_only(keys):
+def test_the_handshake_of_a_closed_run_admits_ticketed_members_only(keys: dict[str, NodeIdentity]) -> None:
     """Over real TCP: two members of a closed run with their tickets connect; a dialer that shows
     no ticket, or another node's, is refused before the listener signs anything, and a listener
     without one is refused by the dialer."""

@@ -108,10 +108,12 @@ def test_a_failed_write_never_becomes_the_latest(tmp_path: Path, monkeypatch: py
     )
     real_save = checkpoint_module.save_file
 
-    def crash_in_step_2(tensors: dict, path: str, **kwargs: object) -> None:
+    def crash_in_step_2(
+        tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str] | None = None
+    ) -> None:
         if "step-00000002" in path and path.endswith(INNER_FILE):
             raise OSError("disk full")
-        real_save(tensors, path, **kwargs)
+        real_save(tensors, path, metadata)
 
     monkeypatch.setattr(checkpoint_module, "save_file", crash_in_step_2)
     trainer = Trainer(config, b"f" * 32, tmp_path, RankContext())

@@ -8,7 +8,9 @@ import json
 import logging
 import os
 import time
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
 import aiohttp
 import pytest
@@ -22,6 +24,7 @@ from p2ptrain.rate import RateCap
 from p2ptrain.swarm.records import Heartbeat, NodeState
 
 STEP = 7
+T = TypeVar("T")
 SHARED = os.urandom(3 << 20)  # θ_outer: the same bytes on every member
 
 
@@ -66,7 +69,7 @@ class Peers:
             await sidecar.close()
 
 
-def run(coroutine):  # a tiny wrapper for the async tests
+def run(coroutine: Coroutine[Any, Any, T]) -> T:  # a tiny wrapper for the async tests
     return asyncio.run(coroutine)
 
 
@@ -139,7 +142,9 @@ def test_sidecar_serves_ranges_and_only_manifest_files(
 
 def test_majority_of_live_members_decides() -> None:
     beats = [heartbeat(1, "u1", "D1"), heartbeat(2, "u2", "D1"), heartbeat(3, "u3", "D2")]
-    digest, holders = majority_checkpoint(beats, me=bytes([9]) * 32, config_digest="c")
+    majority = majority_checkpoint(beats, me=bytes([9]) * 32, config_digest="c")
+    assert majority is not None
+    digest, holders = majority
     assert digest == "D1" and [h.ckpt_addr for h in holders] == ["u1", "u2"]
     assert majority_checkpoint(beats[1:], me=bytes([9]) * 32, config_digest="c") is None  # 1 vs 1
     # a member without a checkpoint yet still counts against a minority digest
@@ -153,7 +158,9 @@ def test_a_holder_behind_nat_votes_but_is_no_source(tmp_path: Path) -> None:
     """Its record says nobody can dial it: it counts for the majority, is never asked, and where
     only such nodes hold the checkpoint the joiner says so in one line instead of timing out."""
     behind = dataclasses.replace(heartbeat(2, "u2", "D1"), data_reach="closed")
-    digest, holders = majority_checkpoint([heartbeat(1, "u1", "D1"), behind], bytes([9]) * 32, "c")
+    majority = majority_checkpoint([heartbeat(1, "u1", "D1"), behind], bytes([9]) * 32, "c")
+    assert majority is not None
+    digest, holders = majority
     assert digest == "D1" and [h.ckpt_addr for h in holders] == ["u1"]
     found = majority_checkpoint([behind], bytes([9]) * 32, "c")
     assert found is not None and found[1] == []
@@ -161,7 +168,9 @@ def test_a_holder_behind_nat_votes_but_is_no_source(tmp_path: Path) -> None:
     # source, a blocked sidecar beside an open data port is not
     forwarded = dataclasses.replace(behind, ckpt_reach="open")
     blocked = dataclasses.replace(heartbeat(3, "u3", "D1"), ckpt_reach="closed")
-    digest, holders = majority_checkpoint([forwarded, blocked], bytes([9]) * 32, "c")
+    majority = majority_checkpoint([forwarded, blocked], bytes([9]) * 32, "c")
+    assert majority is not None
+    digest, holders = majority
     assert [h.ckpt_addr for h in holders] == ["u2"]
     with pytest.raises(RecoveryError, match="nobody can reach"):
         asyncio.run(fetch_checkpoint("D1", [], tmp_path / "joiner", timeout=5))
@@ -255,6 +264,7 @@ def test_download_resumes_elsewhere_after_a_peer_fails_halfway(
             if failure == "stalls":
                 await released.wait()  # then nothing, until the test ends
             else:
+                assert request.transport is not None
                 request.transport.close()  # as if the peer were killed halfway
             return response
 
@@ -265,6 +275,7 @@ def test_download_resumes_elsewhere_after_a_peer_fails_halfway(
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
+        assert isinstance(site._server, asyncio.Server)
         stall_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
         try:
             holders = [heartbeat(2, stall_url, digest), heartbeat(1, good_url, digest)]
@@ -309,7 +320,7 @@ def test_a_peer_serving_an_older_step_is_skipped(tmp_path: Path) -> None:
         run(nobody())
 
 
-def test_a_joiner_gets_the_checkpoint_it_chose_though_its_holders_saved_a_newer_one(tmp_path: Path):
+def test_a_joiner_gets_the_checkpoint_it_chose_though_its_holders_saved_a_newer_one(tmp_path: Path) -> None:
     """The majority's digest is read from heartbeats; by the time the joiner asks, the holders may
     have announced the next checkpoint. They still serve the one named (while it is in RAM)."""
 

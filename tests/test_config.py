@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,24 +12,24 @@ from tests.helpers import assert_one_line_error, cli
 CONFIG_FILES = sorted(CONFIG_DIR.glob("*.toml"))
 
 
-def test_the_bundled_configs_exist():
+def test_the_bundled_configs_exist() -> None:
     names = {path.stem for path in CONFIG_FILES}
     assert {"debug", "20m", "150m", "1b"} <= names
 
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda path: path.name)
-def test_every_bundled_config_loads(path: Path):
+def test_every_bundled_config_loads(path: Path) -> None:
     config = load_config(path, environ={})
     assert config.model.name == path.stem
     assert config.model.dim % config.model.n_heads == 0
     assert config.model.n_heads % config.model.n_kv_heads == 0
 
 
-def test_bare_name_resolves_to_bundled_file():
+def test_bare_name_resolves_to_bundled_file() -> None:
     assert load_config("debug", environ={}) == load_config(CONFIG_DIR / "debug.toml", environ={})
 
 
-def test_unknown_key_names_key_and_file(tmp_path: Path):
+def test_unknown_key_names_key_and_file(tmp_path: Path) -> None:
     path = tmp_path / "bad.toml"
     path.write_text("[model]\ndimm = 3\n")
     with pytest.raises(ConfigError) as error:
@@ -36,14 +37,14 @@ def test_unknown_key_names_key_and_file(tmp_path: Path):
     assert str(path) in str(error.value) and "model.dimm" in str(error.value)
 
 
-def test_unknown_section_is_an_error(tmp_path: Path):
+def test_unknown_section_is_an_error(tmp_path: Path) -> None:
     path = tmp_path / "bad.toml"
     path.write_text("[modle]\ndim = 3\n")
     with pytest.raises(ConfigError, match="unknown key 'modle'"):
         load_config(path, environ={})
 
 
-def test_wrong_type_names_key_and_file(tmp_path: Path):
+def test_wrong_type_names_key_and_file(tmp_path: Path) -> None:
     path = tmp_path / "bad.toml"
     path.write_text('[train]\nlr = "fast"\n')
     with pytest.raises(ConfigError) as error:
@@ -51,19 +52,19 @@ def test_wrong_type_names_key_and_file(tmp_path: Path):
     assert str(path) in str(error.value) and "train.lr" in str(error.value)
 
 
-def test_invalid_toml_names_the_file(tmp_path: Path):
+def test_invalid_toml_names_the_file(tmp_path: Path) -> None:
     path = tmp_path / "broken.toml"
     path.write_text("[train\nlr = 1\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(path, environ={})
 
 
-def test_missing_file():
+def test_missing_file() -> None:
     with pytest.raises(ConfigError, match="not found"):
         load_config("/nonexistent/x.toml", environ={})
 
 
-def test_precedence_file_then_env_then_flags():
+def test_precedence_file_then_env_then_flags() -> None:
     env = {"P2PTRAIN_TRAIN__LR": "0.5", "P2PTRAIN_SWARM__HEARTBEAT_INTERVAL": "2"}
     config = load_config("debug", environ=env, overrides=["train.lr=0.25"])
     assert config.train.lr == 0.25  # flag beats environment
@@ -71,23 +72,23 @@ def test_precedence_file_then_env_then_flags():
     assert config.model.dim == 128  # file beats defaults
 
 
-def test_env_error_names_the_variable():
+def test_env_error_names_the_variable() -> None:
     with pytest.raises(ConfigError, match="P2PTRAIN_TRAIN__LR"):
         load_config("debug", environ={"P2PTRAIN_TRAIN__LR": "abc"})
 
 
-def test_flag_error_names_the_flag():
+def test_flag_error_names_the_flag() -> None:
     with pytest.raises(ConfigError, match=r"--set model.dimm=3: unknown key 'model.dimm'"):
         load_config("debug", environ={}, overrides=["model.dimm=3"])
     with pytest.raises(ConfigError, match=r"expected section\.key=value"):
         load_config("debug", environ={}, overrides=["model.dim"])
 
 
-def test_string_values_need_no_quotes():
+def test_string_values_need_no_quotes() -> None:
     assert load_config(None, environ={}, overrides=["run.id=my-run"]).run.id == "my-run"
 
 
-def test_digest_covers_the_model_but_not_local_settings():
+def test_digest_covers_the_model_but_not_local_settings() -> None:
     base = load_config("debug", environ={})
     assert base.digest() == load_config("debug", environ={}, overrides=["node.work_dir=/x"]).digest()
     assert base.digest() != load_config("debug", environ={}, overrides=["model.dim=64"]).digest()
@@ -96,17 +97,20 @@ def test_digest_covers_the_model_but_not_local_settings():
     assert base.digest() == load_config("debug", environ={}, overrides=["comm.failure_timeout=9"]).digest()
 
 
-def test_config_show_prints_resolved_values():
+def test_config_show_prints_resolved_values() -> None:
     result = cli("config", "show", "--config", "debug", "--set", "train.lr=0.125")
     assert result.returncode == 0, result.stderr
     assert "lr = 0.125" in result.stdout and "[model]" in result.stdout
     reparsed = result.stdout
-    import tomllib
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:
+        import tomli as tomllib
 
     assert Config.model_validate(tomllib.loads(reparsed.replace("# identity is unset", ""))).train.lr == 0.125
 
 
-def test_config_show_reports_errors_in_one_line(tmp_path: Path):
+def test_config_show_reports_errors_in_one_line(tmp_path: Path) -> None:
     path = tmp_path / "bad.toml"
     path.write_text("[model]\ndimm = 3\n")
     assert_one_line_error(cli("config", "show", "--config", str(path)), str(path), "model.dimm")

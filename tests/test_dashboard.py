@@ -8,6 +8,7 @@ import shutil
 import sys
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -15,6 +16,9 @@ from p2ptrain.swarm.records import Heartbeat, NodeState
 from p2ptrain.train.metrics import read_metrics
 from p2ptrain.web.dashboard import Dashboard, parse_dashboard_address
 from tests.helpers import LocalSwarm, assert_one_line_error, cli, free_port, wait_until
+
+if TYPE_CHECKING:  # selenium comes with '.[dev]'; the browser test is skipped without it
+    from selenium.webdriver.chrome.webdriver import WebDriver
 
 
 def beat(node: int, step: int, loss: float | None, state: NodeState = NodeState.TRAINING) -> Heartbeat:
@@ -59,7 +63,7 @@ def test_bad_dashboard_addresses() -> None:
     assert_one_line_error(cli("bootstrap", "--dashboard", "nope"), "--dashboard nope")
 
 
-def _browser():  # the chromium driver, or a skip that says why
+def _browser() -> WebDriver:  # the chromium driver, or a skip that says why
     chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
     if not (chromium and driver):
         pytest.skip(

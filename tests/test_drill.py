@@ -68,7 +68,9 @@ def assert_agreement(logs: dict[str, list[dict]], steps: range) -> None:
         assert len({tuple(entry["members"]) for entry in entries}) == 1
 
 
-def test_four_nodes_two_with_clocks_5s_off_agree_on_members_order_and_result_for_20_steps(swarm: LocalSwarm):
+def test_four_nodes_two_with_clocks_5s_off_agree_on_members_order_and_result_for_20_steps(
+    swarm: LocalSwarm,
+) -> None:
     swarm.start_bootstrap()
     names = [f"node{i}" for i in range(4)]
     clocks = {"node1": BEHIND, "node2": AHEAD}
@@ -98,7 +100,7 @@ def test_four_nodes_two_with_clocks_5s_off_agree_on_members_order_and_result_for
     assert all(sent > 0 for sent in pushed) and sum(taken) > 0, (pushed, taken)
 
 
-def test_survivors_go_on_after_a_member_is_killed(swarm: LocalSwarm):
+def test_survivors_go_on_after_a_member_is_killed(swarm: LocalSwarm) -> None:
     # node2's clock runs ahead: its last records stay in the DHT long after it dies; and the DHT
     # alone carries the ready records here (swarm.push_records off: a swarm's other way)
     names = start_drill(
@@ -117,7 +119,7 @@ def test_survivors_go_on_after_a_member_is_killed(swarm: LocalSwarm):
     assert slowest <= 6 + 5 + 2, slowest
 
 
-def test_a_crashed_member_is_left_out_at_once_not_at_the_heartbeat_timeout(swarm: LocalSwarm):
+def test_a_crashed_member_is_left_out_at_once_not_at_the_heartbeat_timeout(swarm: LocalSwarm) -> None:
     """Its data port refuses connections, which says the process is gone: the survivors do not wait
     for the 30 s heartbeat timeout (nor the 60 s straggler deadline) to go on without it."""
     slow_to_notice = ["--set", "swarm.heartbeat_timeout=30", "--set", "swarm.straggler_deadline=60"]
@@ -131,13 +133,13 @@ def test_a_crashed_member_is_left_out_at_once_not_at_the_heartbeat_timeout(swarm
     assert "refuses connections" in swarm.log("node0")
 
 
-def test_drill_rejects_bad_arguments(tmp_path: Path):
+def test_drill_rejects_bad_arguments(tmp_path: Path) -> None:
     from tests.helpers import assert_one_line_error, cli
 
     assert_one_line_error(cli("join", "--work-dir", str(tmp_path), "--drill", "-1"), "--drill")
 
 
-def test_elections_go_on_after_the_bootstrap_peer_dies(swarm: LocalSwarm):
+def test_elections_go_on_after_the_bootstrap_peer_dies(swarm: LocalSwarm) -> None:
     names = start_drill(swarm, 12)
     swarm.children.signal("bootstrap", signal.SIGKILL)
     logs = finish(swarm, names)
@@ -146,7 +148,7 @@ def test_elections_go_on_after_the_bootstrap_peer_dies(swarm: LocalSwarm):
     assert all(len(entry["members"]) == 3 for log in logs.values() for entry in log)
 
 
-def test_a_node_stopped_with_sigterm_is_dropped_without_waiting_for_its_timeout(swarm: LocalSwarm):
+def test_a_node_stopped_with_sigterm_is_dropped_without_waiting_for_its_timeout(swarm: LocalSwarm) -> None:
     names = start_drill(swarm, 12)
     swarm.children.signal("node2", signal.SIGTERM)
     assert swarm.children.wait("node2", timeout=5) == 0
@@ -158,7 +160,7 @@ def test_a_node_stopped_with_sigterm_is_dropped_without_waiting_for_its_timeout(
     assert max(entry["sync_s"] for entry in logs["node0"]) < 5, [e["sync_s"] for e in logs["node0"]]
 
 
-def test_eight_nodes_agree_on_every_step(swarm: LocalSwarm):
+def test_eight_nodes_agree_on_every_step(swarm: LocalSwarm) -> None:
     """The largest swarm in the suite (24 processes with their DHT children and p2pds): every
     node takes every step with all eight, one digest and one result per step."""
     names = start_drill(swarm, 8, nodes=8)
@@ -168,7 +170,9 @@ def test_eight_nodes_agree_on_every_step(swarm: LocalSwarm):
     assert all(len(entry["members"]) == 8 for entry in logs["node0"]), [e["members"] for e in logs["node0"]]
 
 
-def test_a_node_that_gave_a_step_up_takes_the_next_one_only_after_the_others_finished_it(swarm: LocalSwarm):
+def test_a_node_that_gave_a_step_up_takes_the_next_one_only_after_the_others_finished_it(
+    swarm: LocalSwarm,
+) -> None:
     """node2 gives step 2 up (fault) while node0 waits 6 s for node1's late ready(2). Taking step 3
     at once, alone after the 2 s straggler deadline (nobody else is at 3 yet), would give step 3 two
     results: it waits until the others are done with step 2, and step 3 has one result."""

@@ -7,6 +7,7 @@ import itertools
 import math
 import random
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,7 @@ from p2ptrain.comm.members import RingMember, membership_digest
 from p2ptrain.identity import load_or_create_identity
 from p2ptrain.swarm.election import (
     LINKS_FIELD,
+    Election,
     decide,
     elect,
     expected_for,
@@ -46,14 +48,21 @@ def beat(index: int, state: NodeState, step: int, tokens: int = 100, timestamp: 
     )
 
 
-def test_parse_address():
+def decided(beats: list[Heartbeat], step: int, deadline_passed: bool) -> Election:
+    """`decide`, where the view allows a decision."""
+    election = decide(beats, step, deadline_passed)
+    assert election is not None
+    return election
+
+
+def test_parse_address() -> None:
     assert parse_address("10.0.0.1:80") == ("10.0.0.1", 80)
     assert parse_address("[::1]:9000") == ("::1", 9000)
     for bad in ["", "host", "host:", ":80", "h:0", "h:70000", "h:x", "h:²", "h:٣٣"]:  # digits, not ASCII
         assert parse_address(bad) is None
 
 
-def test_ready_and_expected():
+def test_ready_and_expected() -> None:
     beats = [
         beat(1, NodeState.READY, 4),
         beat(2, NodeState.SYNCING, 4),
@@ -66,74 +75,74 @@ def test_ready_and_expected():
     assert [b.node_key for b in expected_for(beats, 4)] == [key(3)]
 
 
-def test_a_node_alone_in_its_view_waits_for_the_deadline():
+def test_a_node_alone_in_its_view_waits_for_the_deadline() -> None:
     beats = [beat(1, NodeState.READY, 4)]
     assert decide(beats, 4, deadline_passed=False) is None
-    assert decide(beats, 4, deadline_passed=True).keys == [key(1)]
+    assert decided(beats, 4, deadline_passed=True).keys == [key(1)]
 
 
-def test_never_solo_while_another_node_is_at_the_step():
+def test_never_solo_while_another_node_is_at_the_step() -> None:
     """A stale record of a peer (its ready record has not reached us) must not let us go alone."""
     beats = [beat(1, NodeState.READY, 4), beat(2, NodeState.LEAVING, 4)]
     assert decide(beats, 4, deadline_passed=True) is None
     beats = [beat(1, NodeState.READY, 4), beat(2, NodeState.JOINING, 5)]  # not in the steps yet
-    assert decide(beats, 4, deadline_passed=True).keys == [key(1)]
+    assert decided(beats, 4, deadline_passed=True).keys == [key(1)]
 
 
-def test_never_solo_while_another_node_is_past_the_step():
+def test_never_solo_while_another_node_is_past_the_step() -> None:
     """One node past the step is no majority (swarm_ahead), but it took the step or gave it up
     without us: alone, we would fork it. Seen: a node that had named the one other node at the step
     (evidence of an earlier step) took steps alone while two nodes took them together."""
     for state in (NodeState.TRAINING, NodeState.READY, NodeState.FINISHED):
         assert decide([beat(1, NodeState.READY, 4), beat(2, state, 5)], 4, deadline_passed=True) is None
     named = replace(beat(1, NodeState.READY, 4), extra={BLAME_FIELD: blame_field(4, [key(2)])})
-    assert decide([named, beat(2, NodeState.READY, 4)], 4, deadline_passed=True).keys == [key(1)]
+    assert decided([named, beat(2, NodeState.READY, 4)], 4, deadline_passed=True).keys == [key(1)]
     with_one_past = [named, beat(2, NodeState.READY, 4), beat(3, NodeState.TRAINING, 5)]
     assert decide(with_one_past, 4, deadline_passed=True) is None
 
 
-def test_waits_for_nodes_still_training_until_the_deadline():
+def test_waits_for_nodes_still_training_until_the_deadline() -> None:
     beats = [beat(1, NodeState.READY, 4), beat(3, NodeState.READY, 4), beat(2, NodeState.TRAINING, 4)]
     assert decide(beats, 4, deadline_passed=False) is None
     election = decide(beats, 4, deadline_passed=True)
     assert election is not None and sorted(election.keys) == [key(1), key(3)]  # the straggler is left out
 
 
-def test_only_a_majority_goes_on_without_the_others():
+def test_only_a_majority_goes_on_without_the_others() -> None:
     """Two pairs that each see only their own ready records must not both take the step."""
     pair = [beat(1, NodeState.READY, 4), beat(2, NodeState.READY, 4)]
     others = [beat(3, NodeState.TRAINING, 4), beat(4, NodeState.TRAINING, 4)]
     assert decide(pair + others, 4, deadline_passed=True) is None
-    assert sorted(decide(pair + others[:1], 4, deadline_passed=True).keys) == [key(1), key(2)]  # 2 of 3
+    assert sorted(decided(pair + others[:1], 4, deadline_passed=True).keys) == [key(1), key(2)]  # 2 of 3
     everyone = [*pair, beat(3, NodeState.READY, 4), beat(4, NodeState.READY, 4)]
-    assert len(decide(everyone, 4, deadline_passed=False).keys) == 4
+    assert len(decided(everyone, 4, deadline_passed=False).keys) == 4
 
 
-def test_every_node_computes_the_same_election_from_the_same_records():
+def test_every_node_computes_the_same_election_from_the_same_records() -> None:
     beats = [beat(i, NodeState.READY, 7, tokens=10 * i) for i in range(1, 7)]
-    reference = decide(beats, 7, False)
+    reference = decided(beats, 7, False)
     for _ in range(10):
         shuffled = random.sample(beats, len(beats))
-        election = decide(shuffled, 7, False)
+        election = decided(shuffled, 7, False)
         assert election.keys == reference.keys and election.digest == reference.digest
     assert [m.weight for m in reference.members] == [10.0 * (k[0]) for k in reference.keys]
 
 
-def test_clock_skew_does_not_change_the_result():
+def test_clock_skew_does_not_change_the_result() -> None:
     """Record timestamps come from each sender's clock; the election never reads them."""
     beats = [beat(i, NodeState.READY, 3) for i in range(1, 5)]
     skewed = [beat(i, NodeState.READY, 3, timestamp=1e9 + (5 if i == 2 else 0)) for i in range(1, 5)]
-    assert decide(beats, 3, False).keys == decide(skewed, 3, False).keys
+    assert decided(beats, 3, False).keys == decided(skewed, 3, False).keys
 
 
-def test_order_rotates_between_steps_and_is_a_permutation():
+def test_order_rotates_between_steps_and_is_a_permutation() -> None:
     keys = [key(i) for i in range(1, 9)]
     orders = {tuple(ring_order(keys, step)) for step in range(10)}
     assert len(orders) > 1
     assert all(sorted(order) == sorted(keys) for order in orders)
 
 
-def test_bandwidth_aware_order_avoids_slow_links():
+def test_bandwidth_aware_order_avoids_slow_links() -> None:
     keys = [key(i) for i in range(1, 6)]
     fast = 1e9
     throughput = {(a, b): fast for a in keys for b in keys if a != b}
@@ -151,7 +160,7 @@ def slowest(order: list[bytes], throughput: dict) -> float:
     return min(throughput.get((order[i], order[(i + 1) % len(order)]), math.inf) for i in range(len(order)))
 
 
-def test_a_single_slow_link_is_always_avoided():
+def test_a_single_slow_link_is_always_avoided() -> None:
     """Any one directed link can be avoided from 3 nodes up; the greedy tour's closing link too."""
     for n in range(3, 7):
         keys = [key(i) for i in range(1, n + 1)]
@@ -163,7 +172,7 @@ def test_a_single_slow_link_is_always_avoided():
                 assert slowest(order, throughput) == math.inf, (n, step)
 
 
-def test_the_slowest_link_is_the_best_possible_in_small_swarms():
+def test_the_slowest_link_is_the_best_possible_in_small_swarms() -> None:
     """Against brute force over every ring: a few slow links among 4–7 nodes, 300 cases."""
     misses = 0
     for case in range(300):
@@ -176,21 +185,21 @@ def test_the_slowest_link_is_the_best_possible_in_small_swarms():
     assert misses <= 12  # a heuristic: 4 of 300 when written
 
 
-def test_links_published_in_ready_records_order_the_ring():
+def test_links_published_in_ready_records_order_the_ring() -> None:
     beats = [beat(i, NodeState.READY, 9) for i in range(1, 5)]
-    plain = decide(beats, 9, False).keys
+    plain = decided(beats, 9, False).keys
     slow = (plain[0], plain[1])  # the base order's first link
     beats[slow[0][0] - 1] = replace(
         beats[slow[0][0] - 1], extra={LINKS_FIELD: {slow[1].hex()[:16]: 125_000, "ffff": 1.0}}
     )
     assert measured_links(beats) == {slow: 125_000.0}
-    elections = [decide(random.sample(beats, len(beats)), 9, False) for _ in range(5)]
+    elections = [decided(random.sample(beats, len(beats)), 9, False) for _ in range(5)]
     assert len({election.digest for election in elections}) == 1  # every node alike
     order = elections[0].keys
     assert slowest(order, {slow: 125_000.0}) == math.inf and sorted(order) == sorted(plain)
 
 
-def test_malformed_link_fields_are_ignored():
+def test_malformed_link_fields_are_ignored() -> None:
     beats = [beat(i, NodeState.READY, 2) for i in range(1, 4)]
     other = key(2).hex()[:16]
     for links in [
@@ -208,7 +217,7 @@ def test_malformed_link_fields_are_ignored():
     )  # to itself
 
 
-def test_ring_order_at_1000_nodes_is_fast_enough():
+def test_ring_order_at_1000_nodes_is_fast_enough() -> None:
     import time
 
     keys = [i.to_bytes(32, "big") for i in range(1000)]
@@ -219,17 +228,17 @@ def test_ring_order_at_1000_nodes_is_fast_enough():
     assert time.perf_counter() - started < 30  # O(n²) greedy; a bound, not a benchmark
 
 
-def test_elect_decides_at_the_straggler_deadline_on_its_own_clock():
+def test_elect_decides_at_the_straggler_deadline_on_its_own_clock() -> None:
     now = [0.0]
     views = [
         [beat(1, NodeState.TRAINING, 2), beat(2, NodeState.TRAINING, 2), beat(3, NodeState.TRAINING, 2)]
     ] + [[beat(1, NodeState.READY, 2), beat(2, NodeState.TRAINING, 2), beat(3, NodeState.READY, 2)]] * 100
 
-    async def read():
+    async def read() -> list[Heartbeat]:
         now[0] += 0.5
         return views.pop(0)
 
-    async def scenario():
+    async def scenario() -> Election:
         return await elect(read, 2, straggler_deadline=2.0, timeout=30, poll_interval=0, clock=lambda: now[0])
 
     election = asyncio.run(scenario())
@@ -237,15 +246,15 @@ def test_elect_decides_at_the_straggler_deadline_on_its_own_clock():
     assert now[0] == pytest.approx(3.0)  # first ready seen at 1.0, deadline 2.0 later
 
 
-def test_elect_times_out():
-    async def read():
+def test_elect_times_out() -> None:
+    async def read() -> list[Heartbeat]:
         return [beat(1, NodeState.TRAINING, 2)]
 
     with pytest.raises(TimeoutError):
         asyncio.run(elect(read, 2, straggler_deadline=1.0, timeout=0.2, poll_interval=0.05))
 
 
-def test_status_derives_the_last_ring_from_the_records():
+def test_status_derives_the_last_ring_from_the_records() -> None:
     from dataclasses import replace
 
     from p2ptrain.swarm.status import format_table, last_ring, status_json
@@ -260,7 +269,7 @@ def test_status_derives_the_last_ring_from_the_records():
     assert last_ring([beat(5, NodeState.JOINING, 0)]) is None
 
 
-def test_a_node_behind_everyone_is_told_instead_of_going_solo():
+def test_a_node_behind_everyone_is_told_instead_of_going_solo() -> None:
     from p2ptrain.swarm.election import SwarmAhead, swarm_ahead
 
     me = key(1)
@@ -276,14 +285,14 @@ def test_a_node_behind_everyone_is_told_instead_of_going_solo():
     assert not swarm_ahead([*lone_claim, beat(4, NodeState.TRAINING, 10**9)], 3, me)
     assert not swarm_ahead([*lone_claim, beat(4, NodeState.FINISHED, 10**9)], 3, me)
 
-    async def read():
+    async def read() -> list[Heartbeat]:
         return ahead
 
     with pytest.raises(SwarmAhead, match="past outer step 3"):
         asyncio.run(elect(read, 3, straggler_deadline=0, timeout=5, poll_interval=0, me=me))
 
 
-def test_a_node_that_gave_a_step_up_waits_while_the_others_are_still_at_it():
+def test_a_node_that_gave_a_step_up_waits_while_the_others_are_still_at_it() -> None:
     """swarm_still_at, the mirror of swarm_ahead: after giving step 3 up, node 1 (at 4 now) must
     not take step 4 while the others have not finished 3 (they would take 4 after it: a fork)."""
     from p2ptrain.swarm.election import swarm_still_at
@@ -306,7 +315,7 @@ def test_a_node_that_gave_a_step_up_waits_while_the_others_are_still_at_it():
     assert not swarm_still_at([mine, beat(2, NodeState.READY, 3)], 3, me, finished={key(3): 3, key(4): 5})
 
 
-def test_a_node_behind_a_finished_run_catches_up_even_after_the_others_left():
+def test_a_node_behind_a_finished_run_catches_up_even_after_the_others_left() -> None:
     """A node that finished never takes another step: its history is the swarm's. Remembered after
     it left (deathrattle), so the node behind never takes the step alone."""
     from dataclasses import replace
@@ -327,7 +336,7 @@ def test_a_node_behind_a_finished_run_catches_up_even_after_the_others_left():
     still_here = [beat(1, NodeState.READY, 4), beat(3, NodeState.TRAINING, 4), beat(4, NodeState.READY, 4)]
     assert not swarm_ahead(still_here, 4, me, finished={key(2): 5})  # one of four
 
-    async def read():
+    async def read() -> list[Heartbeat]:
         return [beat(1, NodeState.READY, 4)]
 
     with pytest.raises(SwarmAhead):
@@ -336,7 +345,7 @@ def test_a_node_behind_a_finished_run_catches_up_even_after_the_others_left():
         )
 
 
-def test_a_member_of_the_previous_step_whose_newer_record_is_late_is_waited_for():
+def test_a_member_of_the_previous_step_whose_newer_record_is_late_is_waited_for() -> None:
     """Node 2 took step 4 with node 1; its record still says syncing(4) here. Without knowing it is
     on its way, node 1 and 3 would take step 5 without it (and it would find the swarm past it)."""
     beats = [beat(1, NodeState.READY, 5), beat(2, NodeState.SYNCING, 4), beat(3, NodeState.READY, 5)]
@@ -358,7 +367,7 @@ def _greedy_oracle(base: list[bytes], throughput: dict) -> list[bytes]:
     return tour
 
 
-def test_the_linear_greedy_tour_equals_the_quadratic_one():
+def test_the_linear_greedy_tour_equals_the_quadratic_one() -> None:
     from p2ptrain.swarm.election import _greedy_tour
 
     rng = random.Random(7)
@@ -373,7 +382,7 @@ def test_the_linear_greedy_tour_equals_the_quadratic_one():
         assert _greedy_tour(keys, links) == _greedy_oracle(keys, links), trial
 
 
-def test_a_member_that_dials_before_we_decided_cuts_our_election_wait_short(tmp_path):
+def test_a_member_that_dials_before_we_decided_cuts_our_election_wait_short(tmp_path: Path) -> None:
     """`DataPlaneServer.dialed`, which the node's election waits on between reads, returns as soon
     as a member's hello for our step arrives before we registered the step (over real TCP), once
     per hello: a stale wake is consumed, the next wait runs its full time."""
@@ -406,7 +415,7 @@ def test_a_member_that_dials_before_we_decided_cuts_our_election_wait_short(tmp_
     assert waited >= 0.29, waited
 
 
-def test_a_hello_that_came_after_our_election_does_not_cut_the_next_one_short(tmp_path):
+def test_a_hello_that_came_after_our_election_does_not_cut_the_next_one_short(tmp_path: Path) -> None:
     """A member's hello that arrives once our election is decided, but before we registered the
     step, wakes no one; registering the step clears it, so our next election waits its full time."""
     step = 7

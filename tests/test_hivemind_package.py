@@ -18,7 +18,9 @@ print(hivemind.DHT.__module__, hivemind.utils.MPFuture.__name__, "hivemind.avera
 """
 
 
-def test_the_node_loads_the_dht_without_torch_or_hiveminds_averager_and_the_package_still_works_whole():
+def test_the_node_loads_the_dht_without_torch_or_hiveminds_averager_and_the_package_still_works_whole() -> (
+    None
+):
     result = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [

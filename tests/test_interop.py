@@ -10,7 +10,7 @@ from p2ptrain.swarm.p2p_key import ensure_p2p_identity, peer_id_of
 from tests.helpers import LocalSwarm, free_port, read_address, wait_until
 
 
-def test_hivemind_dht_as_bootstrap_peer(swarm: LocalSwarm, tmp_path: Path):
+def test_hivemind_dht_as_bootstrap_peer(swarm: LocalSwarm, tmp_path: Path) -> None:
     key = ensure_p2p_identity(tmp_path / "hivemind")
     port = free_port()
     command = shutil.which("hivemind-dht", path=str(Path(sys.executable).parent))

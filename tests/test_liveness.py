@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from pathlib import Path
+
+import pytest
 
 from p2ptrain.faults import shift_wall_clock
+from p2ptrain.identity import NodeIdentity
 from p2ptrain.swarm.membership import Offered, SwarmView
 from p2ptrain.swarm.records import Heartbeat, NodeState
 from tests.helpers import assert_one_line_error, cli
@@ -36,7 +40,7 @@ def view(clock: Clock) -> SwarmView:
     return SwarmView(dht=None, run_id="r", timeout=6.0, clock=clock)  # type: ignore[arg-type]
 
 
-def test_a_node_is_alive_while_its_sequence_advances_and_silent_after_the_timeout():
+def test_a_node_is_alive_while_its_sequence_advances_and_silent_after_the_timeout() -> None:
     clock = Clock()
     swarm = view(clock)
     assert [b.seq for b in swarm.judge([beat(1, 10), beat(2, 20)])] == [10, 20]
@@ -46,7 +50,7 @@ def test_a_node_is_alive_while_its_sequence_advances_and_silent_after_the_timeou
         assert [b.node_key[0] for b in seen] == ([1, 2] if step <= 6 else [1]), step
 
 
-def test_wall_clock_timestamps_do_not_matter():
+def test_wall_clock_timestamps_do_not_matter() -> None:
     """A record from a host whose clock is hours off is judged by its sequence alone."""
     clock = Clock()
     swarm = view(clock)
@@ -56,7 +60,7 @@ def test_wall_clock_timestamps_do_not_matter():
     assert len(swarm.judge([replace(far_past, seq=6), replace(far_future, seq=6)])) == 2
 
 
-def test_an_older_replica_neither_revives_nor_replaces_the_newest_record():
+def test_an_older_replica_neither_revives_nor_replaces_the_newest_record() -> None:
     clock = Clock()
     swarm = view(clock)
     swarm.judge([beat(1, 7, NodeState.READY)])
@@ -67,7 +71,7 @@ def test_an_older_replica_neither_revives_nor_replaces_the_newest_record():
     assert swarm.judge([beat(1, 6, NodeState.TRAINING)]) == []
 
 
-def test_a_node_gone_from_the_dht_is_forgotten_and_fresh_when_it_returns():
+def test_a_node_gone_from_the_dht_is_forgotten_and_fresh_when_it_returns() -> None:
     clock = Clock()
     swarm = view(clock)
     swarm.judge([beat(1, 3)])
@@ -76,7 +80,7 @@ def test_a_node_gone_from_the_dht_is_forgotten_and_fresh_when_it_returns():
     assert [b.seq for b in swarm.judge([beat(1, 3)])] == [3]  # restarted node re-publishes
 
 
-def test_clock_offset_hook_shifts_the_wall_clock_only(monkeypatch):
+def test_clock_offset_hook_shifts_the_wall_clock_only(monkeypatch: pytest.MonkeyPatch) -> None:
     true_time, true_monotonic = time.time, time.monotonic
     monkeypatch.setenv("P2PTRAIN_INJECT_CLOCK_OFFSET", "-5")
     monkeypatch.setattr(time, "time", time.time)  # restored after the test
@@ -86,12 +90,12 @@ def test_clock_offset_hook_shifts_the_wall_clock_only(monkeypatch):
     assert time.monotonic is true_monotonic
 
 
-def test_a_bad_clock_offset_is_one_line():
+def test_a_bad_clock_offset_is_one_line() -> None:
     result = cli("config", "show", env={"P2PTRAIN_INJECT_CLOCK_OFFSET": "soon"})
     assert_one_line_error(result, "P2PTRAIN_INJECT_CLOCK_OFFSET='soon'")
 
 
-def test_nodes_that_finished_the_run_are_remembered_after_they_left():
+def test_nodes_that_finished_the_run_are_remembered_after_they_left() -> None:
     from p2ptrain.swarm.records import FINISHED_FIELD
 
     clock = Clock()
@@ -106,7 +110,7 @@ def test_nodes_that_finished_the_run_are_remembered_after_they_left():
     assert swarm.finished == {bytes([1]) * 32: 7, bytes([3]) * 32: 7}
 
 
-def test_a_pushed_records_bytes_are_taken_held_or_refused(tmp_path):
+def test_a_pushed_records_bytes_are_taken_held_or_refused(tmp_path: Path) -> None:
     """What a receiver answers a push (record_push.py): "held" only for a verified record of a
     known node of this run that it has now, taken or already there (or newer); a node whose pushes
     are all held elects before its DHT store is done."""
@@ -114,7 +118,7 @@ def test_a_pushed_records_bytes_are_taken_held_or_refused(tmp_path):
 
     known, stranger = load_or_create_identity(tmp_path / "a"), load_or_create_identity(tmp_path / "b")
 
-    def signed(identity, seq: int, run_id: str = "r") -> bytes:
+    def signed(identity: NodeIdentity, seq: int, run_id: str = "r") -> bytes:
         record = Heartbeat(
             run_id=run_id,
             node_key=identity.public_key,
@@ -137,7 +141,7 @@ def test_a_pushed_records_bytes_are_taken_held_or_refused(tmp_path):
     assert swarm.offer_signed(bytes(tampered), "peer") is Offered.REFUSED
 
 
-def test_a_pushed_record_counts_only_for_a_known_node_and_only_when_newer():
+def test_a_pushed_record_counts_only_for_a_known_node_and_only_when_newer() -> None:
     """Records pushed over the data plane (record_push.py) make news of known nodes arrive before the
     DHT has them; they add no one, bring back nothing older, and the next DHT read keeps them."""
     clock = Clock()

@@ -9,7 +9,7 @@ PEER_ID = "QmTaMjzayTqNDpDJQSfyoqzzgJuHkbGj1oNzxzXC34MxPA"
 GOOD = f"/ip4/203.0.113.7/tcp/31337/p2p/{PEER_ID}"
 
 
-def test_good_addresses_pass():
+def test_good_addresses_pass() -> None:
     assert parse_peer(GOOD) == GOOD
     assert parse_peer(f"/dns4/boot.example.org/tcp/31337/p2p/{PEER_ID}").startswith("/dns4/")
     assert parse_peers([f"{GOOD}, {GOOD}", f"/ip6/::1/tcp/1/p2p/{PEER_ID}"]) == [
@@ -31,6 +31,6 @@ def test_good_addresses_pass():
         ("   ", "empty"),
     ],
 )
-def test_bad_addresses_are_named(text: str, reason: str):
+def test_bad_addresses_are_named(text: str, reason: str) -> None:
     with pytest.raises(UserError, match=reason):
         parse_peer(text)

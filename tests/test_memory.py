@@ -58,7 +58,7 @@ def test_the_activation_count_is_what_autograd_keeps(config_name: str) -> None:
 @pytest.mark.slow
 def test_micro_batches_give_the_one_batch_update(tmp_path: Path) -> None:
     torch.set_num_threads(1)  # one pytest worker per core: two threads each oversubscribe them
-    params = {}
+    params: dict[int, tuple[torch.Tensor, list[float]]] = {}
     for micro in (8, 3, 1):  # 3: passes of 3, 3 and 2 sequences
         overrides = ["train.max_steps=2", f"train.micro_batch={micro}", 'checkpoint.staging=""']
         config = load_config("debug", overrides=overrides)

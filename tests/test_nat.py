@@ -74,7 +74,7 @@ def assert_refusals_logged(log: str) -> None:
     assert 0 < len(refusals) < 30, "refusals are logged, a few lines per 10 s"
 
 
-def test_volunteers_behind_nat_are_members_of_every_drill_step(lab: NetLab, swarm: LocalSwarm):
+def test_volunteers_behind_nat_are_members_of_every_drill_step(lab: NetLab, swarm: LocalSwarm) -> None:
     """Two public nodes, two behind different NAT routers. Each of those learns from a dial-back
     probe that it cannot be reached, says so in its record, and dials its own connections
     (connection reversal) and goes on as a DHT client; as they cannot reach each other, the ring
@@ -110,7 +110,7 @@ def test_volunteers_behind_nat_are_members_of_every_drill_step(lab: NetLab, swar
 
 def test_two_volunteers_behind_nat_reach_each_other_through_a_relay_even_under_a_flood(
     lab: NetLab, swarm: LocalSwarm
-):
+) -> None:
     """One public node, two behind different NAT routers: in a ring of three the two are neighbours,
     and neither can dial the other, so their edge goes through the public node (relay.py). From the
     second step on a stranger in the public network asks the relay, 300 connections at a time, to
@@ -134,7 +134,7 @@ def test_two_volunteers_behind_nat_reach_each_other_through_a_relay_even_under_a
     assert_refusals_logged(swarm.log("node0"))
 
 
-def test_with_no_public_member_the_bootstrap_peer_relays_and_probes(lab: NetLab, swarm: LocalSwarm):
+def test_with_no_public_member_the_bootstrap_peer_relays_and_probes(lab: NetLab, swarm: LocalSwarm) -> None:
     """Two drill nodes behind different NAT routers and no public member: nobody of the swarm can
     dial anyone. The bootstrap peer opts in with --relay: it answers their dial-back probes (so
     they learn they are behind NAT) and relays their edges both ways, while a stranger floods it
@@ -164,7 +164,7 @@ def test_with_no_public_member_the_bootstrap_peer_relays_and_probes(lab: NetLab,
     assert re.search(r"closed by the node [1-9]", swarm.log("flooder")), "the flood never got an answer"
 
 
-def test_a_training_node_behind_nat_contributes_to_every_outer_step(lab: NetLab, swarm: LocalSwarm):
+def test_a_training_node_behind_nat_contributes_to_every_outer_step(lab: NetLab, swarm: LocalSwarm) -> None:
     """Real trainers (debug config): two public nodes and one behind NAT train 3 outer steps
     together; every step has all three members and one params hash. The sidecars are probed with
     the data ports: the home node's says closed, the public ones' open."""

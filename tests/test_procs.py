@@ -8,7 +8,7 @@ import socket
 from p2ptrain.procs import ephemeral_ports, free_port
 
 
-def test_a_free_port_lies_outside_the_ephemeral_range_where_outgoing_connections_take_theirs():
+def test_a_free_port_lies_outside_the_ephemeral_range_where_outgoing_connections_take_theirs() -> None:
     # a port from that range may be taken by any connect() on the machine before the store binds it
     # (seen: EADDRINUSE in the FSDP tests while the other worker's swarm dialled)
     ephemeral = set(ephemeral_ports())
@@ -16,7 +16,7 @@ def test_a_free_port_lies_outside_the_ephemeral_range_where_outgoing_connections
     assert not ports & ephemeral, sorted(ports & ephemeral)[:5]
 
 
-def test_a_port_someone_listens_on_is_passed_over():
+def test_a_port_someone_listens_on_is_passed_over() -> None:
     state = random.getstate()
     try:
         random.seed(7)

@@ -25,7 +25,7 @@ async def started(root: Path, name: str) -> DataPlaneServer:
     return server
 
 
-def test_a_reachable_port_is_proven_open_and_its_address_observed(tmp_path: Path):
+def test_a_reachable_port_is_proven_open_and_its_address_observed(tmp_path: Path) -> None:
     async def main() -> None:
         asker, prober = await started(tmp_path, "a"), await started(tmp_path, "b")
         try:
@@ -42,7 +42,7 @@ def test_a_reachable_port_is_proven_open_and_its_address_observed(tmp_path: Path
     asyncio.run(main())
 
 
-def test_a_sidecar_is_probed_with_the_data_port(tmp_path: Path):
+def test_a_sidecar_is_probed_with_the_data_port(tmp_path: Path) -> None:
     """The prober GETs the asker's sidecar with a second nonce: open where the real sidecar
     answers, closed where nothing listens on the port it names; not probed, unknown."""
 
@@ -65,7 +65,7 @@ def test_a_sidecar_is_probed_with_the_data_port(tmp_path: Path):
     asyncio.run(main())
 
 
-def test_a_lying_prober_cannot_make_a_closed_port_look_open(tmp_path: Path):
+def test_a_lying_prober_cannot_make_a_closed_port_look_open(tmp_path: Path) -> None:
     """It answers "dialed: true" without dialing: only the proof at our own listener counts."""
 
     async def liar(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -94,7 +94,7 @@ def test_a_lying_prober_cannot_make_a_closed_port_look_open(tmp_path: Path):
         ({"kind": "reach", "port": 80, "nonce": b"short"}, "nonce must be"),
     ],
 )
-def test_malformed_probe_requests_get_a_refusal(tmp_path: Path, request_: dict, reason: str):
+def test_malformed_probe_requests_get_a_refusal(tmp_path: Path, request_: dict, reason: str) -> None:
     async def main() -> None:
         prober = await started(tmp_path, "b")
         try:
@@ -126,7 +126,7 @@ def full_listener() -> tuple[socket.socket, list[socket.socket]]:
             return listener, fillers
 
 
-def test_a_prober_runs_one_probe_per_source_at_a_time(tmp_path: Path):
+def test_a_prober_runs_one_probe_per_source_at_a_time(tmp_path: Path) -> None:
     """A second request from the same address while the first one's dial-back hangs is refused:
     one stranger cannot make a node dial a thousand times at once."""
     hanging, fillers = full_listener()
@@ -159,7 +159,7 @@ def test_a_prober_runs_one_probe_per_source_at_a_time(tmp_path: Path):
 KEYS = [bytes([index]) * 32 for index in range(6)]
 
 
-def test_keep_apart_spreads_members_behind_nat_between_reachable_ones():
+def test_keep_apart_spreads_members_behind_nat_between_reachable_ones() -> None:
     order = [KEYS[0], KEYS[1], KEYS[2], KEYS[3]]
     assert keep_apart(order, {KEYS[2]}) == order  # one alone never sits next to another
     assert keep_apart(order, {KEYS[0], KEYS[2]}) == order  # apart already, wrap included
@@ -187,7 +187,7 @@ def beat(index: int, reach: str) -> Heartbeat:
     )
 
 
-def test_the_election_marks_members_behind_nat_and_leaves_none_out_for_it():
+def test_the_election_marks_members_behind_nat_and_leaves_none_out_for_it() -> None:
     beats = [beat(0, "open"), beat(1, "closed"), beat(2, "closed"), beat(3, "closed")]
     election = decide(beats, 3, deadline_passed=True)
     assert election is not None and election.left_out == {}

@@ -17,13 +17,13 @@ from tests.helpers import LocalSwarm
 RUN = "p2ptrain-debug"
 
 
-def test_the_bootstrap_peer_refuses_bad_records(swarm: LocalSwarm, tmp_path: Path):
+def test_the_bootstrap_peer_refuses_bad_records(swarm: LocalSwarm, tmp_path: Path) -> None:
     peer = swarm.start_bootstrap()
     honest, other = load_or_create_identity(tmp_path / "a"), load_or_create_identity(tmp_path / "b")
     # a client without a validator of its own: whatever is refused, the bootstrap peer refused
     settings = DHTSettings(peers=[peer], listen=["/ip4/127.0.0.1/tcp/0"], client_mode=True, retries=2)
 
-    async def scenario(dht: SwarmDHT) -> dict[str, bool]:
+    async def scenario(dht: SwarmDHT) -> tuple[dict[str, bool], bytes]:
         key = heartbeat_key(RUN)
         expiration = get_dht_time() + 30
         good = Heartbeat(RUN, honest.public_key, 100, 1.0, expiration, NodeState.IDLE)
@@ -67,7 +67,7 @@ def test_the_bootstrap_peer_refuses_bad_records(swarm: LocalSwarm, tmp_path: Pat
 
 def test_the_bootstrap_peer_keeps_junk_and_far_expirations_out_of_a_runs_key(
     swarm: LocalSwarm, tmp_path: Path
-):
+) -> None:
     """The bootstrap peer knows no run, yet once it has seen a heartbeat at a key it takes nothing
     else there; and it refuses a validly signed record that would live for years."""
     peer = swarm.start_bootstrap()

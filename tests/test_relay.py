@@ -27,11 +27,13 @@ class Swarm:
     """A relay's server and the identities of the members of one step: the relay and `reachable`
     other public members first, then two behind NAT (listed at a port nobody listens on)."""
 
-    def __init__(self, root: Path, reachable: int = 0, **server: float):
+    def __init__(
+        self, root: Path, reachable: int = 0, setup_timeout: float = 2.0, relay_mbps: float = 100.0
+    ) -> None:
         names = ["relay", *(f"public{i}" for i in range(reachable)), "home0", "home1"]
         self.ids = {name: load_or_create_identity(root / name) for name in names}
-        self.settings = RingSettings(setup_timeout=server.pop("setup_timeout", 2.0))
-        self.server = DataPlaneServer(self.ids["relay"], self.settings, **server)
+        self.settings = RingSettings(setup_timeout=setup_timeout)
+        self.server = DataPlaneServer(self.ids["relay"], self.settings, relay_mbps=relay_mbps)
         self.members: list[RingMember] = []
         self.step = STEP
 
@@ -63,7 +65,7 @@ class Swarm:
         return await open_relayed(identity, self.members[0], request, 5.0)
 
 
-def test_a_relay_splices_the_two_ends_of_an_edge_and_counts_what_it_copies(tmp_path: Path):
+def test_a_relay_splices_the_two_ends_of_an_edge_and_counts_what_it_copies(tmp_path: Path) -> None:
     async def main() -> None:
         swarm = await Swarm(tmp_path).start()
         try:
@@ -117,7 +119,7 @@ async def refusal(swarm: Swarm, header: dict) -> str:
 )
 def test_a_relay_request_that_does_not_hold_is_refused_with_its_reason(
     tmp_path: Path, case: str, reason: str
-):
+) -> None:
     """Every such request gets a one-line reason at once, and nothing is spliced."""
 
     async def main() -> None:
@@ -165,7 +167,7 @@ def test_a_relay_request_that_does_not_hold_is_refused_with_its_reason(
     asyncio.run(main())
 
 
-def test_an_end_whose_partner_never_asks_is_told_who_did_not_come(tmp_path: Path):
+def test_an_end_whose_partner_never_asks_is_told_who_did_not_come(tmp_path: Path) -> None:
     async def main() -> None:
         swarm = await Swarm(tmp_path, setup_timeout=1.0).start()
         try:
@@ -220,7 +222,7 @@ def test_an_end_whose_partner_never_asks_is_told_who_did_not_come(tmp_path: Path
     asyncio.run(main())
 
 
-def test_what_a_relay_copies_is_capped(tmp_path: Path):
+def test_what_a_relay_copies_is_capped(tmp_path: Path) -> None:
     """At relay_mbps 8 (1 MB/s) 3 MB cannot pass in much less than 3 s, however fast the machine."""
 
     async def main() -> None:
@@ -243,7 +245,7 @@ def test_what_a_relay_copies_is_capped(tmp_path: Path):
     asyncio.run(main())
 
 
-def test_an_edges_relay_is_one_reachable_member_that_every_member_computes_alike():
+def test_an_edges_relay_is_one_reachable_member_that_every_member_computes_alike() -> None:
     keys = [bytes([i]) * 32 for i in range(8)]
     members = [RingMember(key, "10.0.0.1", 7000 + i, 1.0, i < 3) for i, key in enumerate(keys)]
     chosen = {relay_for(step, members, keys[5], keys[6]) for step in range(60)}
@@ -254,7 +256,7 @@ def test_an_edges_relay_is_one_reachable_member_that_every_member_computes_alike
         route(3, 0, bytes(32), members[3:], keys[5], keys[6], 0, "send")
 
 
-def test_one_member_cannot_fill_the_relays_waiting_room(tmp_path: Path):
+def test_one_member_cannot_fill_the_relays_waiting_room(tmp_path: Path) -> None:
     """A member behind NAT asking for edges nobody pairs (every attempt number it likes) holds at
     most its share of the requests waiting for a partner; the others' still wait."""
 
@@ -283,7 +285,7 @@ def test_one_member_cannot_fill_the_relays_waiting_room(tmp_path: Path):
     asyncio.run(main())
 
 
-def test_a_learned_attempt_number_moves_ours_a_bounded_step_at_a_time(tmp_path: Path):
+def test_a_learned_attempt_number_moves_ours_a_bounded_step_at_a_time(tmp_path: Path) -> None:
     """A peer or a relay claiming attempt 2³¹ − 1 cannot send the step where no hello can follow."""
 
     async def main() -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,7 +28,7 @@ from tests.test_ring_bad_peer import settle
 BLOCK = 256
 
 
-def encoded_chunks(values: np.ndarray, bounds: list[int]) -> list[tuple[int, int, bytes]]:
+def encoded_chunks(values: np.ndarray, bounds: list[int]) -> list[tuple[int, int, quant.Buffer]]:
     return [(a, b, quant.encode_payload(values[a:b], BLOCK)) for a, b in itertools.pairwise(bounds)]
 
 
@@ -73,7 +75,7 @@ def test_a_four_bit_result_replays_exactly_and_only_as_four_bits() -> None:
     ],
 )
 def test_malformed_results_are_refused_and_leave_the_buffer_alone(
-    result: tuple[np.ndarray, bytes], mutate, needle: str
+    result: tuple[np.ndarray, bytes], mutate: Callable[[bytes], bytes], needle: str
 ) -> None:
     _, packed = result
     buffer = np.full(10_000, 3.0, np.float32)
@@ -118,7 +120,9 @@ def test_only_the_last_results_are_kept() -> None:
     assert off.packed(1) is None
 
 
-def test_the_sidecar_serves_kept_results_and_fetch_skips_peers_without_them(tmp_path, caplog) -> None:
+def test_the_sidecar_serves_kept_results_and_fetch_skips_peers_without_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     async def scenario() -> None:
         with_result, without = RecentResults(2), RecentResults(2)
         with_result.add(5, one_chunk(5))
@@ -137,7 +141,9 @@ def test_the_sidecar_serves_kept_results_and_fetch_skips_peers_without_them(tmp_
     assert "no all-reduce result of step 4 kept" in caplog.text
 
 
-def test_a_collector_keeps_every_result_of_a_download_while_members_keep_two(tmp_path, caplog) -> None:
+def test_a_collector_keeps_every_result_of_a_download_while_members_keep_two(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A swarm takes six steps while a node downloads its checkpoint; its members keep the last two
     results only, the collector all six (until its bound), each fetched over HTTP as it is made. A
     liar's record at a far step (its sidecar serves nothing) does not move it past a step the honest
@@ -167,7 +173,11 @@ def test_a_collector_keeps_every_result_of_a_download_while_members_keep_two(tmp
                 kept.add(step, one_chunk(step))
                 peers[0] = replace(beat, outer_step=step + 1)
                 wanted = min(4, step - 2)
-                await settle(lambda wanted=wanted: collector.kept == wanted, f"the result of step {step}")
+
+                def collected(wanted: int = wanted) -> bool:
+                    return collector.kept == wanted
+
+                await settle(collected, f"the result of step {step}")
             await settle(lambda: not collector.collecting, "the collector stopping at its bound")
             assert kept.packed(3) is None and kept.packed(8) is not None  # the member moved on
             assert collector.take(4) == pack_result(4, BLOCK, BLOCK, one_chunk(4).chunks)
@@ -185,7 +195,9 @@ def test_a_collector_keeps_every_result_of_a_download_while_members_keep_two(tmp
     assert "no more are collected" in caplog.text
 
 
-def test_a_step_no_member_serves_does_not_hold_up_the_collection_of_the_steps_after_it(tmp_path) -> None:
+def test_a_step_no_member_serves_does_not_hold_up_the_collection_of_the_steps_after_it(
+    tmp_path: Path,
+) -> None:
     """A fast swarm took steps 3 to 6 between two reads; its member keeps only 5 and 6. The collector
     takes both at its first read: waiting its tries at 3 and 4 first (a round apart, here 60 s), it
     would find 5 and 6 dropped too once the swarm had moved on."""

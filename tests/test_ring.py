@@ -11,8 +11,9 @@ import pytest
 
 from p2ptrain.comm.quant import all_finite
 from p2ptrain.comm.ring import RingSettings, segment_bounds, shares
+from p2ptrain.config import Topology
 from p2ptrain.swarm.election import ring_order
-from tests.ring_procs import run_ring
+from tests.ring_procs import Outcome, run_ring
 
 # Relative L2 error of the mean of independent N(0,1) vectors, block 256. The ring re-encodes a growing
 # partial sum at every hop (0.8 % at 2 members, 0.9 % at 3, 1.1 % at 5); the butterfly encodes each
@@ -23,12 +24,20 @@ RING_AT_5 = 0.012
 
 def weighted_mean(inputs: list[np.ndarray], weights: list[float]) -> np.ndarray:
     fractions = shares_of(weights)
-    return sum(f * x.astype(np.float64) for f, x in zip(fractions, inputs, strict=True))
+    mean = sum(f * x.astype(np.float64) for f, x in zip(fractions, inputs, strict=True))
+    assert isinstance(mean, np.ndarray), "no inputs"
+    return mean
 
 
 def shares_of(weights: list[float]) -> list[float]:
     total = sum(weights)
     return [w / total for w in weights] if total else [1 / len(weights)] * len(weights)
+
+
+def link_rates(outcome: Outcome) -> dict[int, float]:
+    """What a member that completed measured of its links."""
+    assert outcome.link_rates is not None, outcome
+    return outcome.link_rates
 
 
 def relative_error(result: np.ndarray, exact: np.ndarray) -> float:
@@ -46,7 +55,9 @@ def relative_error(result: np.ndarray, exact: np.ndarray) -> float:
         (3, "butterfly", BUDGET),
     ],
 )
-def test_weighted_mean_is_bit_identical_on_every_member(tmp_path: Path, n: int, topology: str, bound: float):
+def test_weighted_mean_is_bit_identical_on_every_member(
+    tmp_path: Path, n: int, topology: Topology, bound: float
+) -> None:
     weights = [float(i + 1) for i in range(n)]
     settings = RingSettings(chunk_bytes=1 << 18, topology=topology)
     outcomes, results, inputs = run_ring(tmp_path, n, 200_003, weights=weights, settings=settings)
@@ -58,8 +69,8 @@ def test_weighted_mean_is_bit_identical_on_every_member(tmp_path: Path, n: int, 
 
 @pytest.mark.parametrize(("n", "topology"), [(3, "ring"), (4, "butterfly")])
 def test_four_bit_codes_give_one_result_on_every_member_in_about_half_the_bytes(
-    tmp_path: Path, n: int, topology: str
-):
+    tmp_path: Path, n: int, topology: Topology
+) -> None:
     weights = [float(i + 1) for i in range(n)]
     runs = {}
     for bits in (8, 4):
@@ -78,7 +89,7 @@ def test_four_bit_codes_give_one_result_on_every_member_in_about_half_the_bytes(
 
 
 @pytest.mark.parametrize(("n", "topology", "connections"), [(3, "ring", 2), (5, "butterfly", 3)])
-def test_parallel_connections_per_peer(tmp_path: Path, n: int, topology: str, connections: int):
+def test_parallel_connections_per_peer(tmp_path: Path, n: int, topology: Topology, connections: int) -> None:
     """Chunks take the lanes in turn; more lanes than some segments have chunks leaves lanes idle."""
     settings = RingSettings(chunk_bytes=1 << 16, topology=topology, connections=connections)
     weights = [1.0, 0.0] + [2.0] * (n - 2)
@@ -91,7 +102,7 @@ def test_parallel_connections_per_peer(tmp_path: Path, n: int, topology: str, co
         RingSettings(connections=0)
 
 
-def test_zero_weight_member_and_uneven_sizes(tmp_path: Path):
+def test_zero_weight_member_and_uneven_sizes(tmp_path: Path) -> None:
     weights = [3.0, 0.0, 1.0]
     # 1013 values: not divisible by 3 members, by the 256-value block, nor by the chunk
     _outcomes, results, inputs = run_ring(
@@ -103,7 +114,7 @@ def test_zero_weight_member_and_uneven_sizes(tmp_path: Path):
     assert all(np.array_equal(results[0], other) for other in results.values())
 
 
-def test_outliers_do_not_wreck_the_rest(tmp_path: Path):
+def test_outliers_do_not_wreck_the_rest(tmp_path: Path) -> None:
     """Values at 100 sigma cost resolution in their own 256-value block only."""
     _, results, inputs = run_ring(tmp_path, 3, 100_000, outlier=True)
     assert len(results) == 3
@@ -119,7 +130,7 @@ def test_outliers_do_not_wreck_the_rest(tmp_path: Path):
 
 
 @pytest.mark.parametrize("topology", ["ring", "butterfly"])
-def test_zstd_on_the_wire(tmp_path: Path, topology: str):
+def test_zstd_on_the_wire(tmp_path: Path, topology: Topology) -> None:
     _outcomes, results, inputs = run_ring(
         tmp_path, 3, 50_000, settings=RingSettings(chunk_bytes=1 << 16, zstd=True, topology=topology)
     )
@@ -131,8 +142,8 @@ def test_zstd_on_the_wire(tmp_path: Path, topology: str):
     ("n", "topology", "connections"), [(3, "ring", 1), (5, "ring", 1), (5, "butterfly", 1), (3, "ring", 3)]
 )
 def test_member_killed_mid_reduce_fails_every_survivor_quickly(
-    tmp_path: Path, n: int, topology: str, connections: int
-):
+    tmp_path: Path, n: int, topology: Topology, connections: int
+) -> None:
     settings = RingSettings(
         chunk_bytes=1 << 16, failure_timeout=5.0, topology=topology, connections=connections
     )
@@ -147,7 +158,7 @@ def test_member_killed_mid_reduce_fails_every_survivor_quickly(
 
 
 @pytest.mark.parametrize("n", [3, 5])
-def test_a_member_gone_before_it_connects_is_not_waited_for(tmp_path: Path, n: int):
+def test_a_member_gone_before_it_connects_is_not_waited_for(tmp_path: Path, n: int) -> None:
     """Elected, then killed before its lanes reach us: its port refuses, so the survivors fail the
     attempt within seconds, not at the setup deadline (which waits for slow members)."""
     settings = RingSettings(chunk_bytes=1 << 16, failure_timeout=5.0, setup_timeout=60.0)
@@ -178,8 +189,8 @@ def test_a_member_gone_before_it_connects_is_not_waited_for(tmp_path: Path, n: i
     ],
 )
 def test_members_behind_nat_dial_out_and_the_result_is_the_same(
-    tmp_path: Path, n: int, topology: str, connections: int, behind_nat: set[int]
-):
+    tmp_path: Path, n: int, topology: Topology, connections: int, behind_nat: set[int]
+) -> None:
     """Connection reversal: nobody can dial a member behind NAT (its listed port has no listener),
     so it dials the reachable ends of its edges itself and receives its frames on them too; an edge
     between two of them goes through a reachable member, which both ends dial (relay.py)."""
@@ -200,7 +211,7 @@ def test_members_behind_nat_dial_out_and_the_result_is_the_same(
     assert sum(relayed.values()) >= relayed_edges * 20_000 // n // 4, relayed
 
 
-def test_stalled_member_times_out(tmp_path: Path):
+def test_stalled_member_times_out(tmp_path: Path) -> None:
     settings = RingSettings(chunk_bytes=1 << 14, failure_timeout=1.5)
     started = time.time()
     outcomes, _results, _ = run_ring(tmp_path, 3, 400_000, settings=settings, faults={2: ("stall", 2)})
@@ -210,7 +221,7 @@ def test_stalled_member_times_out(tmp_path: Path):
 
 
 @pytest.mark.parametrize(("n", "fault"), [(3, "nan"), (3, "inf"), (1, "nan"), (1, "inf")])
-def test_nan_contribution_is_never_sent(tmp_path: Path, n: int, fault: str):
+def test_nan_contribution_is_never_sent(tmp_path: Path, n: int, fault: str) -> None:
     """NaN or Inf in our own vector fails the step here, whether others are there to receive it or not
     (a member alone keeps its vector: the step is given up, not averaged)."""
     outcomes, _results, _ = run_ring(
@@ -220,7 +231,7 @@ def test_nan_contribution_is_never_sent(tmp_path: Path, n: int, fault: str):
     assert not any(outcome.ok for outcome in outcomes.values())  # the others fail too, none averages NaN
 
 
-def test_all_finite_sees_nan_and_inf_anywhere():
+def test_all_finite_sees_nan_and_inf_anywhere() -> None:
     values = np.full(1000, 3.0e38, dtype=np.float32)  # huge but finite
     assert all_finite(values) and all_finite(values[:0])
     for index in (0, 500, 999):
@@ -230,18 +241,18 @@ def test_all_finite_sees_nan_and_inf_anywhere():
             assert not all_finite(spoiled), (index, bad)
 
 
-def test_shares_and_segments():
+def test_shares_and_segments() -> None:
     assert shares_of([0, 0]) == [0.5, 0.5]
     bounds = segment_bounds(10, 3)
     assert bounds == [0, 4, 7, 10]
     assert segment_bounds(1013, 3, 256) == [0, 512, 768, 1013]
     assert segment_bounds(100, 3, 256) == [0, 100, 100, 100]  # empty segments are fine
     with pytest.raises(ValueError):
-        shares([type("M", (), {"weight": -1.0})()])  # type: ignore[list-item]
+        shares([type("M", (), {"weight": -1.0})()])
 
 
 @pytest.mark.slow
-def test_a_slow_link_is_measured_and_fast_links_are_not(tmp_path: Path):
+def test_a_slow_link_is_measured_and_fast_links_are_not(tmp_path: Path) -> None:
     """Member 2 reads one 256 KiB frame per 30 ms at most, so member 1's link to it runs below
     8.7 MB/s; the links 0 → 1 and 2 → 0 keep up, limited only by the CPU (90 MB/s or more on an idle
     machine; 7 MB/s against 1.7 under a full suite's load on 2 cores, so the margin asserted is 2×,
@@ -252,16 +263,16 @@ def test_a_slow_link_is_measured_and_fast_links_are_not(tmp_path: Path):
         tmp_path, 3, 18_000_000, settings=settings, faults={2: ("slow", 30)}, timeout=120
     )
     assert len(results) == 3, outcomes
-    slow = outcomes[1].link_rates[2]
+    slow = link_rates(outcomes[1])[2]
     ceiling = (1 << 18) / 0.030  # one frame (256 Ki values, 1 byte each) per 30 ms, plus its decoding
     assert 0 < slow <= ceiling * 1.2, slow
     for sender, receiver in [(0, 1), (2, 0)]:
-        assert outcomes[sender].link_rates[receiver] > 2 * slow, outcomes[sender].link_rates
+        assert link_rates(outcomes[sender])[receiver] > 2 * slow, outcomes[sender].link_rates
     keys = [bytes([i]) * 32 for i in range(3)]
     measured = {
         (keys[s], keys[r]): rate
         for s in range(3)
-        for r, rate in outcomes[s].link_rates.items()
+        for r, rate in link_rates(outcomes[s]).items()
         if rate < float("inf")
     }
     order = ring_order(keys, 0, measured)
@@ -269,7 +280,7 @@ def test_a_slow_link_is_measured_and_fast_links_are_not(tmp_path: Path):
 
 
 @pytest.mark.parametrize("n", [3, 5])
-def test_members_retrying_at_once_after_a_stale_view_converge(tmp_path: Path, n: int):
+def test_members_retrying_at_once_after_a_stale_view_converge(tmp_path: Path, n: int) -> None:
     """One member first elects another order (its view lags); all retry without pause, as OuterSync
     does. A re-dial must not land in a peer's failing earlier attempt, or the members keep failing
     each other in lock-step until their retries run out."""
@@ -284,7 +295,7 @@ def test_members_retrying_at_once_after_a_stale_view_converge(tmp_path: Path, n:
 
 
 @pytest.mark.slow
-def test_robust_aggregation_clips_a_poisoner_and_leaves_honest_members_alone(tmp_path: Path):
+def test_robust_aggregation_clips_a_poisoner_and_leaves_honest_members_alone(tmp_path: Path) -> None:
     """4 members, butterfly with comm.clip = 2; member 3 sends 100 × its vector. Unclipped, the
     mean would be ~50× off; clipped, member 3 counts as at most two typical members."""
     n, length = 4, 100_003

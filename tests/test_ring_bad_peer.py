@@ -38,7 +38,7 @@ def nan_params_payload(length: int) -> bytes:
     return np.full(blocks, np.nan, np.float32).tobytes() + bytes(good[4 * blocks :])  # NaN mins
 
 
-def sealed(seal: FrameSeal, header: dict, payload: bytes) -> bytes:
+def sealed(seal: FrameSeal, header: dict, payload: bytes | bytearray | memoryview) -> bytes:
     """The frame as the authenticated member sends it: sealed with its own session key."""
     head = encode_head(header, len(payload) + TAG_BYTES)
     out = bytearray(len(payload) + TAG_BYTES)
@@ -85,7 +85,9 @@ BAD_FRAMES: dict[str, Callable[[FrameSeal], bytes]] = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_FRAMES))
-def test_bad_frame_from_an_authenticated_peer(tmp_path: Path, case: str, caplog):
+def test_bad_frame_from_an_authenticated_peer(
+    tmp_path: Path, case: str, caplog: pytest.LogCaptureFixture
+) -> None:
     async def scenario() -> tuple[Exception | None, np.ndarray, np.ndarray]:
         honest_id, bad_id = (
             load_or_create_identity(tmp_path / "honest"),
@@ -128,11 +130,13 @@ def test_bad_frame_from_an_authenticated_peer(tmp_path: Path, case: str, caplog)
     assert any("all-reduce of step" in record.getMessage() for record in caplog.records)
 
 
-async def idle_connections(port: int, source: str, count: int) -> list[tuple]:
+async def idle_connections(
+    port: int, source: str, count: int
+) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
     return [await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0)) for _ in range(count)]
 
 
-async def settle(condition, what: str) -> None:
+async def settle(condition: Callable[[], bool], what: str) -> None:
     for _ in range(300):  # until the server has taken the connections in (bounded)
         if condition():
             return
@@ -150,7 +154,7 @@ async def discard(*tasks: asyncio.Task) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def test_one_source_holds_at_most_its_share_of_pending_handshakes(tmp_path: Path):
+def test_one_source_holds_at_most_its_share_of_pending_handshakes(tmp_path: Path) -> None:
     """Idle connections beyond a source's share are closed at once; memory stays bounded."""
 
     async def scenario() -> None:
@@ -168,7 +172,7 @@ def test_one_source_holds_at_most_its_share_of_pending_handshakes(tmp_path: Path
     asyncio.run(scenario())
 
 
-def test_a_member_gets_through_a_full_pool_of_idle_connections(tmp_path: Path):
+def test_a_member_gets_through_a_full_pool_of_idle_connections(tmp_path: Path) -> None:
     """Idle connections from many sources fill the pool; a member's dial still completes its
     handshake (the oldest idle one gives way), and a hello for a far step is refused at once."""
 
@@ -207,7 +211,9 @@ def test_a_member_gets_through_a_full_pool_of_idle_connections(tmp_path: Path):
 
 @pytest.mark.parametrize(("offset", "phase"), [(2_000, "reduce-scatter"), (200_000, "all-gather")])
 @pytest.mark.slow
-def test_a_bit_flipped_on_the_path_fails_the_step_for_every_member(tmp_path: Path, offset: int, phase: str):
+def test_a_bit_flipped_on_the_path_fails_the_step_for_every_member(
+    tmp_path: Path, offset: int, phase: str
+) -> None:
     """A TCP proxy (its own process) in front of member 1 flips one bit of a frame its predecessor
     sends, after the handshake. Unsealed, every member ended with the same wrong result (flip in
     the reduce-scatter) or with different results (in the all-gather). Now member 1 refuses the

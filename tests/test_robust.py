@@ -29,14 +29,14 @@ def honest_limits(arrived: dict[int, np.ndarray], fractions: list[float], clip: 
     return claims.limits(claimed, fractions, clip, 8)
 
 
-def test_similar_shares_are_summed_unchanged():
+def test_similar_shares_are_summed_unchanged() -> None:
     arrived = shares(4)
     total, clipped = clipped_sum(arrived, [0.25] * 4, honest_limits(arrived, [0.25] * 4, 2.0))
     assert clipped == []
     assert np.allclose(total, sum(arrived.values()), atol=1e-6)
 
 
-def test_a_huge_share_is_scaled_to_clip_times_the_median_claim():
+def test_a_huge_share_is_scaled_to_clip_times_the_median_claim() -> None:
     arrived = shares(4)
     arrived[2] = arrived[2] * np.float32(1000)
     typical = float(np.median([norm(share) for share in arrived.values()]))  # the poisoner's too
@@ -46,7 +46,7 @@ def test_a_huge_share_is_scaled_to_clip_times_the_median_claim():
     assert abs(norm(total - others) - 2.0 * typical) < 1e-3 * typical
 
 
-def test_a_share_larger_than_its_own_claim_is_cut_to_the_claim():
+def test_a_share_larger_than_its_own_claim_is_cut_to_the_claim() -> None:
     arrived = shares(4)
     fractions = [0.25] * 4
     claimed = np.array([norm(arrived[m]) / 0.25 for m in range(4)])
@@ -57,7 +57,7 @@ def test_a_share_larger_than_its_own_claim_is_cut_to_the_claim():
     assert abs(norm(total - others) / 0.25 - claimed[1] * claims.SLACK[8]) < 1e-3 * claimed[1]
 
 
-def test_norms_are_weighed_by_each_members_share_and_overflow_counts_as_zero():
+def test_norms_are_weighed_by_each_members_share_and_overflow_counts_as_zero() -> None:
     arrived = shares(3)
     arrived[0] = arrived[0] * np.float32(3)  # it processed 3× the tokens: a 3× share is its due
     fractions = [0.6, 0.2, 0.2]
@@ -69,7 +69,7 @@ def test_norms_are_weighed_by_each_members_share_and_overflow_counts_as_zero():
     assert np.isfinite(total).all() and 1 in clipped
 
 
-def test_a_member_of_weight_zero_counts_for_nothing():
+def test_a_member_of_weight_zero_counts_for_nothing() -> None:
     arrived = shares(3)
     arrived[2] = arrived[2] * np.float32(1e6)  # a "joiner" that sends values anyway
     fractions = [0.5, 0.5, 0.0]
@@ -77,7 +77,7 @@ def test_a_member_of_weight_zero_counts_for_nothing():
     assert np.array_equal(total, arrived[0] + arrived[1])
 
 
-def test_an_honest_sum_is_within_the_bound_and_an_inflated_one_is_not():
+def test_an_honest_sum_is_within_the_bound_and_an_inflated_one_is_not() -> None:
     rng = np.random.default_rng(1)
     for aligned in (False, True):  # orthogonal shares, and the triangle inequality's worst case
         base = rng.standard_normal(4096).astype(np.float32)
@@ -93,7 +93,7 @@ def test_an_honest_sum_is_within_the_bound_and_an_inflated_one_is_not():
         assert norm(unclipped) > 10 * bound
 
 
-def test_claims_round_trip_and_anything_else_is_refused(tmp_path: Path):
+def test_claims_round_trip_and_anything_else_is_refused(tmp_path: Path) -> None:
     alice = load_or_create_identity(tmp_path / "alice")
     bob = load_or_create_identity(tmp_path / "bob")
     norms = np.array([1.5, 0.0, 3.25])

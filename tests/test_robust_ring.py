@@ -19,7 +19,7 @@ N, LENGTH = 4, 100_003  # 2 chunks a segment at 64 KiB chunks
 @pytest.mark.parametrize("connections", [1, 2])
 def test_an_owner_that_does_not_clip_is_named_by_every_other_member_and_nothing_is_applied(
     tmp_path: Path, connections: int
-):
+) -> None:
     """Member 2 sends 100 × its values and sums its own segment without clipping: the others' checks
     of that segment against the bound from the claims it forwarded fail, naming it; nobody applies
     anything (a result is saved only on success)."""
@@ -32,7 +32,7 @@ def test_an_owner_that_does_not_clip_is_named_by_every_other_member_and_nothing_
     assert set(results) <= {2}, "no honest member applied the result"
 
 
-def test_a_member_that_claims_less_than_it_sends_is_cut_to_its_claim(tmp_path: Path):
+def test_a_member_that_claims_less_than_it_sends_is_cut_to_its_claim(tmp_path: Path) -> None:
     """Member 3 sends 100 × its values but claims their honest norm: with clip 2 its share would
     count as 2 typical ones; cut to its own claim it counts as about one, and everyone agrees."""
     settings = RingSettings(chunk_bytes=1 << 16, clip=2.0)
@@ -46,7 +46,7 @@ def test_a_member_that_claims_less_than_it_sends_is_cut_to_its_claim(tmp_path: P
     assert relative_error(results[0], weighted_mean(inputs, [1.0] * N)) <= 0.05
 
 
-def test_a_member_that_changes_a_chunk_it_passes_on_is_named_by_the_next(tmp_path: Path):
+def test_a_member_that_changes_a_chunk_it_passes_on_is_named_by_the_next(tmp_path: Path) -> None:
     """Member 1 flips a byte of every all-gather chunk it forwards: member 2 finds the owner's
     signature broken and names member 1; no member holds a changed result."""
     settings = RingSettings(chunk_bytes=1 << 16, clip=1.0)

@@ -16,7 +16,7 @@ from tests.helpers import LocalSwarm, read_address, wait_until
 
 
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
-def test_node_stops_within_five_seconds_and_says_so(swarm: LocalSwarm, how: str):
+def test_node_stops_within_five_seconds_and_says_so(swarm: LocalSwarm, how: str) -> None:
     swarm.start_bootstrap()
     read_address(swarm.start_node("node0"), timeout=60)
     wait_until(lambda: len(swarm.live_ids()) == 1, timeout=30, what="the node's heartbeat")
@@ -42,7 +42,7 @@ def test_node_stops_within_five_seconds_and_says_so(swarm: LocalSwarm, how: str)
     assert states == {"dead"}
 
 
-def test_sigkill_of_a_node_takes_its_dht_child_and_p2pd_along(swarm: LocalSwarm):
+def test_sigkill_of_a_node_takes_its_dht_child_and_p2pd_along(swarm: LocalSwarm) -> None:
     swarm.start_bootstrap()
     read_address(swarm.start_node("node0"), timeout=60)
     node = swarm.children.children["node0"]
@@ -58,7 +58,7 @@ def test_sigkill_of_a_node_takes_its_dht_child_and_p2pd_along(swarm: LocalSwarm)
     )
 
 
-def test_status_shows_killed_nodes_as_gone_or_silent_at_once(swarm: LocalSwarm):
+def test_status_shows_killed_nodes_as_gone_or_silent_at_once(swarm: LocalSwarm) -> None:
     """One DHT read still holds a SIGKILLed node's last record (for up to 36 s): status probes the
     data ports (a refusal: the process is gone) and reads again to see whose heartbeat stopped."""
     swarm.start_bootstrap()
@@ -83,7 +83,7 @@ def test_status_shows_killed_nodes_as_gone_or_silent_at_once(swarm: LocalSwarm):
     assert set(states.values()) == {"gone", "silent"}, states
 
 
-def test_a_drill_node_stops_within_five_seconds_in_the_middle_of_a_sync(swarm: LocalSwarm):
+def test_a_drill_node_stops_within_five_seconds_in_the_middle_of_a_sync(swarm: LocalSwarm) -> None:
     """Its peer froze, so it waits in the election of a step (for up to a minute): SIGTERM ends that
     wait, and every drill.jsonl line written so far is complete."""
     swarm.start_bootstrap()
@@ -108,7 +108,7 @@ def test_a_drill_node_stops_within_five_seconds_in_the_middle_of_a_sync(swarm: L
     assert all(json.loads(line)["step"] >= 0 for line in log_path.read_text().splitlines())
 
 
-def test_a_benchmark_stopped_by_sigterm_stops_the_nodes_it_started(swarm: LocalSwarm, tmp_path: Path):
+def test_a_benchmark_stopped_by_sigterm_stops_the_nodes_it_started(swarm: LocalSwarm, tmp_path: Path) -> None:
     """benchmarks.scale runs a bootstrap peer and drill nodes in sessions of their own, so nothing
     but the benchmark stops them: SIGTERM unwinds it like Ctrl+C (once it left them all running)."""
     argv = [sys.executable, "-m", "benchmarks.scale", "--json", "--simulate", "", "--drill", "2"]

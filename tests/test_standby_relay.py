@@ -54,7 +54,7 @@ async def publish(dht: SwarmDHT, identity: NodeIdentity, state: NodeState, step:
 
 def test_a_relaying_bootstrap_splices_its_runs_ends_behind_nat_and_refuses_everyone_else(
     swarm: LocalSwarm, tmp_path: Path
-):
+) -> None:
     relay = start_relaying_bootstrap(swarm)
     ids = {name: load_or_create_identity(tmp_path / name) for name in ("home0", "home1", "public", "late")}
     stranger = load_or_create_identity(tmp_path / "stranger")
@@ -135,7 +135,7 @@ def test_a_relaying_bootstrap_splices_its_runs_ends_behind_nat_and_refuses_every
     assert relayed is not None and relayed.groups() == ("1", str(2 * 256 * 1024)), swarm.log("bootstrap")
 
 
-def test_relay_flags_that_do_not_hold_are_refused_in_one_line(tmp_path: Path):
+def test_relay_flags_that_do_not_hold_are_refused_in_one_line(tmp_path: Path) -> None:
     identity = str(tmp_path / "boot")
     assert_one_line_error(
         cli("bootstrap", "--identity", identity, "--relay", "70000", timeout=60), "--relay 70000"
@@ -158,7 +158,7 @@ def test_relay_flags_that_do_not_hold_are_refused_in_one_line(tmp_path: Path):
     assert (options.host, options.port, options.announce_host) == ("0.0.0.0", 7000, "203.0.113.7")
 
 
-def test_an_election_lists_standby_relays_only_where_no_member_can_relay():
+def test_an_election_lists_standby_relays_only_where_no_member_can_relay() -> None:
     keys = [bytes([i]) * 32 for i in range(1, 5)]
     standby = [
         RingMember(bytes([9]) * 32, "203.0.113.9", 7000),
@@ -185,4 +185,5 @@ def test_an_election_lists_standby_relays_only_where_no_member_can_relay():
     with_public = decide([*homes, beat(keys[3], "open")], STEP, True, standby=standby)
     assert with_public is not None and with_public.relays == ()
     assert with_public.digest == membership_digest(STEP, with_public.members)
-    assert relay_for(STEP, with_public.members, a, b, standby).key == keys[3]
+    relay = relay_for(STEP, with_public.members, a, b, standby)
+    assert relay is not None and relay.key == keys[3]

@@ -9,6 +9,7 @@ import signal
 import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -49,7 +50,7 @@ def start_stranger(swarm: LocalSwarm, mode: str) -> str:
 @pytest.mark.parametrize("mode", ["refused", "silent", "differs", "refuses"])
 def test_a_stranger_ready_at_every_step_with_a_dead_address_does_not_stall_the_swarm(
     swarm: LocalSwarm, mode: str
-):
+) -> None:
     """Every step is taken by the three honest nodes, the stranger never a member, and few steps pay
     for it: its record is refreshed every 0.5 s, so a verdict that a newer record undoes would let
     it back into every election, and a verdict some nodes reach and others do not would split them.
@@ -70,7 +71,9 @@ def test_a_stranger_ready_at_every_step_with_a_dead_address_does_not_stall_the_s
     assert len(retried) <= 4, retried
 
 
-def test_the_probe_of_a_named_node_takes_our_views_differ_to_a_step_nobody_is_at_for_a_lie(tmp_path):
+def test_the_probe_of_a_named_node_takes_our_views_differ_to_a_step_nobody_is_at_for_a_lie(
+    tmp_path: Path,
+) -> None:
     """A node named for refusing is probed before it is tried again. An honest data port answers the
     probe's hello (a step far beyond any); a port that answers every hello "our views differ" does
     too, but that answer cannot be honest there (no attempt of that step to differ from), so it
@@ -103,7 +106,9 @@ def test_the_probe_of_a_named_node_takes_our_views_differ_to_a_step_nobody_is_at
 
 
 @pytest.mark.parametrize("mode", ["idle", "hellos", "reaches", "records"])
-def test_a_flood_on_one_nodes_data_port_does_not_keep_it_out_of_the_steps(swarm: LocalSwarm, mode: str):
+def test_a_flood_on_one_nodes_data_port_does_not_keep_it_out_of_the_steps(
+    swarm: LocalSwarm, mode: str
+) -> None:
     """500 connections from another address (idle ones, hellos for step 10⁹ from fresh keys,
     requests for reachability probes, or pushed records: junk, a stranger's, and node1's death
     forged far ahead of its sequence), reopened as fast as the node closes them: the node still
@@ -154,7 +159,7 @@ def get(url: str) -> int:
         return 0  # not up (yet), or refused
 
 
-def test_two_thousand_slow_http_connections_leave_the_sidecar_up_and_serving(swarm: LocalSwarm):
+def test_two_thousand_slow_http_connections_leave_the_sidecar_up_and_serving(swarm: LocalSwarm) -> None:
     """A training node limited to 1024 open files; 2,000 connections from 4 other addresses
     trickle request heads at it. It keeps serving an honest client, trains on, and stops cleanly."""
     swarm.start_bootstrap()
@@ -164,7 +169,9 @@ def test_two_thousand_slow_http_connections_leave_the_sidecar_up_and_serving(swa
     swarm.start_node("a", None, *run, train=True, prefix=("prlimit", "--nofile=1024:1024"))
     served = re.compile(r"checkpoints served on port (\d+)")
     wait_until(lambda: served.search(swarm.log("a")) is not None, timeout=120, what="the sidecar's port")
-    port = int(served.search(swarm.log("a")).group(1))  # type: ignore[union-attr]
+    found = served.search(swarm.log("a"))
+    assert found is not None
+    port = int(found.group(1))
     url = f"http://127.0.0.1:{port}/config"
     wait_until(lambda: get(url) == 200, timeout=120, what="the sidecar")
     swarm.children.spawn(
@@ -175,8 +182,8 @@ def test_two_thousand_slow_http_connections_leave_the_sidecar_up_and_serving(swa
     wait_until(
         lambda: closed_by_the_node(swarm) > 500, timeout=60, what="the node closing the attack's connections"
     )
-    served = [get(url) for _ in range(5)]
-    assert served == [200] * 5, served
+    answers = [get(url) for _ in range(5)]
+    assert answers == [200] * 5, answers
     steps = len(metrics(swarm.root / "a", "outer"))
     wait_until(
         lambda: len(metrics(swarm.root / "a", "outer")) >= steps + 2,
@@ -196,7 +203,7 @@ def closed_by_the_node(swarm: LocalSwarm) -> int:
     return int(counts[-1]) if counts else 0
 
 
-def test_hellos_forged_in_a_members_name_hold_no_slots_of_the_node_they_flood(swarm: LocalSwarm):
+def test_hellos_forged_in_a_members_name_hold_no_slots_of_the_node_they_flood(swarm: LocalSwarm) -> None:
     """2,000 connections at a time, from another address, with hellos for node0's next step that
     claim node1's key (a member that dials early waits for node0 to reach the step), against a node0
     limited to 1024 open files: each must prove the key before it may wait, so node0 keeps taking

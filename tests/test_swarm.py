@@ -8,15 +8,19 @@ import time
 from tests.helpers import LocalSwarm, free_port, read_address, wait_until
 
 
-def test_bootstrap_and_three_nodes_see_each_other(swarm: LocalSwarm):
+def test_bootstrap_and_three_nodes_see_each_other(swarm: LocalSwarm) -> None:
     swarm.start_bootstrap()
     address_files = [swarm.start_node(f"node{i}") for i in range(3)]
     node_addrs = [read_address(path, timeout=60) for path in address_files]
     up = time.monotonic()
     # every node's own view of the DHT lists all three, within 10 s of the nodes being up
     for addr in node_addrs:
+
+        def sees_all_three(addr: str = addr) -> bool:
+            return len(swarm.live_ids(addr)) == 3
+
         wait_until(
-            lambda addr=addr: len(swarm.live_ids(addr)) == 3,
+            sees_all_three,
             timeout=max(1.0, 10 - (time.monotonic() - up)),
             what="all three heartbeats from every node",
         )
@@ -25,7 +29,7 @@ def test_bootstrap_and_three_nodes_see_each_other(swarm: LocalSwarm):
     assert all(node["last_seen_s"] < 6 for node in status["nodes"])
 
 
-def test_restarted_bootstrap_keeps_its_multiaddress(swarm: LocalSwarm):
+def test_restarted_bootstrap_keeps_its_multiaddress(swarm: LocalSwarm) -> None:
     listen = f"/ip4/127.0.0.1/tcp/{free_port()}"
     first = swarm.start_bootstrap(listen=listen)
     swarm.children.signal("bootstrap", signal.SIGTERM)
@@ -36,7 +40,7 @@ def test_restarted_bootstrap_keeps_its_multiaddress(swarm: LocalSwarm):
     wait_until(lambda: len(swarm.live_ids(second)) == 1, timeout=60, what="a node joining the restarted peer")
 
 
-def test_swarm_keeps_working_without_its_bootstrap_peer(swarm: LocalSwarm):
+def test_swarm_keeps_working_without_its_bootstrap_peer(swarm: LocalSwarm) -> None:
     swarm.start_bootstrap()
     first = read_address(swarm.start_node("node0"), timeout=60)
     second = read_address(swarm.start_node("node1"), timeout=60)

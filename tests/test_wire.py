@@ -6,9 +6,10 @@ import asyncio
 import contextlib
 import logging
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypedDict, TypeVar
 
 import pytest
 from hypothesis import given, settings
@@ -16,13 +17,14 @@ from hypothesis import strategies as st
 
 from p2ptrain.comm.connect import dial_member
 from p2ptrain.comm.dataplane import DataPlaneServer, RingSettings
-from p2ptrain.comm.handshake import AttemptBehind, HandshakeError, ViewsDiffer, accept, dial
+from p2ptrain.comm.handshake import AttemptBehind, HandshakeError, Session, ViewsDiffer, accept, dial
 from p2ptrain.comm.members import RingMember
 from p2ptrain.comm.wire import (
     MAGIC,
     PREFIX,
     VERSION,
     ClosedBetweenFrames,
+    Frame,
     FrameError,
     PeerClosed,
     PeerTimeout,
@@ -33,14 +35,16 @@ from p2ptrain.comm.wire import (
 )
 from p2ptrain.identity import NodeIdentity, load_or_create_identity
 
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[object]]
+T = TypeVar("T")
+S = TypeVar("S")
+C = TypeVar("C")
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[T]]
 
 
-async def with_server(
-    handler: Handler, client: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[object]]
-):
-    """Run `handler` for one connection on 127.0.0.1 and `client` against it; return both results."""
-    result: asyncio.Future = asyncio.get_running_loop().create_future()
+async def with_server(handler: Handler[S], client: Handler[C]) -> tuple[S | Exception, C | Exception]:
+    """Run `handler` for one connection on 127.0.0.1 and `client` against it; return both results
+    (or what each raised)."""
+    result: asyncio.Future[S | Exception] = asyncio.get_running_loop().create_future()
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -54,6 +58,7 @@ async def with_server(
     port = server.sockets[0].getsockname()[1]
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        client_result: C | Exception
         try:
             client_result = await client(reader, writer)
         except Exception as exc:
@@ -74,38 +79,41 @@ def raw_reader(data: bytes, eof: bool = True) -> asyncio.StreamReader:
     return reader
 
 
-def run(coro):
+def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
 
 
-def test_frame_round_trip_over_tcp():
+def test_frame_round_trip_over_tcp() -> None:
     payload = bytes(range(256)) * 4096
 
-    async def server(reader, writer):
+    async def server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Frame:
         return await read_frame(reader, timeout=5)
 
-    async def client(reader, writer):
+    async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await write_frame(writer, {"kind": "chunk", "step": 3, "index": 7}, memoryview(payload))
 
     frame, _ = run(with_server(server, client))
+    assert isinstance(frame, Frame), frame
     assert frame.header == {"kind": "chunk", "step": 3, "index": 7} and frame.payload == payload
 
 
-def test_a_frame_without_payload_is_sent_and_its_connection_closes():
+def test_a_frame_without_payload_is_sent_and_its_connection_closes() -> None:
     """No empty buffer reaches writelines: Python 3.12's transport would keep it queued and spin on
     it, and the connection would never close (a node that finished hung at 100 % CPU)."""
     assert all(len(part) for part in encode_frame({"kind": "bye"}))
 
-    async def server(reader, writer):
+    async def server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> tuple[Frame, bytes]:
         frame = await read_frame(reader, timeout=5)
         return frame, await asyncio.wait_for(reader.read(), 5)
 
-    async def client(reader, writer):
+    async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await write_frame(writer, {"kind": "bye"})
         writer.close()
         await asyncio.wait_for(writer.wait_closed(), 5)
 
-    (frame, rest), _ = run(with_server(server, client))
+    served, _ = run(with_server(server, client))
+    assert not isinstance(served, Exception), served
+    frame, rest = served
     assert frame.header == {"kind": "bye"} and frame.payload == b"" and rest == b""
 
 
@@ -127,15 +135,15 @@ def frame_bytes(header: dict, payload: bytes = b"") -> bytes:
         (frame_bytes({"kind": "x"})[:5], PeerClosed, "closed after"),
     ],
 )
-def test_bad_frames_raise_typed_errors(data: bytes, error: type[WireError], reason: str):
-    async def go():
+def test_bad_frames_raise_typed_errors(data: bytes, error: type[WireError], reason: str) -> None:
+    async def go() -> Frame:
         return await read_frame(raw_reader(data), timeout=2, max_payload=1 << 20)
 
     with pytest.raises(error, match=reason):
         run(go())
 
 
-def test_a_connection_closed_before_any_byte_is_told_from_a_broken_frame():
+def test_a_connection_closed_before_any_byte_is_told_from_a_broken_frame() -> None:
     """Port probes (connect, close) are not broken handshakes: the server logs them quietly."""
 
     async def go(data: bytes) -> WireError:
@@ -148,8 +156,8 @@ def test_a_connection_closed_before_any_byte_is_told_from_a_broken_frame():
         assert not isinstance(run(go(broken)), ClosedBetweenFrames)
 
 
-def test_a_stalled_peer_times_out():
-    async def go():
+def test_a_stalled_peer_times_out() -> None:
+    async def go() -> float:
         loop = asyncio.get_running_loop()
         started = loop.time()
         with pytest.raises(PeerTimeout):
@@ -161,8 +169,8 @@ def test_a_stalled_peer_times_out():
 
 @settings(max_examples=400, deadline=None)
 @given(st.binary(max_size=2048))
-def test_parser_fuzz_only_raises_wire_errors(data: bytes):
-    async def go():
+def test_parser_fuzz_only_raises_wire_errors(data: bytes) -> None:
+    async def go() -> None:
         try:
             frame = await read_frame(raw_reader(data), timeout=1, max_payload=4096)
         except WireError:
@@ -174,8 +182,8 @@ def test_parser_fuzz_only_raises_wire_errors(data: bytes):
 
 @settings(max_examples=200, deadline=None)
 @given(st.integers(0, 255), st.integers(0, 65535), st.integers(0, 2**32 - 1), st.binary(max_size=64))
-def test_parser_fuzz_on_valid_magic(version: int, header_len: int, payload_len: int, rest: bytes):
-    async def go():
+def test_parser_fuzz_on_valid_magic(version: int, header_len: int, payload_len: int, rest: bytes) -> None:
+    async def go() -> None:
         with contextlib.suppress(WireError):
             await read_frame(
                 raw_reader(struct.pack("!4sBHI", MAGIC, version, header_len, payload_len) + rest),
@@ -208,19 +216,21 @@ DIGEST = b"d" * 32
 def handshake(
     listener: NodeIdentity,
     dialer: NodeIdentity,
-    members,
+    members: set[bytes],
     *,
-    expected=None,
-    step=5,
-    digest=DIGEST,
-    dial_step=5,
-    dial_digest=DIGEST,
-    lane=0,
-):
-    async def server(reader, writer):
+    expected: bytes | None = None,
+    step: int = 5,
+    digest: bytes = DIGEST,
+    dial_step: int = 5,
+    dial_digest: bytes = DIGEST,
+    lane: int = 0,
+) -> tuple[Session | Exception, Session | Exception]:
+    """(what the listener's accept, what the dialer's dial gave or raised)"""
+
+    async def server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Session:
         return await accept(reader, writer, listener, members, step, digest, timeout=5)
 
-    async def client(reader, writer):
+    async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Session:
         return await dial(
             reader, writer, dialer, expected or listener.public_key, dial_step, dial_digest, 5, lane
         )
@@ -228,17 +238,20 @@ def handshake(
     return run(with_server(server, client))
 
 
-def test_handshake_between_members(nodes: Nodes):
+def test_handshake_between_members(nodes: Nodes) -> None:
     accepted, dialed = handshake(nodes.a, nodes.b, {nodes.a.public_key, nodes.b.public_key})
+    assert isinstance(accepted, Session) and isinstance(dialed, Session), (accepted, dialed)
+    assert accepted.keys is not None and dialed.keys is not None
     assert accepted.peer_key == nodes.b.public_key and dialed.peer_key == nodes.a.public_key
     assert accepted.step == dialed.step == 5
     # one key per direction, the same at both ends, fresh for every handshake
     assert dialed.keys.sending == accepted.keys.receiving != dialed.keys.receiving == accepted.keys.sending
     again, _ = handshake(nodes.a, nodes.b, {nodes.a.public_key, nodes.b.public_key})
+    assert isinstance(again, Session) and again.keys is not None, again
     assert again.keys.sending != accepted.keys.sending
 
 
-def test_a_sealed_frame_opens_only_once_in_order_on_its_own_direction():
+def test_a_sealed_frame_opens_only_once_in_order_on_its_own_direction() -> None:
     """What a tampering proxy could do to sealed frames: flip a bit (payload, header or prefix),
     drop, replay, reorder, reflect. Each is refused by the tag."""
     from p2ptrain.comm.seal import TAG_BYTES, FrameSeal
@@ -250,7 +263,7 @@ def test_a_sealed_frame_opens_only_once_in_order_on_its_own_direction():
         seal.seal_into(header, memoryview(payload), memoryview(out))
         return out
 
-    def opens(seal: FrameSeal, header: bytes, frame: bytes) -> bool:
+    def opens(seal: FrameSeal, header: bytes, frame: bytes | bytearray) -> bool:
         try:
             seal.open_into(header, memoryview(frame), memoryview(bytearray(len(frame) - TAG_BYTES)))
         except FrameError:
@@ -273,6 +286,14 @@ def test_a_sealed_frame_opens_only_once_in_order_on_its_own_direction():
     assert not opens(FrameSeal(other), b"head0", frames[0])  # reflected: the other direction's key
 
 
+class DialerOptions(TypedDict, total=False):
+    """What a refused dialer does differently from the listener (`handshake`'s keywords)."""
+
+    dial_step: int
+    dial_digest: bytes
+    lane: int
+
+
 @pytest.mark.parametrize(
     ("case", "reason"),
     [
@@ -283,16 +304,19 @@ def test_a_sealed_frame_opens_only_once_in_order_on_its_own_direction():
         ("lane", "differ in comm.connections"),
     ],
 )
-def test_handshake_refusals_are_logged_on_both_sides(nodes: Nodes, caplog, case: str, reason: str):
+def test_handshake_refusals_are_logged_on_both_sides(
+    nodes: Nodes, caplog: pytest.LogCaptureFixture, case: str, reason: str
+) -> None:
     """Only a refusal for another digest says the views differ (the dialer elects again without
     counting a failed attempt), also where the dialer is not among the listener's members."""
     members = {nodes.a.public_key, nodes.b.public_key}
-    kwargs: dict = {
+    options: dict[str, DialerOptions] = {
         "step": {"dial_step": 6},
         "digest": {"dial_digest": b"x" * 32},
         "non-member of another election": {"dial_digest": b"x" * 32},
         "lane": {"lane": 1},  # the listener expects one connection per peer
-    }.get(case, {})
+    }
+    kwargs = options.get(case, {})
     dialer = nodes.c if case.startswith("non-member") else nodes.b
     with caplog.at_level(logging.WARNING, logger="p2ptrain.comm.handshake"):
         accepted, dialed = handshake(nodes.a, dialer, members, **kwargs)
@@ -302,7 +326,7 @@ def test_handshake_refusals_are_logged_on_both_sides(nodes: Nodes, caplog, case:
     assert any(reason in record.getMessage() for record in caplog.records)
 
 
-def test_impostor_claiming_a_members_key_is_refused(nodes: Nodes):
+def test_impostor_claiming_a_members_key_is_refused(nodes: Nodes) -> None:
     """c says it is b but cannot sign as b."""
     impostor = NodeIdentity(private_key=nodes.c.private_key, path=nodes.c.path)
 
@@ -317,7 +341,7 @@ def test_impostor_claiming_a_members_key_is_refused(nodes: Nodes):
     assert isinstance(dialed, WireError)
 
 
-def test_dialer_detects_the_wrong_listener(nodes: Nodes):
+def test_dialer_detects_the_wrong_listener(nodes: Nodes) -> None:
     accepted, dialed = handshake(
         nodes.c, nodes.b, {nodes.b.public_key, nodes.c.public_key}, expected=nodes.a.public_key
     )
@@ -325,7 +349,7 @@ def test_dialer_detects_the_wrong_listener(nodes: Nodes):
     assert isinstance(accepted, WireError)  # the dialer hung up without its proof
 
 
-def test_attempts_of_one_step_never_mix(nodes: Nodes):
+def test_attempts_of_one_step_never_mix(nodes: Nodes) -> None:
     """A dialer behind the listener's attempt learns the listener's number; one ahead abandons the
     listener's attempt and gets into its next one (same step, same members, same digest)."""
     settings = RingSettings(setup_timeout=10.0, failure_timeout=5.0)
@@ -359,11 +383,11 @@ def test_attempts_of_one_step_never_mix(nodes: Nodes):
     run(main())
 
 
-def test_garbage_instead_of_a_handshake(nodes: Nodes):
-    async def server(reader, writer):
+def test_garbage_instead_of_a_handshake(nodes: Nodes) -> None:
+    async def server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Session:
         return await accept(reader, writer, nodes.a, {nodes.a.public_key}, 1, DIGEST, timeout=2)
 
-    async def client(reader, writer):
+    async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
         writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         await writer.drain()
         return await reader.read()
