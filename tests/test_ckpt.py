@@ -8,16 +8,19 @@ import json
 import logging
 import os
 import time
-from collections.abc import Coroutine
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
+from types import ModuleType
 from typing import Any, TypeVar
 
 import aiohttp
 import pytest
 from aiohttp import web
 
+from p2ptrain.ckpt import fetch
 from p2ptrain.ckpt.fetch import RecoveryError, fetch_checkpoint, majority_checkpoint
-from p2ptrain.ckpt.format import checkpoint_name
+from p2ptrain.ckpt.format import SHARED_FILES, checkpoint_name
 from p2ptrain.ckpt.manifest import ManifestError, build_manifest, parse_manifest
 from p2ptrain.ckpt.sidecar import CheckpointSidecar
 from p2ptrain.rate import RateCap
@@ -236,6 +239,53 @@ def test_tampered_copy_is_refused_and_fetched_elsewhere(
     assert not list((tmp_path / "joiner").glob(".*"))  # no staging folder left behind
 
 
+class HalfwayPeer:
+    """A holder that announces the good node's checkpoint and serves the good node's manifest, but
+    sends half of a file and then does what `after_half(request, name)` does (stall, or drop the
+    connection), unless that returns False: then it sends the rest."""
+
+    def __init__(self, good: Path, digest: str, after_half: Callable[[web.Request, str], Awaitable[bool]]):
+        self.folder = good / "checkpoints" / checkpoint_name(STEP)
+        self.digest = digest
+        self.after_half = after_half
+        self.runner: web.AppRunner | None = None
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_get("/manifest", self._manifest)
+        app.router.add_get("/ckpt/{step}/{name}", self._file)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        assert isinstance(site._server, asyncio.Server)
+        return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+    async def close(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    async def _manifest(self, request: web.Request) -> web.Response:
+        return web.Response(text=(self.folder / "manifest.json").read_text(), content_type="application/json")
+
+    async def _file(self, request: web.Request) -> web.StreamResponse:
+        name = request.match_info["name"]
+        data = (self.folder / name).read_bytes()
+        response = web.StreamResponse(headers={"X-Checkpoint-Digest": self.digest})
+        response.content_length = len(data)
+        await response.prepare(request)
+        await response.write(data[: len(data) // 2])
+        if not await self.after_half(request, name):
+            await response.write(data[len(data) // 2 :])
+        return response
+
+
+def drop(request: web.Request) -> bool:
+    assert request.transport is not None
+    request.transport.close()  # as if the peer were killed halfway
+    return True
+
+
 @pytest.mark.parametrize("failure", ["stalls", "drops the connection"])
 def test_download_resumes_elsewhere_after_a_peer_fails_halfway(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, failure: str
@@ -245,44 +295,21 @@ def test_download_resumes_elsewhere_after_a_peer_fails_halfway(
     async def scenario() -> Path:
         peers = Peers()
         released = asyncio.Event()
-        _, digest = await peers.add(tmp_path / "good", 1)
-        good_url = peers.urls[0]
-        manifest_json = (
-            tmp_path / "good" / "checkpoints" / checkpoint_name(STEP) / "manifest.json"
-        ).read_text()
+        good_url, digest = await peers.add(tmp_path / "good", 1)
 
-        async def stall_manifest(request: web.Request) -> web.Response:
-            return web.Response(text=manifest_json, content_type="application/json")
-
-        async def stall_file(request: web.Request) -> web.StreamResponse:
-            name = request.match_info["name"]
-            data = (tmp_path / "good" / "checkpoints" / checkpoint_name(STEP) / name).read_bytes()
-            response = web.StreamResponse(headers={"X-Checkpoint-Digest": digest})
-            response.content_length = len(data)
-            await response.prepare(request)
-            await response.write(data[: len(data) // 2])
+        async def fail(request: web.Request, name: str) -> bool:
             if failure == "stalls":
                 await released.wait()  # then nothing, until the test ends
-            else:
-                assert request.transport is not None
-                request.transport.close()  # as if the peer were killed halfway
-            return response
+                return True
+            return drop(request)
 
-        stalling = web.Application()
-        stalling.router.add_get("/manifest", stall_manifest)
-        stalling.router.add_get("/ckpt/{step}/{name}", stall_file)
-        runner = web.AppRunner(stalling)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        assert isinstance(site._server, asyncio.Server)
-        stall_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        halfway = HalfwayPeer(tmp_path / "good", digest, fail)
         try:
-            holders = [heartbeat(2, stall_url, digest), heartbeat(1, good_url, digest)]
+            holders = [heartbeat(2, await halfway.start(), digest), heartbeat(1, good_url, digest)]
             return await fetch_checkpoint(digest, holders, tmp_path / "joiner", timeout=1.0)
         finally:
             released.set()
-            await runner.cleanup()
+            await halfway.close()
             await peers.close()
 
     with caplog.at_level(logging.INFO, logger="p2ptrain.ckpt.fetch"):
@@ -292,6 +319,55 @@ def test_download_resumes_elsewhere_after_a_peer_fails_halfway(
     assert (folder / "inner.safetensors").read_bytes() == bytes([1]) * 5000  # the good node's set
     resumed = [r.message for r in caplog.records if "resuming" in r.message]
     assert any("at byte" in message and not message.endswith(" 0") for message in resumed), resumed
+
+
+def test_a_holder_whose_set_is_lost_leaves_none_of_its_downloads_running(tmp_path: Path) -> None:
+    """The first holder's own files are lost (it drops them halfway) while it sends a shared file
+    slowly. That download must end with the holder's set, before the next holder's set writes the
+    same staging files: left running, it wrote into them after they were verified (seen once in
+    three runs on a busy machine: a joiner with a wrong θ_outer)."""
+    asked: Counter[str] = Counter()
+
+    async def scenario() -> tuple[Path, list[str]]:
+        peers = Peers()
+        released = asyncio.Event()
+        good_url, digest = await peers.add(tmp_path / "good", 1)
+
+        async def lose_own_files_and_stall_shared_ones(request: web.Request, name: str) -> bool:
+            asked[name] += 1
+            if name not in SHARED_FILES:
+                return drop(request)
+            if asked[name] == 1:
+                await released.wait()  # the first request of each shared file stalls (for 30 s)
+                return True
+            return False  # later ones are served in full
+
+        halfway = HalfwayPeer(tmp_path / "good", digest, lose_own_files_and_stall_shared_ones)
+        try:
+            holders = [heartbeat(2, await halfway.start(), digest), heartbeat(1, good_url, digest)]
+            folder = await fetch_checkpoint(digest, holders, tmp_path / "joiner", timeout=30.0)
+            return folder, running_in(fetch)
+        finally:
+            released.set()
+            await halfway.close()
+            await peers.close()
+
+    folder, running = run(scenario())
+    assert running == []
+    assert asked["outer.safetensors"] == 2  # stalled in the first holder's set, served in the next
+    assert (folder / "params.safetensors").read_bytes() == SHARED
+    assert (folder / "outer.safetensors").read_bytes() == SHARED[:1000]
+    assert (folder / "inner.safetensors").read_bytes() == bytes([1]) * 5000  # the good node's set
+
+
+def running_in(module: ModuleType) -> list[str]:
+    """The tasks of this event loop still running a coroutine of `module`."""
+    return [
+        repr(task)
+        for task in asyncio.all_tasks()
+        if not task.done()
+        and getattr(getattr(task.get_coro(), "cr_code", None), "co_filename", "") == module.__file__
+    ]
 
 
 def test_a_peer_serving_an_older_step_is_skipped(tmp_path: Path) -> None:

@@ -164,7 +164,19 @@ async def _fetch_set(
                 problems.append(f"{url}: {exc}")
         raise RecoveryError(f"{name}: no peer delivered a verified copy ({problems[-1]})")
 
-    await asyncio.gather(*(fetch_one(i, name) for i, name in enumerate(sorted(manifest.files))))
+    tasks = [asyncio.ensure_future(fetch_one(i, name)) for i, name in enumerate(sorted(manifest.files))]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        # one file lost ends the set: the others stop here, before the next holder's set starts
+        # writing the same staging files (a download left running wrote into them after they were
+        # verified, and into the renamed folder)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    lost = [error for task in tasks if not task.cancelled() and (error := task.exception()) is not None]
+    if lost:
+        raise lost[0]
 
 
 async def _fetch_from(
