@@ -444,3 +444,33 @@ def test_a_hello_that_came_after_our_election_does_not_cut_the_next_one_short(tm
         return waited
 
     assert asyncio.run(asyncio.wait_for(scenario(), 60)) >= 0.29
+
+
+def test_a_node_that_closes_its_data_plane_cuts_the_hellos_that_wait_for_its_step(tmp_path: Path) -> None:
+    """A member's hello for a step we never register waits for us up to setup_timeout. If we stop
+    meanwhile (our attempt failed, the node exits), closing the server cuts that connection: the
+    dialer fails at once instead of at its deadline, and our close does not wait for it either."""
+    step = 7
+
+    async def scenario() -> tuple[float, float, BaseException | None]:
+        settings = RingSettings(failure_timeout=5.0, setup_timeout=60.0)
+        me, member = load_or_create_identity(tmp_path / "me"), load_or_create_identity(tmp_path / "m")
+        server = DataPlaneServer(me, settings)
+        host, port = await server.start()
+        server.at_step(step)
+        members = [RingMember(me.public_key, host, port), RingMember(member.public_key, "127.0.0.1", 1)]
+        dial = asyncio.create_task(
+            dial_member(member, members[0], step, membership_digest(step, members), settings)
+        )
+        await server.dialed(30.0)  # the hello is in, proven, and waits for our step
+        assert server.waiting.waiting_strangers == 1
+        started = asyncio.get_running_loop().time()
+        await server.close()
+        closed_after = asyncio.get_running_loop().time() - started
+        outcome = (await asyncio.gather(dial, return_exceptions=True))[0]
+        failed_after = asyncio.get_running_loop().time() - started
+        return closed_after, failed_after, outcome if isinstance(outcome, BaseException) else None
+
+    closed_after, failed_after, error = asyncio.run(asyncio.wait_for(scenario(), 90))
+    assert error is not None, "the dial got through a server that closed"
+    assert closed_after < 10 and failed_after < 10, (closed_after, failed_after, error)  # not setup_timeout

@@ -50,6 +50,8 @@ KEPT_STEPS = 4
 """Steps whose next attempt number the server remembers (older ones cannot come back)."""
 RELAY_DRAIN_S = 1.0
 """How long a closing server lets the edges it relays finish."""
+ANSWER_CUT_S = 1.0
+"""How long a closing server waits for the tasks of the connections it cut to end (each time)."""
 MAX_ATTEMPT_JUMP = 8
 """How far ahead of ours a learned attempt number may take us at once (members converge in steps)."""
 MAX_STEPS_AHEAD = 1
@@ -122,6 +124,8 @@ class DataPlaneServer:
         """Where pushed records go (record_push.py); None: they are read and dropped."""
         self.lanes_accepted = 0
         """Ring connections handed to a step so far (benchmarks.scale counts them per step)."""
+        self._answering: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        """Incoming connections still being answered (a handshake, a probe, a relayed edge)."""
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         self._server = await asyncio.start_server(self._on_connection, host, port)
@@ -167,12 +171,26 @@ class DataPlaneServer:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+        await self._cut_answers()
         for registration in self._expected.values():
             for future in registration.incoming.values():
                 if not future.done():
                     future.cancel()
         for refusals in (self._refusals, self._over_cap, self._drops):
             refusals.flush()  # what a flood's last seconds did, counted, not lost
+
+    async def _cut_answers(self) -> None:
+        """Cut the connections still being answered and end their tasks, so that their peers learn
+        at once that this node is gone: a hello waiting for a step would otherwise hold its dialer
+        until setup_timeout. Twice at most: Python 3.11's wait_for can lose a cancellation that
+        meets a frame just read, and the answer then goes on (its writes and reads fail now)."""
+        for _ in range(2):
+            if not self._answering:
+                return
+            for task, writer in list(self._answering.items()):
+                writer.transport.abort()
+                task.cancel()
+            await asyncio.wait(list(self._answering), timeout=ANSWER_CUT_S)
 
     def expect(
         self,
@@ -280,10 +298,15 @@ class DataPlaneServer:
     async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """asyncio's task for one incoming connection. Cancelled when the node's event loop shuts
         down, it ends quietly: Python 3.11's stream callback would log a traceback for it."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._answering[task] = writer
         try:
             await self._serve(reader, writer)
         except asyncio.CancelledError:
             writer.transport.abort()
+        finally:
+            del self._answering[task]
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
