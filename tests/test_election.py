@@ -6,13 +6,13 @@ import asyncio
 import itertools
 import math
 import random
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 
 from p2ptrain.comm.connect import dial_member
-from p2ptrain.comm.dataplane import DataPlaneServer, RingSettings
+from p2ptrain.comm.dataplane import Connection, DataPlaneServer, RingSettings
 from p2ptrain.comm.members import RingMember, membership_digest
 from p2ptrain.identity import load_or_create_identity
 from p2ptrain.swarm.election import (
@@ -382,6 +382,28 @@ def test_the_linear_greedy_tour_equals_the_quadratic_one() -> None:
         assert _greedy_tour(keys, links) == _greedy_oracle(keys, links), trial
 
 
+@dataclass
+class WaitingHello:
+    """Our data-plane server at `step`, and a member's dial of it for that step (a task), over TCP."""
+
+    server: DataPlaneServer
+    member: bytes
+    digest: bytes
+    dial: asyncio.Task[Connection]
+
+    @staticmethod
+    async def start(root: Path, step: int, setup_timeout: float) -> WaitingHello:
+        settings = RingSettings(failure_timeout=5.0, setup_timeout=setup_timeout)
+        me, member = load_or_create_identity(root / "me"), load_or_create_identity(root / "m")
+        server = DataPlaneServer(me, settings)
+        host, port = await server.start()
+        server.at_step(step)  # no candidates: the member's hello waits in a stranger's slot
+        members = [RingMember(me.public_key, host, port), RingMember(member.public_key, "127.0.0.1", 1)]
+        digest = membership_digest(step, members)
+        dial = asyncio.create_task(dial_member(member, members[0], step, digest, settings))
+        return WaitingHello(server, member.public_key, digest, dial)
+
+
 def test_a_member_that_dials_before_we_decided_cuts_our_election_wait_short(tmp_path: Path) -> None:
     """`DataPlaneServer.dialed`, which the node's election waits on between reads, returns as soon
     as a member's hello for our step arrives before we registered the step (over real TCP), once
@@ -389,20 +411,14 @@ def test_a_member_that_dials_before_we_decided_cuts_our_election_wait_short(tmp_
     step = 7
 
     async def scenario() -> tuple[float, float]:
-        settings = RingSettings(failure_timeout=5.0, setup_timeout=30.0)
-        me, member = load_or_create_identity(tmp_path / "me"), load_or_create_identity(tmp_path / "m")
-        server = DataPlaneServer(me, settings)
-        host, port = await server.start()
-        server.at_step(step)
-        members = [RingMember(me.public_key, host, port), RingMember(member.public_key, "127.0.0.1", 1)]
-        digest = membership_digest(step, members)
-        dial = asyncio.create_task(dial_member(member, members[0], step, digest, settings))
+        hello = await WaitingHello.start(tmp_path, step, setup_timeout=30.0)
+        server, member, digest, dial = hello.server, hello.member, hello.digest, hello.dial
         started = asyncio.get_running_loop().time()
         await server.dialed(60.0)  # the hello waits for our registration: we are woken
         woken_after = asyncio.get_running_loop().time() - started
-        registration = server.expect(step, [member.public_key], digest)
+        registration = server.expect(step, [member], digest)
         _, writer, _ = await asyncio.wait_for(dial, 10)
-        assert await asyncio.wait_for(registration.incoming[(member.public_key, 0)], 10) is not None
+        assert await asyncio.wait_for(registration.incoming[(member, 0)], 10) is not None
         writer.close()
         started = asyncio.get_running_loop().time()
         await server.dialed(0.3)  # nothing new: the whole wait
@@ -421,21 +437,15 @@ def test_a_hello_that_came_after_our_election_does_not_cut_the_next_one_short(tm
     step = 7
 
     async def scenario() -> float:
-        settings = RingSettings(failure_timeout=5.0, setup_timeout=30.0)
-        me, member = load_or_create_identity(tmp_path / "me"), load_or_create_identity(tmp_path / "m")
-        server = DataPlaneServer(me, settings)
-        host, port = await server.start()
-        server.at_step(step)  # no candidates: the member's hello waits in a stranger's slot
-        members = [RingMember(me.public_key, host, port), RingMember(member.public_key, "127.0.0.1", 1)]
-        digest = membership_digest(step, members)
-        dial = asyncio.create_task(dial_member(member, members[0], step, digest, settings))
+        hello = await WaitingHello.start(tmp_path, step, setup_timeout=30.0)
+        server, member, digest, dial = hello.server, hello.member, hello.digest, hello.dial
         deadline = asyncio.get_running_loop().time() + 10
         while server.waiting.waiting_strangers == 0:  # the hello is in and waits for our step
             assert asyncio.get_running_loop().time() < deadline, "the hello never came"
             await asyncio.sleep(0.01)
-        registration = server.expect(step, [member.public_key], digest)
+        registration = server.expect(step, [member], digest)
         _, writer, _ = await asyncio.wait_for(dial, 10)
-        assert await asyncio.wait_for(registration.incoming[(member.public_key, 0)], 10) is not None
+        assert await asyncio.wait_for(registration.incoming[(member, 0)], 10) is not None
         writer.close()
         started = asyncio.get_running_loop().time()
         await server.dialed(0.3)  # the next election: nothing new, the whole wait
@@ -453,15 +463,8 @@ def test_a_node_that_closes_its_data_plane_cuts_the_hellos_that_wait_for_its_ste
     step = 7
 
     async def scenario() -> tuple[float, float, BaseException | None]:
-        settings = RingSettings(failure_timeout=5.0, setup_timeout=60.0)
-        me, member = load_or_create_identity(tmp_path / "me"), load_or_create_identity(tmp_path / "m")
-        server = DataPlaneServer(me, settings)
-        host, port = await server.start()
-        server.at_step(step)
-        members = [RingMember(me.public_key, host, port), RingMember(member.public_key, "127.0.0.1", 1)]
-        dial = asyncio.create_task(
-            dial_member(member, members[0], step, membership_digest(step, members), settings)
-        )
+        hello = await WaitingHello.start(tmp_path, step, setup_timeout=60.0)
+        server, dial = hello.server, hello.dial
         await server.dialed(30.0)  # the hello is in, proven, and waits for our step
         assert server.waiting.waiting_strangers == 1
         started = asyncio.get_running_loop().time()
