@@ -80,6 +80,8 @@ class _Demo:
     ):
         self.settings = [flag for setting in settings for flag in ("--set", setting)]
         """Config overrides for every node (`--set KEY=VALUE`)."""
+        self.inner_steps = _inner_steps(settings)
+        """H: the run lasts `steps` outer steps of it (train.max_steps follows it)."""
         self.work_dir = work_dir.resolve()
         self.place = place
         self.logs = self.work_dir / "logs"
@@ -150,7 +152,9 @@ class _Demo:
         self.say(f"bootstrap peer up at {self.peer}")
         for name in self.names:
             self.start_node(name, "--set", f"swarm.wait_nodes={self.nodes}")
-        self.say(f"started {self.nodes} nodes: the debug model, {self.steps} outer steps of H={INNER_STEPS}")
+        self.say(
+            f"started {self.nodes} nodes: the debug model, {self.steps} outer steps of H={self.inner_steps}"
+        )
 
     def start_node(self, name: str, *extra: str) -> None:
         host = self.place(name)
@@ -160,8 +164,8 @@ class _Demo:
                 "join", "--peer", self.peer, "--config", "debug", "--work-dir", str(self.work_dir / name),
                 "--listen", host.listen, "--table-every", "0",
                 "--set", f'node.data_host="{host.ip}"',
-                "--set", f"train.inner_steps={INNER_STEPS}",
-                "--set", f"train.max_steps={self.steps * INNER_STEPS}",
+                "--set", f"train.inner_steps={self.inner_steps}",
+                "--set", f"train.max_steps={self.steps * self.inner_steps}",
                 "--set", "swarm.straggler_deadline=5",
                 *self.settings,
                 *extra,
@@ -282,6 +286,16 @@ class _Demo:
             "checkpoints": str(self.work_dir / "node0" / "checkpoints"),
             "logs": str(self.logs),
         }
+
+
+def _inner_steps(settings: Sequence[str]) -> int:
+    """H as the overrides set it (the last `train.inner_steps=N`), else the demo's; a value that is
+    not a number is left for the nodes' config check to refuse."""
+    for setting in reversed(settings):
+        key, _, value = setting.partition("=")
+        if key.strip() == "train.inner_steps" and value.strip().isdigit() and int(value) > 0:
+            return int(value)
+    return INNER_STEPS
 
 
 def _step_view(record: dict[str, Any]) -> dict[str, Any]:

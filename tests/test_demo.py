@@ -31,7 +31,7 @@ def test_demo_trains_loses_a_node_takes_in_a_new_one(tmp_path: Path, overlap: bo
     # node's own files take about 3 s), and it collects the results of the steps taken meanwhile
     work = str(tmp_path / "demo")
     extra = ("--set", "node.serve_mbps=16", *LIGHT)  # and the tests' light batches
-    extra += ("--set", "train.inner_steps=30", "--set", "train.max_steps=180")
+    extra += ("--set", "train.inner_steps=30")  # the demo sets train.max_steps to 6 × 30
     if overlap:
         extra += ("--set", "outer.overlap=true")
     result = cli("demo", "--json", "--steps", "6", "--kill-at", "2", "--work-dir", work, *extra, timeout=600)
@@ -39,6 +39,7 @@ def test_demo_trains_loses_a_node_takes_in_a_new_one(tmp_path: Path, overlap: bo
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["ok"] is True, summary
     # the progress a person sees: a line per outer step, the fault, the summary
+    assert "6 outer steps of H=30" in result.stdout  # the demo's H follows the override
     assert "outer step 1: loss" in result.stdout and "SIGKILL node2" in result.stdout
     assert "done: 6 outer steps" in result.stdout and "0 orphans" in result.stdout
     assert summary["outer_steps"] == 6 and summary["params_hash_agree"] is True
