@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from collections.abc import Mapping
+import sys
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 
@@ -27,6 +28,19 @@ VERSION = 4
 PREFIX = struct.Struct("!4sBHI")
 MAX_HEADER_BYTES = 4096
 DEFAULT_MAX_PAYLOAD = 256 << 20
+T = TypeVar("T")
+
+if sys.version_info >= (3, 11):
+
+    async def within(awaitable: Awaitable[T], seconds: float) -> T:
+        """`awaitable`, or TimeoutError after `seconds`. Python 3.11's wait_for can lose a
+        cancellation that comes in the turn its awaitable finishes (the caller then goes on as if
+        never cancelled: a node's shutdown waited for it); asyncio.timeout cannot."""
+        async with asyncio.timeout(seconds):
+            return await awaitable
+
+else:  # 3.10: no asyncio.timeout
+    within = asyncio.wait_for
 
 
 class WireError(Exception):
@@ -113,7 +127,7 @@ async def _read_exactly(
     if remaining <= 0:
         raise PeerTimeout("deadline passed before the frame arrived")
     try:
-        return await asyncio.wait_for(reader.readexactly(count), remaining)
+        return await within(reader.readexactly(count), remaining)
     except asyncio.IncompleteReadError as exc:
         closed = ClosedBetweenFrames if frame_start and not exc.partial else PeerClosed
         raise closed(f"connection closed after {len(exc.partial)} of {count} bytes") from None
@@ -144,7 +158,7 @@ async def write_frame(
     """Send one frame and wait (bounded) until the transport's buffer drains."""
     writer.writelines(encode_frame(header, payload))
     try:
-        await asyncio.wait_for(writer.drain(), timeout)
+        await within(writer.drain(), timeout)
     except asyncio.TimeoutError:
         raise PeerTimeout("peer did not take the frame within the deadline") from None
     except (ConnectionError, OSError) as exc:
