@@ -20,7 +20,7 @@ from p2ptrain.channel import (
     encode,
 )
 from p2ptrain.node.agent import TrainingNode
-from p2ptrain.node.interrupt import Interrupted, unless
+from p2ptrain.node.interrupt import Interrupted, finish_first, unless
 from p2ptrain.train.agent_link import ChannelLink
 
 
@@ -131,3 +131,30 @@ def test_rank_zero_asks_whether_a_steps_answer_is_here_without_waiting_and_keeps
     assert link.collect(6) == Averaged(outer_step=6, members=2)
     agent_end.close()
     rank_end.close()
+
+
+def test_work_under_way_when_the_node_stops_finishes_within_the_grace_then_is_cancelled() -> None:
+    """`finish_first` (the all-reduce of a node told to stop): cancelled while its work runs, the work
+    still ends before the cancellation goes on; work that would take longer is cut at the grace."""
+
+    async def scenario() -> tuple[list[float], list[BaseException | float], float]:
+        ended: list[float] = []
+
+        async def work(seconds: float) -> float:
+            await asyncio.sleep(seconds)
+            ended.append(seconds)
+            return seconds
+
+        quick = asyncio.ensure_future(finish_first(work(0.3), grace=10.0))
+        slow = asyncio.ensure_future(finish_first(work(60.0), grace=0.3))
+        await asyncio.sleep(0.05)  # both under way
+        started = asyncio.get_running_loop().time()
+        quick.cancel()
+        slow.cancel()
+        outcomes = await asyncio.gather(quick, slow, return_exceptions=True)
+        return ended, list(outcomes), asyncio.get_running_loop().time() - started
+
+    ended, outcomes, waited = asyncio.run(scenario())
+    assert ended == [0.3]  # the quick work ended though its caller was cancelled; the slow one did not
+    assert all(isinstance(outcome, asyncio.CancelledError) for outcome in outcomes), outcomes
+    assert waited < 10, waited  # the slow one was cut at its grace, not awaited to its end

@@ -50,7 +50,7 @@ from p2ptrain.node.checkpoint_copies import (
     mark_diverged,
     prune_places,
 )
-from p2ptrain.node.interrupt import Interrupted, unless
+from p2ptrain.node.interrupt import LEAVING_GRACE_S, Interrupted, unless
 from p2ptrain.node.progress import ProgressView
 from p2ptrain.node.rank_launcher import (
     RANK_STOP_TIMEOUT,
@@ -339,7 +339,8 @@ class TrainingNode:
                 for proc in self.ranks.procs:
                     await asyncio.wait_for(proc.wait(), RANK_STOP_TIMEOUT)
         finally:
-            if self.syncing is not None:
+            if self.syncing is not None:  # told to stop, it lets an all-reduce under way finish
+                await asyncio.wait([self.syncing], timeout=LEAVING_GRACE_S + 1)
                 self.syncing.cancel()
             channel.close()
             await self.ranks.stop()

@@ -26,6 +26,7 @@ from p2ptrain.config import Config
 from p2ptrain.faults import Faults
 from p2ptrain.identity import short_id
 from p2ptrain.node.election_reads import ElectionReads
+from p2ptrain.node.interrupt import LEAVING_GRACE_S, finish_first
 from p2ptrain.node.record_extras import RecordExtras
 from p2ptrain.swarm.crash_watch import CrashWatch, answers_hello
 from p2ptrain.swarm.dht import SwarmDHT
@@ -290,7 +291,7 @@ class OuterSync:
             next_attempt_at = elected_at + min(MIN_ATTEMPT_SECONDS, swarm.heartbeat_interval / 2)
             self.publisher.publish_soon(state=NodeState.SYNCING)  # for the others' tables: no need to wait
             try:
-                stats = await ring_all_reduce(
+                reduce = ring_all_reduce(
                     self.server,
                     step,
                     election.members,
@@ -298,6 +299,7 @@ class OuterSync:
                     lambda *_: self.faults.die_mid_reduce(step),
                     election.relays,
                 )
+                stats = await finish_first(reduce, LEAVING_GRACE_S)  # a node that stops finishes it
             except AllReduceError as exc:
                 last_error = exc
                 refusers.forgive(exc.connected)
