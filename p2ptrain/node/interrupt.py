@@ -47,4 +47,6 @@ async def finish_first(work: Awaitable[T], grace: float) -> T:
         await asyncio.wait([task], timeout=grace)
         task.cancel()
         await asyncio.wait([task])  # its cleanup (connections closed)
+        if not task.cancelled():
+            task.exception()  # failed in the grace: read, so asyncio does not log it as lost
         raise
