@@ -324,8 +324,8 @@ def test_download_resumes_elsewhere_after_a_peer_fails_halfway(
 def test_a_holder_whose_set_is_lost_leaves_none_of_its_downloads_running(tmp_path: Path) -> None:
     """The first holder's own files are lost (it drops them halfway) while it sends a shared file
     slowly. That download must end with the holder's set, before the next holder's set writes the
-    same staging files: left running, it wrote into them after they were verified (seen once in
-    three runs on a busy machine: a joiner with a wrong θ_outer)."""
+    same staging files: left running, it wrote into them after they were verified (seen on a busy
+    machine: a joiner with a wrong θ_outer)."""
     asked: Counter[str] = Counter()
 
     async def scenario() -> tuple[Path, list[str]]:
