@@ -25,6 +25,7 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from p2ptrain.ckpt.format import MANIFEST_FILE, latest_checkpoint
+from p2ptrain.config import load_config
 from p2ptrain.errors import UserError
 from p2ptrain.procs import ChildProcesses
 from p2ptrain.train.metrics import read_metrics
@@ -289,13 +290,9 @@ class _Demo:
 
 
 def _inner_steps(settings: Sequence[str]) -> int:
-    """H as the overrides set it (the last `train.inner_steps=N`), else the demo's; a value that is
-    not a number is left for the nodes' config check to refuse."""
-    for setting in reversed(settings):
-        key, _, value = setting.partition("=")
-        if key.strip() == "train.inner_steps" and value.strip().isdigit() and int(value) > 0:
-            return int(value)
-    return INNER_STEPS
+    """H as the nodes will have it: the demo's, unless the overrides set another (read by the
+    config loader the nodes use, environment included)."""
+    return load_config("debug", overrides=[f"train.inner_steps={INNER_STEPS}", *settings]).train.inner_steps
 
 
 def _step_view(record: dict[str, Any]) -> dict[str, Any]:
