@@ -25,6 +25,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
+from p2ptrain.deadline import within
+
 MAX_PENDING_HANDSHAKES = 64
 """Connections that have not sent their hello yet, in all."""
 MAX_PENDING_PER_SOURCE = 32
@@ -99,5 +101,5 @@ async def wait_until(
         if remaining <= 0:
             return False
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(changed().wait(), remaining)
+            await within(changed().wait(), remaining)
     return True

@@ -18,6 +18,7 @@ from p2ptrain.comm.members import RingMember
 from p2ptrain.comm.relay import RelayRefused, Role, Route, needs_relay, open_relayed, route
 from p2ptrain.comm.schedule import Schedule
 from p2ptrain.comm.wire import PeerTimeout, WireError, expect, read_frame, stream_transport, write_frame
+from p2ptrain.deadline import within
 from p2ptrain.identity import NodeIdentity, short_id
 
 REFUSED_GRACE = 1.0
@@ -34,7 +35,7 @@ async def refuses_connections(host: str, port: int, timeout: float = 1.0) -> boo
     A member listens on its published port until it leaves, so a refusal says its process is gone;
     a port that accepts, times out or cannot be routed proves nothing."""
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        _, writer = await within(asyncio.open_connection(host, port), timeout)
     except ConnectionRefusedError:
         return True
     except (OSError, asyncio.TimeoutError):
@@ -50,9 +51,7 @@ async def _open(
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """A TCP stream to `member`: direct, or through the relay of `via` (relay.py)."""
     if via is None:
-        return await asyncio.wait_for(
-            asyncio.open_connection(member.host, member.port), settings.failure_timeout
-        )
+        return await within(asyncio.open_connection(member.host, member.port), settings.failure_timeout)
     relay, request = via
     try:
         return await open_relayed(identity, relay, request, settings.setup_timeout)
@@ -244,9 +243,7 @@ async def connect_lanes(
         future = registration.incoming[(member.key, lane)]
         while (remaining := deadline - time.monotonic()) > 0:
             with contextlib.suppress(asyncio.TimeoutError):
-                connection = await asyncio.wait_for(
-                    asyncio.shield(future), min(remaining, GONE_PROBE_INTERVAL)
-                )
+                connection = await within(asyncio.shield(future), min(remaining, GONE_PROBE_INTERVAL))
                 connections.append(connection)
                 return (peer, lane % lanes), connection
             # behind NAT its port proves nothing (a router may answer for it)

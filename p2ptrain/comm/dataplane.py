@@ -40,6 +40,7 @@ from p2ptrain.comm.relay import RELAY_KINDS
 from p2ptrain.comm.relay_service import RelayAdmit, RelayService
 from p2ptrain.comm.wire import ClosedBetweenFrames, WireError, read_frame, write_frame
 from p2ptrain.config import Topology
+from p2ptrain.deadline import within
 from p2ptrain.identity import NodeIdentity, short_id
 from p2ptrain.untrusted import ThrottledLog
 
@@ -161,7 +162,7 @@ class DataPlaneServer:
         member has decided its election and dials us: read the records again now), or after
         `timeout`. A wake that came since the last call returns at once, once."""
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._dialed.wait(), timeout)
+            await within(self._dialed.wait(), timeout)
         self._dialed.clear()
 
     async def close(self) -> None:

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from p2ptrain.comm.wire import Frame, WireError, read_frame, write_frame
+from p2ptrain.deadline import within
 from p2ptrain.untrusted import ThrottledLog
 
 log = logging.getLogger(__name__)
@@ -162,13 +163,13 @@ class ReachService:
         writer = None
         answer: Frame | None = None
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(*prober), DIAL_TIMEOUT)
+            reader, writer = await within(asyncio.open_connection(*prober), DIAL_TIMEOUT)
             await write_frame(writer, request, timeout=DIAL_TIMEOUT)
             answer = await read_frame(reader, ASK_TIMEOUT + DIAL_TIMEOUT, 0)
             for event, asked in ((proof, True), (ckpt_proof, ckpt_port is not None)):
                 if asked and not event.is_set():  # a proof may land just after the answer
                     with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(event.wait(), 0.5)
+                        await within(event.wait(), 0.5)
         except (OSError, asyncio.TimeoutError, WireError):
             pass
         finally:
@@ -228,9 +229,9 @@ async def _get_proof(host: str, port: int, nonce: bytes) -> bool:
     """GET the asker's sidecar at host:port with the nonce; True when an HTTP answer came back."""
     writer = None
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), DIAL_TIMEOUT)
+        reader, writer = await within(asyncio.open_connection(host, port), DIAL_TIMEOUT)
         writer.write(f"GET /reach/{nonce.hex()} HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
-        status = await asyncio.wait_for(reader.readline(), DIAL_TIMEOUT)
+        status = await within(reader.readline(), DIAL_TIMEOUT)
         return status.startswith(b"HTTP/1.")
     except (OSError, asyncio.TimeoutError, ValueError):
         return False
@@ -243,7 +244,7 @@ async def _send_proof(host: str, port: int, nonce: bytes) -> bool:
     """Dial host:port and deliver the proof; True when the frame went out."""
     writer = None
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), DIAL_TIMEOUT)
+        _, writer = await within(asyncio.open_connection(host, port), DIAL_TIMEOUT)
         await write_frame(writer, {"kind": "reach-proof", "nonce": nonce}, timeout=DIAL_TIMEOUT)
         return True
     except (OSError, asyncio.TimeoutError, WireError):

@@ -24,6 +24,7 @@ import logging
 from collections.abc import Callable, Collection, Iterable
 
 from p2ptrain.comm.wire import WireError, read_frame, write_frame
+from p2ptrain.deadline import within
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ async def push_record(host: str, port: int, record: bytes, timeout: float) -> bo
     `timeout`, that it holds it."""
     writer = None
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        reader, writer = await within(asyncio.open_connection(host, port), timeout)
         await write_frame(writer, {"kind": RECORD_KIND}, timeout=timeout)
         await write_frame(writer, {"kind": "body"}, record, timeout=timeout)
         return (await read_frame(reader, timeout, 0)).kind == HELD

@@ -39,6 +39,7 @@ from typing import Literal
 
 from p2ptrain.comm.members import RingMember
 from p2ptrain.comm.wire import WireError, expect, read_frame, write_frame
+from p2ptrain.deadline import within
 from p2ptrain.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, NodeIdentity, short_id, verify
 
 log = logging.getLogger(__name__)
@@ -209,7 +210,7 @@ async def open_relayed(
     (the end-to-end handshake comes next). RelayRefused with the relay's reason when it refuses;
     other WireErrors when the relay cannot be reached or does not answer."""
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(relay.host, relay.port), timeout)
+        reader, writer = await within(asyncio.open_connection(relay.host, relay.port), timeout)
     except (OSError, asyncio.TimeoutError) as exc:
         raise WireError(
             f"cannot connect to relay {short_id(relay.key)} at {relay.host}:{relay.port}: {exc}"

@@ -18,6 +18,7 @@ from p2ptrain.comm.budget import wait_until
 from p2ptrain.comm.members import RingMember
 from p2ptrain.comm.relay import RelayRequest, Stream, needs_relay, relay_for
 from p2ptrain.comm.wire import Frame, WireError, write_frame
+from p2ptrain.deadline import within
 from p2ptrain.identity import NodeIdentity, short_id
 from p2ptrain.rate import RateCap
 from p2ptrain.untrusted import ThrottledLog
@@ -119,7 +120,7 @@ class RelayService:
         """Return once no edge is relayed here (or after `timeout`): a node that leaves lets the
         edges it carries finish first, else their step fails for the members at both ends."""
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._none_spliced.wait(), timeout)
+            await within(self._none_spliced.wait(), timeout)
 
     def abort(self) -> None:
         """Cut every edge still relayed and every end still waiting (this node is leaving)."""
@@ -266,7 +267,7 @@ class RelayService:
         entry = self._waiting[request.edge] = (request, mine, future)
         try:
             # the partner's task runs the splice; this one only hands its stream over
-            return await asyncio.wait_for(asyncio.shield(future), max(0.0, deadline - time.monotonic()))
+            return await within(asyncio.shield(future), max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
             if future.done():  # paired just as the deadline passed: the stream is spliced now
                 return future.result()

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import struct
-import sys
-from collections.abc import Awaitable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgpack
 
+from p2ptrain.deadline import within
 from p2ptrain.untrusted import UndecodableError, unpack_untrusted
 
 MAGIC = b"P2PT"
@@ -29,18 +29,6 @@ PREFIX = struct.Struct("!4sBHI")
 MAX_HEADER_BYTES = 4096
 DEFAULT_MAX_PAYLOAD = 256 << 20
 T = TypeVar("T")
-
-if sys.version_info >= (3, 11):
-
-    async def within(awaitable: Awaitable[T], seconds: float) -> T:
-        """`awaitable`, or TimeoutError after `seconds`. Python 3.11's wait_for can lose a
-        cancellation that comes in the turn its awaitable finishes (the caller then goes on as if
-        never cancelled: a node's shutdown waited for it); asyncio.timeout cannot."""
-        async with asyncio.timeout(seconds):
-            return await awaitable
-
-else:  # 3.10: no asyncio.timeout
-    within = asyncio.wait_for
 
 
 class WireError(Exception):

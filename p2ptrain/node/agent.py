@@ -40,6 +40,7 @@ from p2ptrain.channel import (
 )
 from p2ptrain.ckpt.format import checkpoint_places, checkpoint_step
 from p2ptrain.config import Config
+from p2ptrain.deadline import within
 from p2ptrain.errors import UserError
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.memory_limits import gib
@@ -311,7 +312,7 @@ class TrainingNode:
             return
         with contextlib.suppress(ChannelError, asyncio.TimeoutError):
             while not self.finished:
-                await self._handle(await asyncio.wait_for(channel.receive(), DYING_RANK_S), channel)
+                await self._handle(await within(channel.receive(), DYING_RANK_S), channel)
 
     async def _run_ranks(self) -> None:
         """Run the ranks until they finish or the node is stopped; raises TrainingFailed."""
@@ -337,7 +338,7 @@ class TrainingNode:
                     break
             if self.finished and failure is None:
                 for proc in self.ranks.procs:
-                    await asyncio.wait_for(proc.wait(), RANK_STOP_TIMEOUT)
+                    await within(proc.wait(), RANK_STOP_TIMEOUT)
         finally:
             if self.syncing is not None:  # told to stop, it lets an all-reduce under way finish
                 await asyncio.wait([self.syncing], timeout=LEAVING_GRACE_S + 1)
@@ -377,7 +378,7 @@ class TrainingNode:
                 self.say(f"staying up to {grace:.0f} s for {behind} node(s) still behind")
                 announced = True
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.stop.wait(), self.config.swarm.heartbeat_interval)
+                await within(self.stop.wait(), self.config.swarm.heartbeat_interval)
 
     async def run(self) -> None:
         try:
@@ -403,7 +404,7 @@ class TrainingNode:
             await self.swarm.close(self.out, self.identity.short_id)
             if self.copies is not None:
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(asyncio.shield(self.copies), COPY_WAIT)
+                    await within(asyncio.shield(self.copies), COPY_WAIT)
             if self.diverged:
                 await asyncio.to_thread(mark_diverged, self.places, self.diverged)
             await asyncio.to_thread(flush_leftovers, self.places, self.config.checkpoint.keep)

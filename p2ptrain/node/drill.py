@@ -20,6 +20,7 @@ from typing import TextIO
 import numpy as np
 
 from p2ptrain.config import Config
+from p2ptrain.deadline import within
 from p2ptrain.identity import NodeIdentity, short_id
 from p2ptrain.node.data_server import node_server
 from p2ptrain.node.interrupt import Interrupted, unless
@@ -65,7 +66,7 @@ async def run_drill(
                     break
                 await publisher.publish(state=NodeState.TRAINING, outer_step=step)
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(stop.wait(), rng.uniform(0, inner_seconds))
+                    await within(stop.wait(), rng.uniform(0, inner_seconds))
                 if stop.is_set():
                     break
                 seed = int.from_bytes(

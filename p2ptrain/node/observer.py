@@ -14,6 +14,7 @@ import time
 from typing import TextIO
 
 from p2ptrain.config import Config
+from p2ptrain.deadline import within
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.swarm.dht import SwarmDHT
 from p2ptrain.swarm.membership import HeartbeatPublisher, SwarmView
@@ -53,7 +54,7 @@ async def run_node(
                 next_table = time.monotonic() + table_every
                 print(format_table(await view.read()), file=out, flush=True)
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), config.swarm.heartbeat_interval)
+                await within(stop.wait(), config.swarm.heartbeat_interval)
     finally:
         if page is not None:
             await page.close()

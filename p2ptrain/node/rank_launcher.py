@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from p2ptrain.config import Config
+from p2ptrain.deadline import within
 from p2ptrain.faults import Faults
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.memory_limits import OUT_OF_MEMORY_EXIT
@@ -155,7 +156,7 @@ class RankGroup:
                 proc.terminate()
         for proc in running:
             try:
-                await asyncio.wait_for(proc.wait(), timeout)
+                await within(proc.wait(), timeout)
             except asyncio.TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()

@@ -21,6 +21,7 @@ from typing import Any
 from p2ptrain.comm.dataplane import DataPlaneServer
 from p2ptrain.comm.reach import ProbeResult, Reach, can_be_dialed
 from p2ptrain.config import Config
+from p2ptrain.deadline import within
 from p2ptrain.swarm.dht import SwarmDHT
 from p2ptrain.swarm.election import parse_address
 from p2ptrain.swarm.membership import HeartbeatPublisher, SwarmView, live
@@ -157,7 +158,7 @@ class Reachability:
         while not stop.is_set():
             delay = RECHECK_SECONDS if self.result.reach is not Reach.UNKNOWN else UNKNOWN_RETRY_SECONDS
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), delay)
+                await within(stop.wait(), delay)
             if not stop.is_set():
                 try:
                     await self.probe_once()

@@ -41,6 +41,7 @@ from p2ptrain.ckpt.replay import (
 )
 from p2ptrain.ckpt.sidecar import CheckpointSidecar
 from p2ptrain.config import Config, parameter_count
+from p2ptrain.deadline import within
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.identity import short_id as short_key
 from p2ptrain.node.config_check import refuse_other_settings
@@ -305,7 +306,7 @@ class SwarmLink(SoloSwarm):
             if (not wait and not any(b.ckpt_digest for b in beats)) or time.monotonic() > deadline:
                 return None
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.config.swarm.heartbeat_interval / 2)
+                await within(stop.wait(), self.config.swarm.heartbeat_interval / 2)
         return None
 
     async def finish(self, outer_step: int, params_hash: str) -> None:

@@ -25,6 +25,7 @@ from p2ptrain.comm.connect import refuses_connections
 from p2ptrain.comm.handshake import NONCE_BYTES, hello_header
 from p2ptrain.comm.reach import can_be_dialed
 from p2ptrain.comm.wire import WireError, read_frame, write_frame
+from p2ptrain.deadline import within
 from p2ptrain.identity import NodeIdentity, short_id
 from p2ptrain.swarm.election import parse_address
 from p2ptrain.swarm.records import Heartbeat
@@ -48,7 +49,7 @@ async def answers_hello(address: str, identity: NodeIdentity, timeout: float = P
         return False
     writer = None
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(*parsed), timeout)
+        reader, writer = await within(asyncio.open_connection(*parsed), timeout)
         hello = hello_header(identity, PROBE_STEP, bytes(32), secrets.token_bytes(NONCE_BYTES), bytes(32))
         await write_frame(writer, hello, timeout=timeout)
         answer = await read_frame(reader, timeout, 4096)

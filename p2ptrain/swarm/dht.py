@@ -27,6 +27,7 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 
 import p2ptrain.swarm.quiet  # noqa: F401  (hivemind keeps quiet)
 from p2ptrain import procs
+from p2ptrain.deadline import within
 from p2ptrain.errors import IdentityError, NetworkError, UserError
 from p2ptrain.swarm.dht_process import (
     ConnectedPeers,
@@ -226,7 +227,7 @@ class SwarmDHT:
         waiter: asyncio.Future[Any] = loop.create_future()
         answer.add_done_callback(lambda done: _settle_soon(loop, waiter, done))
         try:
-            return await asyncio.wait_for(waiter, timeout)
+            return await within(waiter, timeout)
         except (asyncio.TimeoutError, asyncio.CancelledError):
             self._dht.cancel(call_id)
             raise

@@ -26,6 +26,7 @@ from hivemind.utils import get_dht_time
 import p2ptrain.swarm.quiet  # noqa: F401  (hivemind keeps quiet)
 from p2ptrain.comm.reach import can_be_dialed
 from p2ptrain.config import Config
+from p2ptrain.deadline import within
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.swarm.admission import parse_ticket_text
 from p2ptrain.swarm.crash_watch import port_refuses
@@ -170,7 +171,7 @@ async def keep_alive(publisher: HeartbeatPublisher, interval: float, stop: async
     """Re-publish the current record every `interval` seconds until `stop` is set."""
     while not stop.is_set():
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), interval)
+            await within(stop.wait(), interval)
         if not stop.is_set() and not await publisher.publish():
             admission = publisher.current.admission
             if admission is not None and admission.expires <= get_dht_time():

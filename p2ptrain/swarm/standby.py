@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from p2ptrain.comm.members import RingMember
 from p2ptrain.comm.reach import can_be_dialed
 from p2ptrain.comm.relay import RelayRequest
+from p2ptrain.deadline import within
 from p2ptrain.identity import short_id
 from p2ptrain.swarm.dht import SwarmDHT
 from p2ptrain.swarm.election import parse_address
@@ -142,7 +143,7 @@ class RunEnds:
         asked = time.monotonic()
         self._checking[stranger] += 1
         try:
-            records = await asyncio.wait_for(self._read(asked), max(0.0, deadline - asked))
+            records = await within(self._read(asked), max(0.0, deadline - asked))
             return _refusal(request, records)
         except asyncio.TimeoutError:
             return reason

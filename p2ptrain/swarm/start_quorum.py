@@ -17,6 +17,7 @@ import time
 from typing import TextIO
 
 from p2ptrain.config import Config
+from p2ptrain.deadline import within
 from p2ptrain.errors import UserError
 from p2ptrain.swarm.election import IN_STEPS
 from p2ptrain.swarm.membership import SwarmView, finished_run, live
@@ -72,4 +73,4 @@ async def wait_for_first_step(
 
 async def _pause(config: Config, stop: asyncio.Event) -> None:
     with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(stop.wait(), config.swarm.heartbeat_interval / 2)
+        await within(stop.wait(), config.swarm.heartbeat_interval / 2)

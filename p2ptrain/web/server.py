@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from p2ptrain.deadline import within
 from p2ptrain.untrusted import ThrottledLog
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ class Served:
         self.server.close()
         await self.runner.cleanup()
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.server.wait_closed(), 5.0)
+            await within(self.server.wait_closed(), 5.0)
 
 
 async def start_app(
