@@ -27,6 +27,8 @@ BUSY_RETRY_MAX = 0.5
 """Longest pause between dials to a member still in an earlier attempt (within setup_timeout)."""
 GONE_PROBE_INTERVAL = 0.5
 """While a member's lane is awaited: seconds between probes of its port (one that refuses is gone)."""
+DIALS_CANCEL_S = 1.0
+"""An attempt that ends waits this long at most for its cancelled dials to end."""
 
 
 async def refuses_connections(host: str, port: int, timeout: float = 1.0) -> bool:
@@ -310,8 +312,12 @@ async def connect_lanes(
     try:
         return await registration.unless_abandoned(connect_all())
     finally:
-        for task in sending_dials + receiving_dials + doors:
+        # awaited, so no dial adds a connection after the attempt has closed `connections`
+        tasks = [task for task in sending_dials + receiving_dials + doors if not task.done()]
+        for task in tasks:
             task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=DIALS_CANCEL_S)
 
 
 async def _send_go(connection: Connection, timeout: float) -> None:
