@@ -112,6 +112,27 @@ def test_a_nan_contribution_is_left_out_and_another_config_is_refused(swarm: Loc
 
 
 @pytest.mark.slow
+def test_a_node_that_comes_after_every_node_finished_and_left_is_told_the_run_is_over(
+    swarm: LocalSwarm,
+) -> None:
+    """Nothing is left to catch up to: one line that says so, not "diverged"."""
+    swarm.start_bootstrap()
+    run = ["--set", "train.max_steps=20", "--set", "swarm.wait_nodes=2"]  # 2 outer steps
+    for name in ("a", "b"):
+        swarm.start_node(name, None, *run, train=True)
+    for name in ("a", "b"):
+        assert swarm.children.wait(name, 240) == 0, swarm.log(name)
+    swarm.start_node("late", None, "--set", "train.max_steps=20", train=True)
+    assert swarm.children.wait("late", 120) == 1, swarm.log("late")
+    errors = [line for line in swarm.log("late").splitlines() if line.startswith("p2ptrain: error:")]
+    assert errors == [
+        "p2ptrain: error: run 'p2ptrain-debug' is over: 2 node(s) finished it after 2 outer steps and "
+        "left, and none is left to offer its checkpoint (a new run needs another run.id)"
+    ]
+    assert "Traceback" not in swarm.log("late")
+
+
+@pytest.mark.slow
 def test_alone_then_export_to_hugging_face(tmp_path: Path) -> None:
     work = tmp_path / "node"
     remote = f'checkpoint.remote="file://{tmp_path}/bucket/run"'

@@ -41,7 +41,6 @@ from p2ptrain.channel import (
 from p2ptrain.ckpt.format import checkpoint_places, checkpoint_step
 from p2ptrain.config import Config
 from p2ptrain.deadline import within
-from p2ptrain.errors import UserError
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.memory_limits import gib
 from p2ptrain.node.checkpoint_copies import (
@@ -51,6 +50,7 @@ from p2ptrain.node.checkpoint_copies import (
     mark_diverged,
     prune_places,
 )
+from p2ptrain.node.failures import Diverged, RunOver, TrainingFailed
 from p2ptrain.node.interrupt import LEAVING_GRACE_S, Interrupted, unless
 from p2ptrain.node.progress import ProgressView
 from p2ptrain.node.rank_launcher import (
@@ -71,19 +71,6 @@ DYING_RANK_S = 10.0
 """How long a closed channel waits for rank 0's exit code (its reason) before it says only that."""
 MAX_RECOVERIES = 5
 """Recoveries in a row without a completed outer step in between before the node gives up."""
-
-
-class TrainingFailed(UserError):
-    """A trainer rank died, the agent lost its channel to rank 0, or the node cannot catch up."""
-
-    exit_code = 1
-
-
-class Diverged(TrainingFailed):
-    """The node's params are not the swarm's, and no live member can bring it back on track."""
-
-    def __init__(self, step: int, reason: str):
-        super().__init__(f"diverged from the swarm at outer step {step}: {reason}")
 
 
 class TrainingNode:
@@ -154,7 +141,12 @@ class TrainingNode:
         self.say(f"{reason}: fetching the swarm's checkpoint")
         path = await self._fetch_checkpoint(reason, wait=True)
         if path is None:
-            raise Diverged(step, f"{reason}, and no majority of live members offers a checkpoint")
+            over = await self._guarded(self.swarm.run_over())
+            raise (
+                RunOver(over)
+                if over
+                else Diverged(step, f"{reason}, and no majority of live members offers a checkpoint")
+            )
         return path
 
     async def _fetch_checkpoint(self, reason: str, wait: bool) -> Path | None:

@@ -85,6 +85,9 @@ class SoloSwarm:
     async def off_track(self, step: int, params_hash: str) -> str | None:
         return None
 
+    async def run_over(self) -> str | None:
+        return None
+
     async def finish(self, outer_step: int, params_hash: str) -> None:
         pass
 
@@ -308,6 +311,19 @@ class SwarmLink(SoloSwarm):
             with contextlib.suppress(asyncio.TimeoutError):
                 await within(stop.wait(), self.config.swarm.heartbeat_interval / 2)
         return None
+
+    async def run_over(self) -> str | None:
+        """Why there is nothing left to catch up to, when nodes finished the run and no other live
+        node of it is left; None otherwise. Only the wording of a failure that comes anyway (no
+        checkpoint to recover from), so a stranger's lying "finished" record cannot end a node."""
+        finished = self._view().finished
+        if not finished or await self._peers():
+            return None
+        return (
+            f"run {self.config.run.id!r} is over: {len(finished)} node(s) finished it after "
+            f"{max(finished.values())} outer steps and left, and none is left to offer its checkpoint "
+            "(a new run needs another run.id)"
+        )
 
     async def finish(self, outer_step: int, params_hash: str) -> None:
         """Say that this node finished the run at `outer_step` with θ of `params_hash`."""
