@@ -81,7 +81,8 @@ def resume_trainer(trainer: Trainer, path: Path, own_data: bool = True) -> None:
         position = DataPosition.from_dict(meta["data_position"])
         if not trainer.batches.seek(position):
             log.warning(
-                "%s: data.interleave is %d here, %d there: its data position is not restored",
+                "%s: %d interleaved data streams here, %d there (data.interleave, capped at the "
+                "number of files): its data position is not restored",
                 path,
                 len(trainer.batches.streams),
                 len(position.streams),
