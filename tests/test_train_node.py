@@ -115,7 +115,8 @@ def test_a_nan_contribution_is_left_out_and_another_config_is_refused(swarm: Loc
 def test_a_node_that_comes_after_every_node_finished_and_left_is_told_the_run_is_over(
     swarm: LocalSwarm,
 ) -> None:
-    """Nothing is left to catch up to: one line that says so, not "diverged"."""
+    """Nothing is left to catch up to: one line that says so, not "diverged" (or, for a node that
+    waits for others to start a run, not only that too few joined)."""
     swarm.start_bootstrap()
     run = ["--set", "train.max_steps=20", "--set", "swarm.wait_nodes=2"]  # 2 outer steps
     for name in ("a", "b"):
@@ -130,6 +131,14 @@ def test_a_node_that_comes_after_every_node_finished_and_left_is_told_the_run_is
         "left, and none is left to offer its checkpoint (a new run needs another run.id)"
     ]
     assert "Traceback" not in swarm.log("late")
+    # one that waits for nodes to start a run says so when its wait runs out
+    waits = ["--set", "swarm.wait_nodes=2", "--set", "swarm.election_timeout=3"]
+    swarm.start_node("waiting", None, "--set", "train.max_steps=20", *waits, train=True)
+    assert swarm.children.wait("waiting", 120) == 2, swarm.log("waiting")
+    assert (
+        "p2ptrain: error: fewer than 2 nodes joined within 3 s: run 'p2ptrain-debug' is over: 2 node(s) "
+        "finished it after 2 outer steps and left" in swarm.log("waiting")
+    )
 
 
 @pytest.mark.slow

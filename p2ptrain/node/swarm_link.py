@@ -53,7 +53,7 @@ from p2ptrain.swarm.dht import SwarmDHT
 from p2ptrain.swarm.election import swarm_ahead
 from p2ptrain.swarm.membership import HeartbeatPublisher, SwarmView, keep_alive, live
 from p2ptrain.swarm.records import Heartbeat, NodeState
-from p2ptrain.swarm.start_quorum import wait_for_first_step, wait_for_nodes
+from p2ptrain.swarm.start_quorum import run_over, wait_for_first_step, wait_for_nodes
 from p2ptrain.web.dashboard import Dashboard, serve_dashboard
 
 log = logging.getLogger(__name__)
@@ -314,16 +314,11 @@ class SwarmLink(SoloSwarm):
 
     async def run_over(self) -> str | None:
         """Why there is nothing left to catch up to, when nodes finished the run and no other live
-        node of it is left; None otherwise. Only the wording of a failure that comes anyway (no
-        checkpoint to recover from), so a stranger's lying "finished" record cannot end a node."""
+        node of it is left; None otherwise (`start_quorum.run_over`)."""
         finished = self._view().finished
         if not finished or await self._peers():
             return None
-        return (
-            f"run {self.config.run.id!r} is over: {len(finished)} node(s) finished it after "
-            f"{max(finished.values())} outer steps and left, and none is left to offer its checkpoint "
-            "(a new run needs another run.id)"
-        )
+        return run_over(self.config.run.id, finished)
 
     async def finish(self, outer_step: int, params_hash: str) -> None:
         """Say that this node finished the run at `outer_step` with θ of `params_hash`."""

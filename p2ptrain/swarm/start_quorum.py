@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Mapping
 from typing import TextIO
 
 from p2ptrain.config import Config
@@ -36,8 +37,21 @@ async def wait_for_nodes(
     deadline = time.monotonic() + config.swarm.election_timeout
     while len(live(await view.read())) < count and not stop.is_set():
         if time.monotonic() > deadline:
-            raise UserError(f"fewer than {count} nodes joined within {config.swarm.election_timeout:.0f} s")
+            waited = f"fewer than {count} nodes joined within {config.swarm.election_timeout:.0f} s"
+            raise UserError(
+                f"{waited}: {run_over(config.run.id, view.finished)}" if view.finished else waited
+            )
         await _pause(config, stop)
+
+
+def run_over(run_id: str, finished: Mapping[bytes, int]) -> str:
+    """What to tell a node that came after the nodes of `finished` (node → its last outer step)
+    ended the run and left. Only the wording of a wait that failed anyway: a stranger's lying
+    "finished" record cannot end a node's wait this way."""
+    return (
+        f"run {run_id!r} is over: {len(finished)} node(s) finished it after {max(finished.values())} "
+        "outer steps and left, and none is left to offer its checkpoint (a new run needs another run.id)"
+    )
 
 
 def at_or_past(beat: Heartbeat, step: int) -> bool:
