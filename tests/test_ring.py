@@ -11,6 +11,7 @@ import pytest
 
 from p2ptrain.comm.quant import all_finite
 from p2ptrain.comm.ring import RingSettings, segment_bounds, shares
+from p2ptrain.comm.schedule import Schedule
 from p2ptrain.config import Topology
 from p2ptrain.swarm.election import ring_order
 from tests.ring_procs import Outcome, run_ring
@@ -155,6 +156,25 @@ def test_member_killed_mid_reduce_fails_every_survivor_quickly(
     last = max(outcome.failed_at for outcome in outcomes.values())
     first = min(outcome.failed_at for outcome in outcomes.values())
     assert last - first < 5.0, "survivors must fail within the bound of each other"
+
+
+@pytest.mark.parametrize(("n", "topology"), [(3, "ring"), (4, "ring"), (5, "butterfly")])
+def test_a_member_killed_once_it_holds_every_frame_leaves_no_survivor_with_the_result(
+    tmp_path: Path, n: int, topology: Topology
+) -> None:
+    """The last frames of the all-gather reach members at different moments: a member that dies
+    then left those that had every frame with the result and the others with an error, and they
+    retried without the first (two results of one step). The completion barrier: nobody takes the
+    result before it knows that every member holds it, so every survivor fails alike."""
+    settings = RingSettings(chunk_bytes=1 << 14, failure_timeout=5.0, topology=topology)
+    victim = 1
+    schedule = Schedule.of(victim, n, 100_000, settings)
+    every_frame = sum(len(schedule.receive_frames(peer)) for peer in schedule.in_peers())
+    faults = {victim: ("kill", every_frame)}
+    outcomes, results, _ = run_ring(tmp_path, n, 100_000, settings=settings, faults=faults)
+    assert sorted(outcomes) == [i for i in range(n) if i != victim], outcomes
+    assert not any(outcome.ok for outcome in outcomes.values()), outcomes
+    assert results == {}
 
 
 @pytest.mark.parametrize("n", [3, 5])

@@ -4,6 +4,7 @@ list, and what one member's part in a step yields."""
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -46,6 +47,18 @@ def shares(members: Sequence[RingMember]) -> list[float]:
         raise ValueError("member weights must be finite and non-negative")
     total = sum(weights)
     return [weight / total for weight in weights] if total > 0 else [1.0 / len(weights)] * len(weights)
+
+
+MIN_MEASURED_BYTES = 1 << 20
+
+
+def link_rates(held_up: dict[bytes, list[float]]) -> dict[bytes, float]:
+    """Bytes/s to each peer, from the [bytes, seconds] of the sends to it that waited for its link;
+    inf where too few waited to tell (the link kept up)."""
+    return {
+        key: sent / seconds if sent >= MIN_MEASURED_BYTES and seconds > 0 else math.inf
+        for key, (sent, seconds) in held_up.items()
+    }
 
 
 @dataclass

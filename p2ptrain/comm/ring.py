@@ -29,7 +29,7 @@ early is noticed at once.
 Failure is all-or-nothing. Any error — a member that dies, stalls past `failure_timeout`, sends a
 malformed frame or non-finite block parameters, or our own NaN/Inf — shuts all of this member's
 connections, which makes its peers fail at once too, and raises AllReduceError. The caller's buffer
-is read, never written, until every frame arrived; then the encoded result is decoded into it.
+is untouched until every frame arrived and every member is known to hold them (barrier.py).
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
 import os
 import socket
 import threading
@@ -48,10 +47,11 @@ import numpy as np
 import zstandard
 
 from p2ptrain.comm import claims, lanes, quant
+from p2ptrain.comm.barrier import await_every_holder
 from p2ptrain.comm.connect import LanePlan, connect_lanes
 from p2ptrain.comm.dataplane import AllReduceError, Connection, DataPlaneServer, RingSettings
 from p2ptrain.comm.handshake import HandshakeError, ViewsDiffer
-from p2ptrain.comm.members import RingMember, RingStats, membership_digest, shares
+from p2ptrain.comm.members import RingMember, RingStats, link_rates, membership_digest, shares
 from p2ptrain.comm.quant import Buffer
 from p2ptrain.comm.robust_reduce import RobustReduce
 from p2ptrain.comm.schedule import BUNDLE, CLAIMS, FrameSpec, Schedule, choose_topology, segment_bounds
@@ -66,7 +66,6 @@ Progress = Callable[[str, int, int], None]
 HELD_UP_S = 0.002
 """A frame whose send waited this long waited for the link: its time and bytes measure the link.
 Frames that go out at once only show that the link kept up (the socket buffers absorb bursts)."""
-MIN_MEASURED_BYTES = 1 << 20
 
 __all__ = ["AllReduceError", "DataPlaneServer", "RingMember", "RingSettings", "RingStats",
            "choose_topology", "ring_all_reduce", "segment_bounds", "shares"]  # fmt: skip
@@ -188,13 +187,6 @@ class _AllReduce(RobustReduce):
                     self.held_up[peer][0] += len(payload)
                     self.held_up[peer][1] += waited
                 self.stats.bytes_sent += len(payload)
-
-    def link_rates(self) -> dict[bytes, float]:
-        """Bytes/s to each peer we sent to; inf where it never held our sends up long enough to tell."""
-        return {
-            self.keys[peer]: sent / seconds if sent >= MIN_MEASURED_BYTES and seconds > 0 else math.inf
-            for peer, (sent, seconds) in self.held_up.items()
-        }
 
     def hung_up(self, peer: int, state: str) -> None:
         """A peer we only send to made its connection readable: it never writes after the handshake
@@ -377,14 +369,15 @@ async def ring_all_reduce(
         sending, receiving = await connect_lanes(
             server, members, lanes, registration, step, digest, connections, relays
         )
-        transfer.start(
-            {slot: transfer.adopt(connection, sending=True) for slot, connection in sending.items()},
-            {slot: transfer.adopt(connection, sending=False) for slot, connection in receiving.items()},
-        )
+        outgoing = {slot: transfer.adopt(connection, sending=True) for slot, connection in sending.items()}
+        into = {slot: transfer.adopt(connection, sending=False) for slot, connection in receiving.items()}
+        transfer.start(outgoing, into)
         await transfer.finished
         if plan.failure is not None:
             raise plan.failure
         plan.check_results()
+        ends = (outgoing[plan.schedule.successor, 0], into[plan.schedule.predecessor, 0])
+        await asyncio.to_thread(await_every_holder, plan.index, plan.n, step, *ends, settings.failure_timeout)
         server.completed(step)
     except AllReduceError as exc:
         level = logging.INFO if exc.views_differ else logging.WARNING  # normal while records spread
@@ -414,6 +407,6 @@ async def ring_all_reduce(
             await asyncio.to_thread(transfer.join, settings.failure_timeout)
     await loop.run_in_executor(None, plan.write_result, buffer)
     plan.stats.result = plan.finals
-    plan.stats.link_rates = plan.link_rates()
+    plan.stats.link_rates = link_rates({plan.keys[peer]: held for peer, held in plan.held_up.items()})
     plan.stats.seconds = time.monotonic() - started
     return plan.stats
