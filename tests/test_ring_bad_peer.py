@@ -14,14 +14,14 @@ import pytest
 from p2ptrain.comm import quant
 from p2ptrain.comm.budget import MAX_PENDING_HANDSHAKES, MAX_PENDING_PER_SOURCE
 from p2ptrain.comm.connect import dial_member
-from p2ptrain.comm.handshake import HandshakeError
+from p2ptrain.comm.handshake import HandshakeError, dial
 from p2ptrain.comm.members import membership_digest
 from p2ptrain.comm.ring import AllReduceError, DataPlaneServer, RingMember, RingSettings, ring_all_reduce
 from p2ptrain.comm.seal import TAG_BYTES, FrameSeal
 from p2ptrain.comm.wire import MAGIC, PREFIX, VERSION, encode_frame, encode_head
 from p2ptrain.identity import load_or_create_identity
 from p2ptrain.procs import ChildProcesses
-from tests.helpers import read_address
+from tests.helpers import free_port, read_address
 from tests.ring_procs import run_ring
 
 LENGTH = 1000
@@ -242,3 +242,38 @@ def test_a_bit_flipped_on_the_path_fails_the_step_for_every_member(
     _, untouched, _ = run_ring(tmp_path / "untouched", 3, 200_003, settings=settings)
     for index, result in results.items():
         assert np.array_equal(result.view(np.uint32), untouched[index].view(np.uint32)), index
+
+
+def test_strangers_proving_keys_for_a_step_do_not_hide_a_member_whose_views_differ(tmp_path: Path) -> None:
+    """A member whose hello was refused for another membership is alive and trying: the attempt
+    fails with "views differ", blaming nobody. Strangers that prove throw-away keys for the step
+    first once filled the bounded set of keys heard from, so the member was then named."""
+
+    async def scenario() -> AllReduceError:
+        ours, member = (load_or_create_identity(tmp_path / name) for name in ("ours", "member"))
+        server = DataPlaneServer(ours, RingSettings(failure_timeout=2.0, setup_timeout=3.0, topology="ring"))
+        members = [
+            RingMember(ours.public_key, *await server.start()),
+            RingMember(member.public_key, "127.0.0.1", free_port(), reachable=False),  # it dials us
+        ]
+        server.at_step(STEP)
+        reduce = asyncio.create_task(ring_all_reduce(server, STEP, members, np.ones(100, np.float32)))
+        for index in range(40):  # strangers: proven keys, another membership
+            stranger = load_or_create_identity(tmp_path / f"stranger{index}")
+            reader, writer = await asyncio.open_connection(*server.address)
+            with pytest.raises(HandshakeError):
+                await dial(reader, writer, stranger, ours.public_key, STEP, bytes(32), 2.0)
+            writer.close()
+        reader, writer = await asyncio.open_connection(*server.address)
+        with pytest.raises(HandshakeError, match=r"views differ|membership"):
+            await dial(reader, writer, member, ours.public_key, STEP, bytes(32), 2.0)
+        writer.close()
+        try:
+            with pytest.raises(AllReduceError) as failed:
+                await reduce
+        finally:
+            await server.close()
+        return failed.value
+
+    error = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert error.views_differ and error.unresponsive is None, error

@@ -274,8 +274,8 @@ class DataPlaneServer:
 
     def _heard(self, step: int, key: bytes) -> Admission:
         registration = self._expected[step]
-        if len(registration.heard) < 4 * len(registration.admission.allowed) + 16:  # bounded
-            registration.heard.add(key)
+        if key in registration.admission.allowed:  # only members are asked after (a stranger's
+            registration.heard.add(key)  # proven keys once filled a bounded set and hid them)
         return registration.admission
 
     def _claim(self, session: Session) -> Refusal | None:
