@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -273,3 +274,42 @@ def test_strangers_proving_keys_for_a_step_do_not_hide_a_member_whose_views_diff
 
     error = asyncio.run(asyncio.wait_for(scenario(), 60))
     assert error.views_differ and error.unresponsive is None, error
+
+
+def test_hellos_for_a_step_under_way_hold_their_sources_share_until_they_prove_a_key(tmp_path: Path) -> None:
+    """One source sends hellos for the step this node is reducing, under made-up keys and digests,
+    and never a proof. Each is answered with a signed welcome; those waits held no slot of the
+    pending pool, so one source held a thousand (descriptors ran out). Now each holds its slot
+    until its proof: the source's share is held, the rest refused, and a member still gets in."""
+
+    async def scenario() -> None:
+        settings = RingSettings(failure_timeout=5.0, setup_timeout=5.0)
+        listener_id, member_id = (load_or_create_identity(tmp_path / n) for n in ("l", "m"))
+        server = DataPlaneServer(listener_id, settings)
+        host, port = await server.start()
+        listener = RingMember(listener_id.public_key, host, port)
+        digest = membership_digest(STEP, [listener, RingMember(member_id.public_key, "127.0.0.1", 1)])
+        server.at_step(STEP)
+        registration = server.expect(STEP, [member_id.public_key], digest)
+        flood = []
+        for _ in range(4 * MAX_PENDING_PER_SOURCE):
+            _, writer = await asyncio.open_connection(host, port, local_addr=("127.0.0.3", 0))
+            hello = {"kind": "hello", "node_key": os.urandom(32), "step": STEP, "attempt": 0}
+            hello |= {
+                "digest": os.urandom(32),
+                "nonce": os.urandom(32),
+                "lane": 0,
+                "ephemeral": os.urandom(32),
+            }
+            writer.write(b"".join(bytes(part) for part in encode_frame(hello, b"")))
+            flood.append(writer)
+        await settle(lambda: server.pending.refused >= 3 * MAX_PENDING_PER_SOURCE, "the rest refused")
+        assert server.pending_handshakes <= MAX_PENDING_PER_SOURCE
+        assert len(server._answering) <= MAX_PENDING_PER_SOURCE
+        _, writer, _ = await dial_member(member_id, listener, STEP, digest, settings)
+        assert (await asyncio.wait_for(registration.incoming[(member_id.public_key, 0)], 5)) is not None
+        for flooding in [*flood, writer]:
+            flooding.close()
+        await server.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))

@@ -3,10 +3,12 @@
 Anyone can open a TCP connection to a node's data port. Until its handshake completes a connection
 is a stranger's, and it costs the node a socket, a task and memory. Two phases, two budgets:
 
-1. **Before the hello** (the dialer's first frame): at most `per_source` connections from one
-   address and `total` in all. When the pool is full the *oldest* one is dropped for the newcomer:
-   an honest dialer sends its hello within milliseconds, so idle connections — the flood — are the
-   ones that grow old. A single source cannot fill the pool at all.
+1. **Until the dialer has proven its key** (its hello, our signed welcome, its proof: one round
+   trip): at most `per_source` connections from one address and `total` in all. When the pool is
+   full the *oldest* one is dropped for the newcomer: an honest dialer sends its hello at once and
+   its proof a round trip later, so the connections that grow old are the flood's (idle ones, and
+   hellos that never prove a key). A single source cannot fill the pool at all. (Hellos for a step
+   under way once left the pool at their hello: one source held 1000 signed welcomes' waits.)
 2. **Waiting for this node to reach the step** the hello names (a fast member may dial before we got
    there): hellos from the nodes this node currently sees ready for its step (`candidates`) wait
    freely; anyone else shares `strangers` slots, refused when those are taken. Hellos for steps far
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 from p2ptrain.deadline import within
 
 MAX_PENDING_HANDSHAKES = 64
-"""Connections that have not sent their hello yet, in all."""
+"""Connections whose dialer has not proven its key yet, in all."""
 MAX_PENDING_PER_SOURCE = 32
 """…and from one source address: half the pool (members behind one carrier-grade NAT share an
 address, and a relay takes two connections per relayed edge and lane)."""
@@ -38,7 +40,7 @@ MAX_WAITING_STRANGERS = 32
 
 @dataclass
 class PendingBudget:
-    """Phase 1: connections before their hello, by source address, oldest dropped first."""
+    """Phase 1: connections before their dialer's proof, by source address, oldest dropped first."""
 
     total: int = MAX_PENDING_HANDSHAKES
     per_source: int = MAX_PENDING_PER_SOURCE
@@ -67,7 +69,7 @@ class PendingBudget:
         return self._next
 
     def leave(self, ticket: int) -> None:
-        """The connection sent its hello (or ended): it no longer counts here."""
+        """The connection's dialer proved its key (or it ended): it no longer counts here."""
         entry = self._order.pop(ticket, None)
         if entry is not None:
             self._release(entry[0])

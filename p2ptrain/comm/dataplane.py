@@ -345,14 +345,10 @@ class DataPlaneServer:
             if ticket is not None:
                 self.pending.leave(ticket)
 
-        def peek(step: int) -> Admission | None:
-            known = self._known(step)
-            if known is not None:
-                idle_no_more()  # a hello for a step under way: no longer an idle connection
-            return known
-
         async def resolve(step: int, key: bytes) -> Admission | None:
-            idle_no_more()  # proven (an early dialer holds its slot for one round trip)
+            # proven: every hello holds its slot for the round trip to its proof, else a stranger's
+            # hellos for a step under way each held a signed welcome's wait outside every budget
+            idle_no_more()
             return await self._admission(step, key)
 
         try:
@@ -382,7 +378,7 @@ class DataPlaneServer:
                 self._claim,
                 lambda reason: self._refusals.warning("refused data-plane connection: %s", reason),
                 first,
-                peek,
+                self._known,
                 self.credentials,
             )
         except HandshakeError:
