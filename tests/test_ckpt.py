@@ -22,6 +22,7 @@ from p2ptrain.ckpt import fetch
 from p2ptrain.ckpt.fetch import RecoveryError, fetch_checkpoint, majority_checkpoint
 from p2ptrain.ckpt.format import SHARED_FILES, checkpoint_name
 from p2ptrain.ckpt.manifest import ManifestError, build_manifest, parse_manifest
+from p2ptrain.ckpt.replay import fetch_result
 from p2ptrain.ckpt.sidecar import CheckpointSidecar
 from p2ptrain.rate import RateCap
 from p2ptrain.swarm.records import Heartbeat, NodeState
@@ -46,7 +47,8 @@ def heartbeat(
 ) -> Heartbeat:
     return Heartbeat(
         run_id="r", node_key=bytes([node]) * 32, seq=1, timestamp=0.0, expiration=0.0, state=state,
-        outer_step=STEP, ckpt_addr=url, ckpt_digest=digest, config_digest=config,
+        outer_step=STEP, ckpt_addr=url if "://" in url or not url else f"http://{url}:8080",
+        ckpt_digest=digest, config_digest=config,
     )  # fmt: skip
 
 
@@ -148,7 +150,7 @@ def test_majority_of_live_members_decides() -> None:
     majority = majority_checkpoint(beats, me=bytes([9]) * 32, config_digest="c")
     assert majority is not None
     digest, holders = majority
-    assert digest == "D1" and [h.ckpt_addr for h in holders] == ["u1", "u2"]
+    assert digest == "D1" and [h.ckpt_addr for h in holders] == ["http://u1:8080", "http://u2:8080"]
     assert majority_checkpoint(beats[1:], me=bytes([9]) * 32, config_digest="c") is None  # 1 vs 1
     # a member without a checkpoint yet still counts against a minority digest
     assert majority_checkpoint([*beats[:1], heartbeat(4, "", "")], bytes([9]) * 32, "c") is None
@@ -164,7 +166,7 @@ def test_a_holder_behind_nat_votes_but_is_no_source(tmp_path: Path) -> None:
     majority = majority_checkpoint([heartbeat(1, "u1", "D1"), behind], bytes([9]) * 32, "c")
     assert majority is not None
     digest, holders = majority
-    assert digest == "D1" and [h.ckpt_addr for h in holders] == ["u1"]
+    assert digest == "D1" and [h.ckpt_addr for h in holders] == ["http://u1:8080"]
     found = majority_checkpoint([behind], bytes([9]) * 32, "c")
     assert found is not None and found[1] == []
     # the sidecar's own probe decides where there was one: a forwarded sidecar port behind NAT is a
@@ -174,9 +176,23 @@ def test_a_holder_behind_nat_votes_but_is_no_source(tmp_path: Path) -> None:
     majority = majority_checkpoint([forwarded, blocked], bytes([9]) * 32, "c")
     assert majority is not None
     digest, holders = majority
-    assert [h.ckpt_addr for h in holders] == ["u2"]
+    assert [h.ckpt_addr for h in holders] == ["http://u2:8080"]
     with pytest.raises(RecoveryError, match="nobody can reach"):
         asyncio.run(fetch_checkpoint("D1", [], tmp_path / "joiner", timeout=5))
+
+
+@pytest.mark.parametrize(
+    "address", [f"http://{'x' * 64}:8080", f"http://a.{'b' * 300}", "ftp://u1:21", "http://[::1", "u1"]
+)
+def test_a_holder_whose_address_cannot_be_asked_is_no_source(tmp_path: Path, address: str) -> None:
+    """A record may carry any string there: a host label over 63 characters raised UnicodeError
+    out of a joiner's recovery and out of the replay of a result. Such a holder still votes."""
+    odd = dataclasses.replace(heartbeat(2, "u2", "D1"), ckpt_addr=address)
+    found = majority_checkpoint([odd, heartbeat(1, "u1", "D1")], bytes([9]) * 32, "c")
+    assert found is not None and [h.ckpt_addr for h in found[1]] == ["http://u1:8080"]
+    assert asyncio.run(fetch_result([address], STEP, 1000, 1.0)) is None
+    with pytest.raises(RecoveryError):
+        asyncio.run(fetch_checkpoint("D1", [odd], tmp_path / "joiner", timeout=1.0))
 
 
 def test_a_capped_sidecar_serves_files_and_ranges_no_faster_than_its_cap(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
+import yarl
 
 from p2ptrain.ckpt.format import MANIFEST_FILE, SHARED_FILES, checkpoint_name
 from p2ptrain.ckpt.manifest import (
@@ -66,7 +67,20 @@ def majority_checkpoint(
 def checkpoint_source(beat: Heartbeat) -> bool:
     """The node serves its checkpoints and results where others can fetch them: it announces a
     sidecar that peers could reach when they probed it (or, never probed, a data port they could)."""
-    return bool(beat.ckpt_addr) and sidecar_can_be_reached(beat.ckpt_reach, beat.data_reach)
+    return fetchable(beat.ckpt_addr) and sidecar_can_be_reached(beat.ckpt_reach, beat.data_reach)
+
+
+def fetchable(address: str) -> bool:
+    """An http(s) URL with a host aiohttp can ask for. A record may carry any string of its
+    length: a host label over 63 characters raised UnicodeError out of a joiner's recovery."""
+    try:
+        url = yarl.URL(address)
+        if url.scheme not in ("http", "https") or not url.raw_host or url.port is None:
+            return False
+        url.raw_host.encode("idna")
+    except ValueError:  # UnicodeError among them
+        return False
+    return True
 
 
 def stall_timeout(seconds: float) -> aiohttp.ClientTimeout:
@@ -96,7 +110,7 @@ async def _get_manifest(session: aiohttp.ClientSession, url: str, digest: str) -
                 log.warning("recovery: %s answered %d for its manifest", url, response.status)
                 return None
             manifest = parse_manifest(await read_body(response, MAX_MANIFEST_BYTES))
-    except (aiohttp.ClientError, asyncio.TimeoutError, ManifestError) as exc:
+    except (aiohttp.ClientError, asyncio.TimeoutError, ManifestError, ValueError) as exc:
         log.warning("recovery: no usable manifest from %s (%s)", url, exc)
         return None
     if manifest.digest != digest:
@@ -159,7 +173,7 @@ async def _fetch_set(
             try:
                 await _download(session, url, manifest, digest, name, staging / name)
                 return
-            except (aiohttp.ClientError, asyncio.TimeoutError, RecoveryError, OSError) as exc:
+            except (aiohttp.ClientError, asyncio.TimeoutError, RecoveryError, OSError, ValueError) as exc:
                 log.warning("recovery: %s from %s failed (%s); trying the next peer", name, url, exc)
                 problems.append(f"{url}: {exc}")
         raise RecoveryError(f"{name}: no peer delivered a verified copy ({problems[-1]})")
