@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import shutil
 import sys
 import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
+from unittest.mock import ANY
 
 import pytest
 
 from p2ptrain.swarm.records import Heartbeat, NodeState
+from p2ptrain.swarm.status import format_table, status_json
 from p2ptrain.train.metrics import read_metrics
-from p2ptrain.web.dashboard import Dashboard, parse_dashboard_address
+from p2ptrain.web.dashboard import MAX_NODES, Dashboard, parse_dashboard_address
 from tests.helpers import LocalSwarm, assert_one_line_error, cli, free_port, wait_until
 
 if TYPE_CHECKING:  # selenium comes with '.[dev]'; the browser test is skipped without it
@@ -52,6 +55,38 @@ def test_api_reports_nodes_ring_checkpoints_and_loss_history() -> None:
     assert status["checkpoint"] == {"digest": "cd" * 32, "agree": 2, "of": 2}
     assert status["history"][(bytes([1]) * 32).hex()] == [[0, 4.0], [1, 3.5]]
     assert status["history"][(bytes([2]) * 32).hex()] == [[0, 4.2]]
+
+
+def test_strangers_records_cannot_break_the_page_or_fill_its_memory() -> None:
+    """Signed records of an open run, each a stranger's: a loss of inf (the page's JSON said
+    `Infinity`, which browsers refuse), a params hash at step 0 (the ring's step came out -1 and
+    every reading raised), and more node keys than the page keeps curves of."""
+    lies = [beat(1, 0, 4.0), beat(2, 3, float("inf")), beat(3, 3, float("-inf"))]
+    crowd = [
+        dataclasses.replace(beat(4, 3, 1.0), node_key=i.to_bytes(2, "big") * 16) for i in range(2 * MAX_NODES)
+    ]
+
+    async def scenario() -> str:
+        dashboard = Dashboard(lambda: asyncio.sleep(0, []), "r", interval=3600)
+        port = await dashboard.start("127.0.0.1", 0)
+        try:
+            dashboard.observe(lies)
+            dashboard.observe(crowd)
+            return await asyncio.to_thread(
+                lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status").read().decode()
+            )
+        finally:
+            await dashboard.close()
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is no JSON a browser reads")
+
+    status = json.loads(asyncio.run(scenario()), parse_constant=refuse)
+    assert len(status["history"]) == MAX_NODES
+    assert crowd[-1].node_key.hex() in status["history"], "the last seen are kept"
+    assert format_table(lies[:1]) and status_json(lies[:1])["last_ring"] is None  # alone at step 0
+    assert status_json(lies)["last_ring"] == {"step": 2, "members": ANY}
+    assert [node["loss"] for node in status_json(lies)["nodes"]] == [4.0, None, None]
 
 
 def test_bad_dashboard_addresses() -> None:

@@ -159,7 +159,8 @@ def test_foreign_keys_allow_small_values_only() -> None:
 def test_states_and_counters_are_checked(identities: Identities) -> None:
     a, _ = identities
     good = beat(a)
-    for field, value in [("state", "exploded"), ("seq", -1), ("node_key", b"short")]:
+    nonfinite = [("timestamp", float("-inf")), ("timestamp", float("nan")), ("expiration", float("inf"))]
+    for field, value in [("state", "exploded"), ("seq", -1), ("node_key", b"short"), *nonfinite]:
         body = msgpack.packb({**dataclasses.asdict(good), "state": good.state.value, field: value})
         value_bytes = msgpack.packb([1, body, a.sign(b"p2ptrain/heartbeat/v1\0" + body)])
         with pytest.raises(RecordError):

@@ -14,6 +14,7 @@ import enum
 import functools
 import hashlib
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -186,6 +187,8 @@ def decode_heartbeat(value: bytes) -> Heartbeat:
         raise RecordError("node_key is not an Ed25519 public key")
     if fields["seq"] < 0 or fields["tokens"] < 0 or fields["outer_step"] < 0:
         raise RecordError("negative counter")
+    if not (math.isfinite(fields["timestamp"]) and math.isfinite(fields["expiration"])):
+        raise RecordError("a time that is not a finite number")  # -inf became "last seen inf s ago"
     try:
         fields["state"] = NodeState(fields["state"])
     except ValueError:
@@ -218,7 +221,8 @@ def check_admitted(heartbeat: Heartbeat, authority: bytes | None, now: float) ->
 
 
 def record_number(value: Any) -> float | None:
-    """A float from an untrusted `extra` field of a record, or None."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
+    """A finite float from an untrusted `extra` field of a record, or None (an inf reached the
+    status page's JSON as `Infinity`, which browsers refuse)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return round(float(value), 4)
     return None

@@ -18,7 +18,12 @@ def last_ring(heartbeats: list[Heartbeat]) -> dict[str, Any] | None:
     A node that completed step N publishes outer_step N+1 with its params hash; the members of N
     are those nodes, in the order every node computes (`ring_order`).
     """
-    finished = [beat for beat in heartbeats if beat.params_hash and beat.state is not NodeState.DEAD]
+    # a record at step 0 with a params hash is nobody's completed step (a stranger's lie)
+    finished = [
+        beat
+        for beat in heartbeats
+        if beat.params_hash and beat.outer_step > 0 and beat.state is not NodeState.DEAD
+    ]
     if not finished:
         return None
     step = max(beat.outer_step for beat in finished) - 1

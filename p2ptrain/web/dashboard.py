@@ -28,6 +28,9 @@ from p2ptrain.web.server import Served, start_app
 log = logging.getLogger(__name__)
 MAX_POINTS = 5000
 """Loss points kept per node: enough for long runs, bounded for a page polled forever."""
+MAX_NODES = 256
+"""Nodes whose curves are kept, those seen last: keys are free in an open run, and a stranger's
+100 000 once held 56 MB here and made every poll of the page 8 MB."""
 
 
 class Dashboard:
@@ -66,10 +69,14 @@ class Dashboard:
         for beat in heartbeats:
             loss = record_number(beat.extra.get("loss"))
             if beat.params_hash and loss is not None:
-                points = self.history.setdefault(beat.node_key.hex(), {})
+                node = beat.node_key.hex()
+                points = self.history.pop(node, {})
+                self.history[node] = points  # the last seen go last; the first are dropped below
                 points[beat.outer_step - 1] = loss
                 while len(points) > MAX_POINTS:
                     points.pop(min(points))
+        while len(self.history) > MAX_NODES:
+            del self.history[next(iter(self.history))]
 
     async def _poll(self) -> None:
         while True:
