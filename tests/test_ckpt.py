@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import os
+import socket
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
@@ -26,6 +27,7 @@ from p2ptrain.ckpt.replay import fetch_result
 from p2ptrain.ckpt.sidecar import CheckpointSidecar
 from p2ptrain.rate import RateCap
 from p2ptrain.swarm.records import Heartbeat, NodeState
+from p2ptrain.web.server import ConnectionBudget, start_app
 
 STEP = 7
 T = TypeVar("T")
@@ -436,3 +438,54 @@ def test_a_joiner_gets_the_checkpoint_it_chose_though_its_holders_saved_a_newer_
             await peers.close()
 
     asyncio.run(scenario())
+
+
+def test_a_download_evicted_while_its_reader_stalls_leaves_the_sidecar_answering(tmp_path: Path) -> None:
+    """A stranger asks for a file and stops reading; newer connections evict it from the full
+    budget. Served with sendfile, the eviction left asyncio watching its closed descriptor, and
+    the next connection given that descriptor was never answered."""
+
+    async def scenario() -> list[bytes]:
+        folder = tmp_path / checkpoint_name(STEP)
+        folder.mkdir()
+        (folder / "params.safetensors").write_bytes(os.urandom(16 << 20))
+        sidecar = CheckpointSidecar(tmp_path)
+        sidecar.announce(build_manifest(folder, STEP))
+        served, port = await start_app(sidecar._app, "127.0.0.1", 0, ConnectionBudget(total=2, per_source=1))
+        loop = asyncio.get_running_loop()
+
+        async def raw(source: str) -> socket.socket:
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.bind((source, 0))
+            sock.setblocking(False)
+            await loop.sock_connect(sock, ("127.0.0.1", port))
+            return sock
+
+        stalled = await raw("127.0.0.2")
+        await loop.sock_sendall(
+            stalled, f"GET /ckpt/{STEP}/params.safetensors HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+        )
+        await asyncio.sleep(0.5)  # it never reads: the sidecar is in the middle of the file
+        newer = [await raw("127.0.0.3"), await raw("127.0.0.4")]  # the second evicts the stalled one
+        await asyncio.sleep(0.5)
+        for sock in [*newer, stalled]:
+            sock.close()
+        await asyncio.sleep(0.5)
+        answers = []
+        try:
+            for index in range(4):
+                reader, writer = await asyncio.open_connection(
+                    "127.0.0.1", port, local_addr=(f"127.0.0.{10 + index}", 0)
+                )
+                writer.write(b"GET /manifest HTTP/1.1\r\nHost: x\r\n\r\n")
+                try:
+                    answers.append(await asyncio.wait_for(reader.read(12), 5))
+                except asyncio.TimeoutError:
+                    answers.append(b"no answer")
+                writer.close()
+        finally:
+            await served.close()
+        return answers
+
+    assert asyncio.run(asyncio.wait_for(scenario(), 60)) == [b"HTTP/1.1 200"] * 4

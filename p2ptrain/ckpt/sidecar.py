@@ -37,7 +37,9 @@ from p2ptrain.web.server import Served, start_app
 
 log = logging.getLogger(__name__)
 SERVE_BLOCK = 1 << 18
-"""Bytes read and sent at a time under a serving cap."""
+"""Bytes read and sent at a time under a serving cap (its bursts stay short)."""
+FREE_BLOCK = 1 << 22
+"""…and without one."""
 
 
 class CheckpointSidecar:
@@ -51,7 +53,7 @@ class CheckpointSidecar:
     ):
         self.checkpoint_dir = checkpoint_dir
         self.cap = RateCap(serve_bytes_per_s) if serve_bytes_per_s > 0 else None
-        """Shared by every checkpoint file this sidecar sends (None: sendfile at full speed)."""
+        """Shared by every checkpoint file this sidecar sends (None: at full speed)."""
         self.reach_proof = reach_proof
         """Called with the nonce of a peer's dial-back GET (comm/reach.py): our sidecar can be reached."""
         self.shared_config = shared_config or {}
@@ -116,14 +118,15 @@ class CheckpointSidecar:
         path = (folder / name).resolve()
         if name not in manifest.files or path.parent != folder.resolve() or not path.is_file():
             return self._refuse(request, f"{name!r} is not a file of checkpoint {step}")
-        if self.cap is None:
-            return web.FileResponse(path, headers={"X-Checkpoint-Digest": manifest.digest})
-        return await self._capped_file(request, path, manifest.digest, self.cap)
+        return await self._send_file(request, path, manifest.digest, self.cap)
 
-    async def _capped_file(
-        self, request: web.Request, path: Path, digest: str, cap: RateCap
+    async def _send_file(
+        self, request: web.Request, path: Path, digest: str, cap: RateCap | None
     ) -> web.StreamResponse:
-        """`path` (or the range asked for) in blocks, each taken from the cap first."""
+        """`path` (or the range asked for) in blocks, each taken from the cap first (if any).
+        Never sendfile: a connection the budget evicted in the middle of one (a stranger that stopped
+        reading) left asyncio's selector watching a closed descriptor, and the next connection
+        given that descriptor was never read."""
         size = path.stat().st_size
         try:
             wanted = request.http_range
@@ -144,10 +147,11 @@ class CheckpointSidecar:
             handle.seek(start)
             left = stop - start
             while left > 0:
-                block = await asyncio.to_thread(handle.read, min(SERVE_BLOCK, left))
+                block = await asyncio.to_thread(handle.read, min(SERVE_BLOCK if cap else FREE_BLOCK, left))
                 if not block:
                     break  # the file shrank under us: the fetcher sees a short body and moves on
-                await cap.take(len(block))
+                if cap is not None:
+                    await cap.take(len(block))
                 await response.write(block)
                 left -= len(block)
         await response.write_eof()
