@@ -22,7 +22,7 @@ from aiohttp import web
 from p2ptrain.ckpt import fetch
 from p2ptrain.ckpt.fetch import RecoveryError, fetch_checkpoint, majority_checkpoint
 from p2ptrain.ckpt.format import SHARED_FILES, checkpoint_name
-from p2ptrain.ckpt.manifest import ManifestError, build_manifest, parse_manifest
+from p2ptrain.ckpt.manifest import FileEntry, Manifest, ManifestError, build_manifest, parse_manifest
 from p2ptrain.ckpt.replay import fetch_result
 from p2ptrain.ckpt.sidecar import CheckpointSidecar
 from p2ptrain.rate import RateCap
@@ -489,3 +489,52 @@ def test_a_download_evicted_while_its_reader_stalls_leaves_the_sidecar_answering
         return answers
 
     assert asyncio.run(asyncio.wait_for(scenario(), 60)) == [b"HTTP/1.1 200"] * 4
+
+
+@pytest.mark.parametrize("lie", ["inflated sizes", "a byte a second"])
+def test_a_holder_that_lies_about_sizes_or_trickles_is_dropped_for_an_honest_one(
+    tmp_path: Path, lie: str
+) -> None:
+    """A stranger's sidecar announces the majority's digest and comes first. "inflated sizes": its
+    manifest keeps the digest (it covers the shared files' hashes, not their sizes) and says
+    params.safetensors is 1 TiB; the joiner wrote until its disk was full. "a byte a second": its
+    manifest is true, its files come a byte a second, which never tripped the stall timeout."""
+
+    async def scenario() -> tuple[Path, float, int]:
+        peers = Peers()
+        url, digest = await peers.add(tmp_path / "honest", 1)
+        honest = build_manifest(tmp_path / "honest" / "checkpoints" / checkpoint_name(STEP), STEP)
+        files = dict(honest.files)
+        if lie == "inflated sizes":
+            files["params.safetensors"] = FileEntry(1 << 40, honest.files["params.safetensors"].sha256)
+        forged = Manifest(STEP, files)
+        assert forged.digest == digest
+
+        async def manifest(request: web.Request) -> web.Response:
+            return web.Response(text=forged.to_json(), content_type="application/json")
+
+        async def file(request: web.Request) -> web.StreamResponse:
+            response = web.StreamResponse(headers={"X-Checkpoint-Digest": digest})
+            await response.prepare(request)
+            while True:  # zeros as fast as it can, or a byte a second
+                await response.write(bytes(1 << 20) if lie == "inflated sizes" else b"x")
+                await asyncio.sleep(0 if lie == "inflated sizes" else 1.0)
+
+        app = web.Application()
+        app.router.add_get("/manifest", manifest)
+        app.router.add_get("/ckpt/{step}/{name}", file)
+        served, port = await start_app(app, "127.0.0.1", 0)
+        holders = [heartbeat(0, f"http://127.0.0.1:{port}", digest), heartbeat(1, url, digest)]
+        started, joiner = time.monotonic(), tmp_path / "joiner"
+        try:
+            folder = await fetch_checkpoint(digest, holders, joiner, timeout=2.0, max_bytes=64 << 20)
+        finally:
+            await served.close()
+            await peers.close()
+        written = sum(path.stat().st_size for path in joiner.rglob("*") if path.is_file())
+        return folder, time.monotonic() - started, written
+
+    folder, seconds, written = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert (folder / "params.safetensors").read_bytes() == SHARED
+    assert (folder / "inner.safetensors").read_bytes() == bytes([1]) * 5000  # the honest node's set
+    assert written < 8 << 20 and seconds < 30

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,6 +37,8 @@ from p2ptrain.swarm.records import Heartbeat, NodeState
 
 log = logging.getLogger(__name__)
 CHUNK = 1 << 20
+MIN_BYTES_PER_S = 16 << 10
+"""The slowest a peer may send a checkpoint file or a result (128 kbit/s) before it is dropped."""
 MANIFEST_TIMEOUT = 3.0
 """Seconds a holder has to send its manifest (a few KiB): one that cannot is not asked for files."""
 ACTIVE = (NodeState.TRAINING, NodeState.READY, NodeState.SYNCING, NodeState.FINISHED)
@@ -93,13 +96,37 @@ async def read_body(response: aiohttp.ClientResponse, limit: int) -> bytes:
 
     `content.read(n)` returns what has arrived, possibly less than n: a body split across TCP
     segments must be read in a loop."""
-    body = bytearray()
+    body, floor = bytearray(), RateFloor(MANIFEST_TIMEOUT)
     while len(body) <= limit:
         piece = await response.content.read(limit + 1 - len(body))
         if not piece:
             break
+        floor.took(len(piece))
         body += piece
     return bytes(body)
+
+
+class TooSlow(asyncio.TimeoutError):
+    """A peer sends, but slower than MIN_BYTES_PER_S."""
+
+
+class RateFloor:
+    """Ends a transfer whose peer sends less than MIN_BYTES_PER_S over a window of `window`
+    seconds. The stall timeout catches a peer that goes silent; one that sent a byte a second never
+    tripped it and held a joiner's recovery (or the replay of a result) for good."""
+
+    def __init__(self, window: float):
+        self.window, self.since, self.got = window, time.monotonic(), 0
+
+    def took(self, count: int) -> None:
+        self.got += count
+        elapsed = time.monotonic() - self.since
+        if elapsed >= self.window:
+            if self.got < MIN_BYTES_PER_S * elapsed:
+                raise TooSlow(
+                    f"{self.got / elapsed:.0f} bytes/s over {elapsed:.0f} s, under {MIN_BYTES_PER_S}"
+                )
+            self.since, self.got = time.monotonic(), 0
 
 
 async def _get_manifest(session: aiohttp.ClientSession, url: str, digest: str) -> Manifest | None:
@@ -119,6 +146,16 @@ async def _get_manifest(session: aiohttp.ClientSession, url: str, digest: str) -
     return manifest
 
 
+def _within(manifest: Manifest, max_bytes: int | None, url: str) -> bool:
+    total = sum(entry.size for entry in manifest.files.values())
+    if max_bytes is None or total <= max_bytes:
+        return True
+    log.warning(
+        "recovery: %s announces %d bytes of files, more than a checkpoint holds (%d)", url, total, max_bytes
+    )
+    return False
+
+
 async def _download(
     session: aiohttp.ClientSession, url: str, manifest: Manifest, digest: str, name: str, target: Path
 ) -> None:
@@ -129,7 +166,8 @@ async def _download(
         target.unlink()
         offset = 0
     headers = {"Range": f"bytes={offset}-"} if 0 < offset < expected.size else {}
-    if headers:
+    resumed = bool(headers)
+    if resumed:
         log.info("recovery: resuming %s from %s at byte %d", name, url, offset)
     if offset < expected.size:
         async with session.get(f"{url}/ckpt/{manifest.outer_step}/{name}", headers=headers) as response:
@@ -138,10 +176,12 @@ async def _download(
             if response.headers.get("X-Checkpoint-Digest") != digest:
                 raise RecoveryError("serves another checkpoint now")
             if response.status == 200:
-                offset = 0  # the peer ignored the range: start over
+                offset, resumed = 0, False  # the peer ignored the range: start over
+            floor = RateFloor(session.timeout.sock_read or MANIFEST_TIMEOUT)
             with target.open("r+b" if offset else "wb") as handle:
                 handle.seek(offset)
                 async for block in response.content.iter_chunked(CHUNK):
+                    floor.took(len(block))
                     offset += len(block)
                     if offset > expected.size:
                         raise RecoveryError("sent more bytes than the manifest says")
@@ -150,7 +190,28 @@ async def _download(
         raise RecoveryError(f"stopped at {offset} of {expected.size} bytes")
     if await asyncio.to_thread(file_sha256, target) != expected.sha256:
         target.unlink()
-        raise RecoveryError("sha256 mismatch")
+        raise (
+            MixedCopy("sha256 mismatch of a copy resumed here")
+            if resumed
+            else RecoveryError("sha256 mismatch")
+        )
+
+
+class MixedCopy(RecoveryError):
+    """A copy of several peers' bytes failed its hash: whose bytes were wrong is unknown."""
+
+
+async def _download_whole(
+    session: aiohttp.ClientSession, url: str, manifest: Manifest, digest: str, name: str, target: Path
+) -> None:
+    """`_download`; a resumed copy that fails its hash comes again from this peer alone, from the
+    start. Resumed copies alone, a peer that sent a few wrong bytes (or trickled) before each
+    honest peer's turn failed every copy of the file."""
+    try:
+        await _download(session, url, manifest, digest, name, target)
+    except MixedCopy as exc:
+        log.warning("recovery: %s (%s): all of it from %s", name, exc, url)
+        await _download(session, url, manifest, digest, name, target)  # unlinked: from byte 0
 
 
 async def _fetch_set(
@@ -171,7 +232,7 @@ async def _fetch_set(
         for attempt in range(2 * len(sources)):  # every peer, twice: a second try resumes the bytes
             url = sources[(index + attempt) % len(sources)]
             try:
-                await _download(session, url, manifest, digest, name, staging / name)
+                await _download_whole(session, url, manifest, digest, name, staging / name)
                 return
             except (aiohttp.ClientError, asyncio.TimeoutError, RecoveryError, OSError, ValueError) as exc:
                 log.warning("recovery: %s from %s failed (%s); trying the next peer", name, url, exc)
@@ -215,13 +276,18 @@ async def _fetch_from(
     return final
 
 
-async def fetch_checkpoint(digest: str, holders: Sequence[Heartbeat], dest_dir: Path, timeout: float) -> Path:
+async def fetch_checkpoint(
+    digest: str, holders: Sequence[Heartbeat], dest_dir: Path, timeout: float, max_bytes: int | None = None
+) -> Path:
     """Download the checkpoint with `digest` from `holders` into dest_dir/step-N; returns its path.
 
     Every holder is asked for its manifest at once, within MANIFEST_TIMEOUT: only those that
     answered (a frozen or far-away holder does not, and would stall every file it is asked for) serve
     the files. Then one holder's manifest (and its node-specific files) at a time; if that holder
-    fails, the next one's, keeping the shared files already verified."""
+    fails, the next one's, keeping the shared files already verified. A manifest whose files add up
+    to more than `max_bytes` (what a checkpoint of this model can hold) is a lie and is not used: the
+    digest covers the shared files' hashes, not their sizes, and a holder once made a joiner write
+    terabytes before any hash was checked."""
     if not holders:
         raise RecoveryError(
             f"checkpoint {digest[:12]} is held only by nodes nobody can reach (behind NAT); one of them "
@@ -232,7 +298,11 @@ async def fetch_checkpoint(digest: str, holders: Sequence[Heartbeat], dest_dir: 
     last_problem = "no peer served the majority's checkpoint manifest"
     async with aiohttp.ClientSession(timeout=client_timeout) as session:
         answers = await asyncio.gather(*(_get_manifest(session, url, digest) for url in urls))
-        manifests = {url: manifest for url, manifest in zip(urls, answers, strict=True) if manifest}
+        manifests = {
+            url: manifest
+            for url, manifest in zip(urls, answers, strict=True)
+            if manifest and _within(manifest, max_bytes, url)
+        }
         responsive = list(manifests)
         for source, manifest in manifests.items():
             try:

@@ -150,7 +150,7 @@ async def fetch_result(urls: Sequence[str], step: int, limit: int, timeout: floa
                     if len(body) <= limit:
                         return body
                     log.warning("%s: result of step %d larger than %d bytes; skipped", url, step, limit)
-            except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
                 log.warning("%s: no result of step %d (%s)", url, step, exc)
     return None
 

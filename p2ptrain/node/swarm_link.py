@@ -28,6 +28,7 @@ from p2ptrain.ckpt.fetch import (
     fetch_checkpoint,
     majority_checkpoint,
 )
+from p2ptrain.ckpt.format import max_checkpoint_bytes
 from p2ptrain.ckpt.manifest import build_manifest
 from p2ptrain.ckpt.replay import (
     RecentResults,
@@ -299,7 +300,9 @@ class SwarmLink(SoloSwarm):
                 digest, holders = found
                 self._collect_results([b for b in beats if b.ckpt_digest == digest])
                 try:
-                    return await fetch_checkpoint(digest, holders, dest, self.config.checkpoint.fetch_timeout)
+                    bound = max_checkpoint_bytes(parameter_count(self.config.model))
+                    timeout = self.config.checkpoint.fetch_timeout
+                    return await fetch_checkpoint(digest, holders, dest, timeout, bound)
                 except RecoveryError as exc:
                     if time.monotonic() > deadline:
                         raise
