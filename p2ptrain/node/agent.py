@@ -50,7 +50,7 @@ from p2ptrain.node.checkpoint_copies import (
     mark_diverged,
     prune_places,
 )
-from p2ptrain.node.failures import Diverged, RunOver, TrainingFailed
+from p2ptrain.node.failures import Diverged, TrainingFailed
 from p2ptrain.node.interrupt import LEAVING_GRACE_S, Interrupted, unless
 from p2ptrain.node.progress import ProgressView
 from p2ptrain.node.rank_launcher import (
@@ -140,13 +140,9 @@ class TrainingNode:
         self.recoveries += 1
         self.say(f"{reason}: fetching the swarm's checkpoint")
         path = await self._fetch_checkpoint(reason, wait=True)
-        if path is None:
+        if path is None:  # the run may be over, every other node gone with its checkpoint
             over = await self._guarded(self.swarm.run_over())
-            raise (
-                RunOver(over)
-                if over
-                else Diverged(step, f"{reason}, and no majority of live members offers a checkpoint")
-            )
+            raise Diverged(step, f"{reason}, and {over or 'no majority of live members offers a checkpoint'}")
         return path
 
     async def _fetch_checkpoint(self, reason: str, wait: bool) -> Path | None:

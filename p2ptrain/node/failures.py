@@ -16,7 +16,3 @@ class Diverged(TrainingFailed):
 
     def __init__(self, step: int, reason: str):
         super().__init__(f"diverged from the swarm at outer step {step}: {reason}")
-
-
-class RunOver(TrainingFailed):
-    """Every other node of the run has finished it and left: there is nothing to join or catch up to."""
