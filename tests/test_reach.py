@@ -11,7 +11,7 @@ import pytest
 
 from p2ptrain.ckpt.sidecar import CheckpointSidecar
 from p2ptrain.comm.dataplane import DataPlaneServer, RingSettings
-from p2ptrain.comm.reach import NONCE_BYTES, Reach
+from p2ptrain.comm.reach import NONCE_BYTES, Reach, network_of
 from p2ptrain.comm.wire import read_frame, write_frame
 from p2ptrain.identity import load_or_create_identity
 from p2ptrain.procs import free_port
@@ -127,8 +127,9 @@ def full_listener() -> tuple[socket.socket, list[socket.socket]]:
 
 
 def test_a_prober_runs_one_probe_per_source_at_a_time(tmp_path: Path) -> None:
-    """A second request from the same address while the first one's dial-back hangs is refused:
-    one stranger cannot make a node dial a thousand times at once."""
+    """A second request from the same network while the first one's dial-back hangs is refused:
+    one stranger cannot make a node dial a thousand times at once, nor hold every probe slot with
+    eight addresses of its network (an IPv6 host often has a whole /64)."""
     hanging, fillers = full_listener()
 
     async def main() -> None:
@@ -138,7 +139,9 @@ def test_a_prober_runs_one_probe_per_source_at_a_time(tmp_path: Path) -> None:
             await write_frame(first, {"kind": "reach", "port": hanging.getsockname()[1], "nonce": b"a" * 16})
             while prober.reach.in_flight == 0:  # its dial-back hangs now (for 3 s)
                 await asyncio.sleep(0.01)
-            second_reader, second = await asyncio.open_connection(*prober.address)
+            second_reader, second = await asyncio.open_connection(
+                *prober.address, local_addr=("127.0.0.2", 0)
+            )
             await write_frame(second, {"kind": "reach", "port": 9, "nonce": b"b" * 16})
             refused = await read_frame(second_reader, 5, 0)
             assert refused.kind == "refuse" and "running already" in refused.header["reason"]
@@ -196,3 +199,10 @@ def test_the_election_marks_members_behind_nat_and_leaves_none_out_for_it() -> N
     # "" (not probed yet) and values a newer node may write count as reachable
     mixed = decide([beat(0, ""), beat(1, "someday"), beat(2, "closed")], 3, deadline_passed=True)
     assert mixed is not None and [member.reachable for member in mixed.members].count(False) == 1
+
+
+def test_probes_are_counted_per_network() -> None:
+    assert network_of("10.1.2.3") == network_of("10.1.2.200") == "10.1.2.0/24"
+    assert network_of("2001:db8::1") == network_of("2001:db8::ffff:1") == "2001:db8::/64"
+    assert network_of("::ffff:10.1.2.3") == "10.1.2.0/24"  # an IPv4 peer on a dual-stack socket
+    assert network_of("?") == "?"

@@ -14,8 +14,9 @@ nonce arrives at its own listener (its sidecar's, when the GET reaches it). A pr
 probers whose proof did arrive (that address reached us).
 
 A prober dials only the IP the request came from, so it cannot be sent at a third party; it runs at
-most one probe per source IP and MAX_PROBES_IN_FLIGHT in all, each bounded by DIAL_TIMEOUT, and a
-refused request gets a one-line reason. Every field is checked as untrusted input.
+most one probe per source network (an IPv4 /24, an IPv6 /64: one host often holds a whole /64)
+and MAX_PROBES_IN_FLIGHT in all, each bounded by DIAL_TIMEOUT, and a refused request gets a
+one-line reason. Every field is checked as untrusted input.
 """
 
 from __future__ import annotations
@@ -82,6 +83,17 @@ class ProbeResult:
     """The sidecar's reachability, where it was probed too."""
 
 
+def network_of(source: str) -> str:
+    """The network a probe's source address is counted in: its IPv4 /24 or IPv6 /64."""
+    try:
+        address = ipaddress.ip_address(source)
+    except ValueError:
+        return source
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped  # an IPv4 peer on a dual-stack socket
+    return str(ipaddress.ip_network(f"{address}/{24 if address.version == 4 else 64}", strict=False))
+
+
 class ReachService:
     """Both ends of the probe on one node: answers askers (as prober) and collects proofs for our
     own questions (as asker). The data-plane server hands it every connection whose first frame is
@@ -129,8 +141,8 @@ class ReachService:
             reason = "port must be an integer in 1..65535"
         elif not (_is_nonce(nonce) and (ckpt_port is None or _is_nonce(ckpt_nonce))):
             reason = f"nonce must be {NONCE_BYTES} bytes"
-        elif source in self._probing:
-            reason = "a probe for this address is running already"
+        elif network_of(source) in self._probing:
+            reason = "a probe for this address's network is running already"
         elif len(self._probing) >= MAX_PROBES_IN_FLIGHT:
             reason = f"{MAX_PROBES_IN_FLIGHT} probes are running already"
         if reason is not None:
@@ -138,14 +150,14 @@ class ReachService:
             await write_frame(writer, {"kind": "refuse", "reason": reason}, timeout=DIAL_TIMEOUT)
             return
         assert isinstance(port, int) and isinstance(nonce, bytes)
-        self._probing.add(source)
+        self._probing.add(network_of(source))
         try:
             dialed = await _send_proof(source, port, nonce)
             ckpt_dialed = False
             if isinstance(ckpt_port, int) and isinstance(ckpt_nonce, bytes):
                 ckpt_dialed = await _get_proof(source, ckpt_port, ckpt_nonce)
         finally:
-            self._probing.discard(source)
+            self._probing.discard(network_of(source))
         answer = {"kind": "reach-result", "observed": source, "dialed": dialed, "ckpt_dialed": ckpt_dialed}
         await write_frame(writer, answer, timeout=DIAL_TIMEOUT)
 
