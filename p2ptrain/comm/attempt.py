@@ -59,8 +59,9 @@ class Registration:
     incoming: dict[LaneKey, asyncio.Future[Connection]]
     claimed: set[LaneKey] = field(default_factory=set)
     heard: set[bytes] = field(default_factory=set)
-    """Keys whose hello for this step arrived during the attempt, taken or not: alive and trying
-    (a refused one elected other members), so not to be named as unresponsive."""
+    """Members whose hello for this step arrived during the attempt, taken or not: alive and
+    trying (a refused one elected other members), so not to be named as unresponsive. Members only:
+    strangers' keys once filled it."""
     abandoned: asyncio.Event = field(default_factory=asyncio.Event)
     reason: str = ""
 
