@@ -24,7 +24,10 @@ the last round of the all-gather's data.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import threading
 
 from p2ptrain.comm import lanes
 from p2ptrain.comm.wire import FrameError, WireError
@@ -47,6 +50,41 @@ def holders_in(header: dict, step: int, n: int, sender: int) -> int:
     if type(holders) is not int or not 0 <= holders < 1 << n or not holders >> sender & 1:
         raise FrameError(f"barrier frame with a bad set of holders: {holders!r}")
     return holders
+
+
+async def every_holder(
+    index: int,
+    n: int,
+    step: int,
+    to_successor: lanes.Channel,
+    from_predecessor: lanes.Channel,
+    failure_timeout: float,
+) -> None:
+    """`await_every_holder` on a thread of its own, as the transfer's (the default executor may be
+    busy with a checkpoint's copy or hash). Cancelled, it leaves the thread to end when the caller
+    shuts the connections (ring_all_reduce does, in any case)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def settle(error: BaseException | None) -> None:
+        if done.done():  # cancelled meanwhile
+            return
+        if error is None:
+            done.set_result(None)
+        else:
+            done.set_exception(error)
+
+    def run() -> None:
+        error: BaseException | None = None
+        try:
+            await_every_holder(index, n, step, to_successor, from_predecessor, failure_timeout)
+        except BaseException as exc:  # handed to the waiting coroutine
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+            loop.call_soon_threadsafe(settle, error)
+
+    threading.Thread(target=run, name=f"p2ptrain-ring-barrier-{step}", daemon=True).start()
+    await done
 
 
 def await_every_holder(

@@ -47,7 +47,7 @@ import numpy as np
 import zstandard
 
 from p2ptrain.comm import claims, lanes, quant
-from p2ptrain.comm.barrier import await_every_holder
+from p2ptrain.comm.barrier import every_holder
 from p2ptrain.comm.connect import LanePlan, connect_lanes
 from p2ptrain.comm.dataplane import AllReduceError, Connection, DataPlaneServer, RingSettings
 from p2ptrain.comm.handshake import HandshakeError, ViewsDiffer
@@ -377,7 +377,7 @@ async def ring_all_reduce(
             raise plan.failure
         plan.check_results()
         ends = (outgoing[plan.schedule.successor, 0], into[plan.schedule.predecessor, 0])
-        await asyncio.to_thread(await_every_holder, plan.index, plan.n, step, *ends, settings.failure_timeout)
+        await every_holder(plan.index, plan.n, step, *ends, settings.failure_timeout)
         server.completed(step)
     except AllReduceError as exc:
         level = logging.INFO if exc.views_differ else logging.WARNING  # normal while records spread
