@@ -177,6 +177,17 @@ def test_a_member_killed_once_it_holds_every_frame_leaves_no_survivor_with_the_r
     assert results == {}
 
 
+def test_a_member_whose_link_is_slow_is_waited_for_in_the_barrier(tmp_path: Path) -> None:
+    """Member 1 reads a frame every 200 ms (a slow link into it), each well within
+    failure_timeout: its successor holds every frame a whole segment earlier than it. A barrier
+    that waited two failure timeouts failed every such attempt (and some members took the result
+    while others failed); it waits as long as the data phase may take."""
+    settings = RingSettings(chunk_bytes=1 << 14, failure_timeout=1.0, topology="ring")
+    outcomes, results, _ = run_ring(tmp_path, 3, 3 * 16 * 4096, settings=settings, faults={1: ("slow", 200)})
+    assert all(outcome.ok for outcome in outcomes.values()), outcomes
+    assert len(results) == 3
+
+
 @pytest.mark.parametrize("n", [3, 5])
 def test_a_member_gone_before_it_connects_is_not_waited_for(tmp_path: Path, n: int) -> None:
     """Elected, then killed before its lanes reach us: its port refuses, so the survivors fail the

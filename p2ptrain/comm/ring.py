@@ -377,7 +377,8 @@ async def ring_all_reduce(
             raise plan.failure
         plan.check_results()
         ends = (outgoing[plan.schedule.successor, 0], into[plan.schedule.predecessor, 0])
-        await every_holder(plan.index, plan.n, step, *ends, settings.failure_timeout)
+        bound = settings.failure_timeout * (plan.schedule.frames_in() + plan.n)  # as the data allow
+        await every_holder(plan.index, plan.n, step, *ends, bound)
         server.completed(step)
     except AllReduceError as exc:
         level = logging.INFO if exc.views_differ else logging.WARNING  # normal while records spread

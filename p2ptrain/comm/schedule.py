@@ -143,3 +143,7 @@ class Schedule:
     def receive_frames(self, peer: int, lane: int | None = None) -> list[FrameSpec]:
         """The frames `peer` sends us (on `lane`)."""
         return self.frames(self.receive_stream(peer), lane)
+
+    def frames_in(self) -> int:
+        """How many frames we receive in all."""
+        return sum(len(self.receive_frames(peer)) for peer in self.in_peers())

@@ -1,0 +1,119 @@
+"""The completion barrier (p2ptrain/comm/barrier.py) over real sealed socket pairs, one thread per
+member; the ring harness (test_ring.py) covers it inside whole all-reduces."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from p2ptrain.comm import lanes
+from p2ptrain.comm.barrier import DONE, await_every_holder
+from p2ptrain.comm.seal import FrameSeal
+from p2ptrain.comm.wire import FrameError, PeerClosed, PeerTimeout
+
+STEP = 11
+
+
+def channel_pair() -> tuple[lanes.Channel, lanes.Channel]:
+    """(the sending end, the receiving end) of one sealed connection."""
+    key = os.urandom(32)
+    sender, receiver = socket.socketpair()
+    return lanes.Channel(sender, FrameSeal(key)), lanes.Channel(receiver, FrameSeal(key))
+
+
+def run_ring(n: int, seconds: float = 5.0) -> dict[int, str]:
+    """n members, member i's successor i + 1: what each one's barrier ended with."""
+    links = [channel_pair() for _ in range(n)]  # link i: member i to member i + 1
+    outcomes: dict[int, str] = {}
+
+    def member(index: int) -> None:
+        try:
+            await_every_holder(index, n, STEP, links[index][0], links[(index - 1) % n][1], seconds)
+            outcomes[index] = "holds"
+        except Exception as exc:
+            outcomes[index] = f"{type(exc).__name__}: {exc}"
+
+    threads = [threading.Thread(target=member, args=(index,)) for index in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    for link in links:
+        for end in link:
+            end.sock.close()
+    return outcomes
+
+
+@pytest.mark.parametrize("n", [2, 3, 16, 70])
+def test_every_member_of_a_ring_learns_that_all_hold_the_result(n: int) -> None:
+    """70: the set is a bitmap of bytes (an int over 64 bits cannot go through msgpack)."""
+    assert run_ring(n) == dict.fromkeys(range(n), "holds")
+
+
+def predecessor(behave: Callable[[lanes.Channel], None], seconds: float = 3.0) -> tuple[str, float]:
+    """Member 2 of 4 whose predecessor (member 1) sends what `behave` sends; its outcome, and when."""
+    to_successor, _ = channel_pair()
+    theirs, ours = channel_pair()
+    sender = threading.Thread(target=behave, args=(theirs,), daemon=True)
+    sender.start()
+    started = time.monotonic()
+    try:
+        await_every_holder(2, 4, STEP, to_successor, ours, seconds)
+        outcome = "holds"
+    except (FrameError, PeerClosed, PeerTimeout) as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    seconds = time.monotonic() - started
+    for end in (to_successor, theirs, ours):
+        end.sock.close()  # a sender still at it ends with the connection
+    sender.join(5)
+    return outcome, seconds
+
+
+def send(channel: lanes.Channel, holders: object, kind: str = DONE, step: int = STEP) -> None:
+    lanes.send_frame(channel, {"kind": kind, "step": step, "holders": holders}, b"", 1.0)
+
+
+def test_a_predecessor_that_repeats_its_set_is_refused_at_once() -> None:
+    """Each frame must grow the sender's set: repeating one kept its successor waiting for good."""
+
+    def repeat(channel: lanes.Channel) -> None:
+        with contextlib.suppress(PeerClosed, OSError):
+            for _ in range(20):
+                send(channel, bytes([0b0010]))
+                time.sleep(0.05)
+
+    outcome, seconds = predecessor(repeat)
+    assert outcome.startswith("FrameError") and "bad set of holders" in outcome and seconds < 1.0
+
+
+@pytest.mark.parametrize(
+    ("holders", "needle"),
+    [
+        (bytes([0b0001]), "bad set"),  # without the sender's own bit
+        (bytes([0b10010]), "bad set"),  # a member beyond the ring's 4
+        (b"\x02\x00", "not 1 bytes"),
+        (2, "not 1 bytes"),
+        ("x", "not 1 bytes"),
+    ],
+)
+def test_a_malformed_set_fails_the_barrier(holders: object, needle: str) -> None:
+    outcome, _ = predecessor(lambda channel: send(channel, holders))
+    assert outcome.startswith("FrameError") and needle in outcome, outcome
+
+
+def test_a_frame_of_another_kind_or_step_fails_the_barrier() -> None:
+    assert "expected a barrier frame" in predecessor(lambda c: send(c, bytes([2]), kind="ag"))[0]
+    assert "expected a barrier frame" in predecessor(lambda c: send(c, bytes([2]), step=STEP + 1))[0]
+
+
+def test_a_silent_predecessor_fails_the_barrier_at_its_bound_and_a_gone_one_at_once() -> None:
+    outcome, seconds = predecessor(lambda channel: None, seconds=1.0)
+    assert outcome.startswith("PeerTimeout") and 0.9 < seconds < 5.0
+    outcome, seconds = predecessor(lambda channel: channel.sock.close(), seconds=30.0)
+    assert outcome.startswith("PeerClosed") and seconds < 5.0
