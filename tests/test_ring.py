@@ -178,12 +178,12 @@ def test_a_member_killed_once_it_holds_every_frame_leaves_no_survivor_with_the_r
 
 
 def test_a_member_whose_link_is_slow_is_waited_for_in_the_barrier(tmp_path: Path) -> None:
-    """Member 1 reads a frame every 200 ms (a slow link into it), each well within
+    """Member 1 reads a frame every 300 ms (a slow link into it), each well within
     failure_timeout: its successor holds every frame a whole segment earlier than it. A barrier
     that waited two failure timeouts failed every such attempt (and some members took the result
     while others failed); it waits as long as the data phase may take."""
-    settings = RingSettings(chunk_bytes=1 << 14, failure_timeout=1.0, topology="ring")
-    outcomes, results, _ = run_ring(tmp_path, 3, 3 * 16 * 4096, settings=settings, faults={1: ("slow", 200)})
+    settings = RingSettings(chunk_bytes=1 << 14, failure_timeout=1.5, topology="ring")
+    outcomes, results, _ = run_ring(tmp_path, 3, 3 * 16 * 4096, settings=settings, faults={1: ("slow", 300)})
     assert all(outcome.ok for outcome in outcomes.values()), outcomes
     assert len(results) == 3
 

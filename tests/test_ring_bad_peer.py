@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -142,12 +143,13 @@ async def idle_connections(
     return [await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0)) for _ in range(count)]
 
 
-async def settle(condition: Callable[[], bool], what: str) -> None:
-    for _ in range(300):  # until the server has taken the connections in (bounded)
-        if condition():
-            return
+async def settle(condition: Callable[[], bool], what: str, seconds: float = 15.0) -> None:
+    """Until the server has taken the connections in (bounded: a busy machine takes its time)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(what)
         await asyncio.sleep(0.01)
-    raise AssertionError(what)
 
 
 async def discard(*tasks: asyncio.Task) -> None:
