@@ -11,8 +11,7 @@ is a stranger's, and it costs the node a socket, a task and memory. Two phases, 
    under way once left the pool at their hello: one source held 1000 signed welcomes' waits.)
 2. **Waiting for this node to reach the step** the hello names (a fast member may dial before we got
    there): hellos from the nodes this node currently sees ready for its step (`candidates`) wait
-   freely; anyone else shares `strangers` slots, at most `per_source` of them from one address,
-   refused when those are taken. Hellos for steps far
+   freely; anyone else shares `strangers` slots, refused when those are taken. Hellos for steps far
    from this node's own are refused at once (dataplane.py).
 
 Every refusal is logged, but at most once per 10 s with a count (untrusted.ThrottledLog), so a
@@ -37,8 +36,6 @@ MAX_PENDING_PER_SOURCE = 32
 address, and a relay takes two connections per relayed edge and lane)."""
 MAX_WAITING_STRANGERS = 32
 """Connections of non-candidates waiting for this node to reach their step."""
-MAX_WAITING_PER_SOURCE = 8
-"""…and from one source address (one address once held all 32, and an early member was refused)."""
 
 
 @dataclass
@@ -85,32 +82,15 @@ class PendingBudget:
 
 @dataclass
 class WaitingBudget:
-    """Phase 2: hellos waiting for this node to reach their step; candidates are not counted, and
-    no source address holds more than `per_source` of the strangers' slots."""
+    """Phase 2: hellos waiting for this node to reach their step; candidates are not counted."""
 
     strangers: int = MAX_WAITING_STRANGERS
-    per_source: int = MAX_WAITING_PER_SOURCE
     candidates: Collection[bytes] = frozenset()
     """Nodes this node last saw ready for its step (set by the node's sync before each election)."""
     waiting_strangers: int = 0
-    _by_source: Counter[str] = field(default_factory=Counter)
 
-    def enter(self, key: bytes, source: str) -> bool | None:
-        """Whether the hello waits as a stranger (True) or a candidate (False); None: refused."""
-        if key in self.candidates:
-            return False
-        if self.waiting_strangers >= self.strangers or self._by_source[source] >= self.per_source:
-            return None
-        self.waiting_strangers += 1
-        self._by_source[source] += 1
-        return True
-
-    def leave(self, source: str) -> None:
-        """A stranger's hello stopped waiting."""
-        self.waiting_strangers -= 1
-        self._by_source[source] -= 1
-        if self._by_source[source] <= 0:
-            del self._by_source[source]
+    def may_wait(self, key: bytes) -> bool:
+        return key in self.candidates or self.waiting_strangers < self.strangers
 
 
 async def wait_until(

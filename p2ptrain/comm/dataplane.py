@@ -254,24 +254,22 @@ class DataPlaneServer:
             raise HandshakeError(f"step {step} is far ahead of this node's step {self._latest_step}")
         return None
 
-    async def _admission(self, step: int, key: bytes, source: str) -> Admission | None:
+    async def _admission(self, step: int, key: bytes) -> Admission | None:
         """Wait (bounded) for the local node to reach `step`: a fast peer may dial before we get
-        there. `key` is proven (handshake.accept_any); `source`: the connection's address."""
+        there. `key` is proven (handshake.accept_any)."""
         if self._known(step) is not None:
             return self._heard(step, key)
-        stranger = self.waiting.enter(key, source)
-        if stranger is None:
-            raise HandshakeError(
-                f"too many connections (from {source}, or in all) already wait for step {step}"
-            )
+        if not self.waiting.may_wait(key):
+            raise HandshakeError(f"{self.waiting.strangers} connections already wait for step {step}")
+        stranger = key not in self.waiting.candidates
+        self.waiting.waiting_strangers += stranger
         self._wake(step)
         try:
             deadline = time.monotonic() + self.settings.setup_timeout
             if not await wait_until(lambda: step in self._expected, lambda: self._changed, deadline):
                 return None
         finally:
-            if stranger:
-                self.waiting.leave(source)
+            self.waiting.waiting_strangers -= stranger
         return self._heard(step, key)
 
     def _heard(self, step: int, key: bytes) -> Admission:
@@ -351,7 +349,7 @@ class DataPlaneServer:
             # proven: every hello holds its slot for the round trip to its proof, else a stranger's
             # hellos for a step under way each held a signed welcome's wait outside every budget
             idle_no_more()
-            return await self._admission(step, key, source)
+            return await self._admission(step, key)
 
         try:
             first = await read_frame(reader, self.settings.failure_timeout, MAX_HANDSHAKE_FRAME)
