@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from p2ptrain.comm import quant
-from p2ptrain.comm.budget import MAX_PENDING_HANDSHAKES, MAX_PENDING_PER_SOURCE
+from p2ptrain.comm.budget import MAX_PENDING_HANDSHAKES, MAX_PENDING_PER_SOURCE, MAX_PROVING_PER_SOURCE
 from p2ptrain.comm.connect import dial_member
 from p2ptrain.comm.handshake import HandshakeError, dial
 from p2ptrain.comm.members import membership_digest
@@ -280,9 +280,9 @@ def test_strangers_proving_keys_for_a_step_do_not_hide_a_member_whose_views_diff
 
 def test_hellos_for_a_step_under_way_hold_their_sources_share_until_they_prove_a_key(tmp_path: Path) -> None:
     """One source sends hellos for the step this node is reducing, under made-up keys and digests,
-    and never a proof. Each is answered with a signed welcome; those waits held no slot of the
-    pending pool, so one source held a thousand (descriptors ran out). Now each holds its slot
-    until its proof: the source's share is held, the rest refused, and a member still gets in."""
+    and never a proof. Each is answered with a signed welcome; those waits held no slot of any
+    pool, so one source held a thousand (descriptors ran out). Now they hold the source's share of
+    the pool of welcomes waiting for a proof, the rest are refused, and a member still gets in."""
 
     async def scenario() -> None:
         settings = RingSettings(failure_timeout=5.0, setup_timeout=5.0)
@@ -294,7 +294,7 @@ def test_hellos_for_a_step_under_way_hold_their_sources_share_until_they_prove_a
         server.at_step(STEP)
         registration = server.expect(STEP, [member_id.public_key], digest)
         flood = []
-        for _ in range(4 * MAX_PENDING_PER_SOURCE):
+        for _ in range(MAX_PROVING_PER_SOURCE + 64):
             _, writer = await asyncio.open_connection(host, port, local_addr=("127.0.0.3", 0))
             hello = {"kind": "hello", "node_key": os.urandom(32), "step": STEP, "attempt": 0}
             hello |= {
@@ -305,9 +305,9 @@ def test_hellos_for_a_step_under_way_hold_their_sources_share_until_they_prove_a
             }
             writer.write(b"".join(bytes(part) for part in encode_frame(hello, b"")))
             flood.append(writer)
-        await settle(lambda: server.pending.refused >= 3 * MAX_PENDING_PER_SOURCE, "the rest refused")
-        assert server.pending_handshakes <= MAX_PENDING_PER_SOURCE
-        assert len(server._answering) <= MAX_PENDING_PER_SOURCE
+        await settle(lambda: server.proving.refused >= 64, "the rest refused")
+        assert len(server.proving) == MAX_PROVING_PER_SOURCE
+        assert len(server._answering) <= MAX_PROVING_PER_SOURCE + MAX_PENDING_PER_SOURCE
         _, writer, _ = await dial_member(member_id, listener, STEP, digest, settings)
         assert (await asyncio.wait_for(registration.incoming[(member_id.public_key, 0)], 5)) is not None
         for flooding in [*flood, writer]:

@@ -3,12 +3,15 @@
 Anyone can open a TCP connection to a node's data port. Until its handshake completes a connection
 is a stranger's, and it costs the node a socket, a task and memory. Two phases, two budgets:
 
-1. **Until the dialer has proven its key** (its hello, our signed welcome, its proof: one round
-   trip): at most `per_source` connections from one address and `total` in all. When the pool is
-   full the *oldest* one is dropped for the newcomer: an honest dialer sends its hello at once and
-   its proof a round trip later, so the connections that grow old are the flood's (idle ones, and
-   hellos that never prove a key). A single source cannot fill the pool at all. (Hellos for a step
-   under way once left the pool at their hello: one source held 1000 signed welcomes' waits.)
+1. **Before the hello** (the dialer's first frame): at most `per_source` connections from one
+   address and `total` in all. When the pool is full the *oldest* one is dropped for the newcomer:
+   an honest dialer sends its hello within milliseconds, so idle connections — the flood — are the
+   ones that grow old. A single source cannot fill the pool at all. A hello for a step this node
+   has not registered keeps its slot until the dialer has proven its key.
+   **A hello for a step under way** moves to a second pool of the same kind while our signed
+   welcome waits for the dialer's proof (one round trip): MAX_PROVING, MAX_PROVING_PER_SOURCE of
+   one address (a burst of a step's lanes from nodes behind one address fits). Outside any pool,
+   one source once held a thousand such waits and ran a node out of descriptors.
 2. **Waiting for this node to reach the step** the hello names (a fast member may dial before we got
    there): hellos from the nodes this node currently sees ready for its step (`candidates`) wait
    freely; anyone else shares `strangers` slots, refused when those are taken. Hellos for steps far
@@ -30,17 +33,22 @@ from dataclasses import dataclass, field
 from p2ptrain.deadline import within
 
 MAX_PENDING_HANDSHAKES = 64
-"""Connections whose dialer has not proven its key yet, in all."""
+"""Connections that have not sent their hello yet, in all."""
 MAX_PENDING_PER_SOURCE = 32
 """…and from one source address: half the pool (members behind one carrier-grade NAT share an
 address, and a relay takes two connections per relayed edge and lane)."""
+MAX_PROVING = 512
+"""Connections whose hello for a step under way was welcomed and whose proof has not come yet."""
+MAX_PROVING_PER_SOURCE = 128
+"""…from one source address."""
 MAX_WAITING_STRANGERS = 32
 """Connections of non-candidates waiting for this node to reach their step."""
 
 
 @dataclass
 class PendingBudget:
-    """Phase 1: connections before their dialer's proof, by source address, oldest dropped first."""
+    """Connections of one phase (before the hello; welcomed, before the proof), by source address,
+    oldest dropped first."""
 
     total: int = MAX_PENDING_HANDSHAKES
     per_source: int = MAX_PENDING_PER_SOURCE
@@ -69,7 +77,7 @@ class PendingBudget:
         return self._next
 
     def leave(self, ticket: int) -> None:
-        """The connection's dialer proved its key (or it ended): it no longer counts here."""
+        """The connection left the phase (or ended): it no longer counts here."""
         entry = self._order.pop(ticket, None)
         if entry is not None:
             self._release(entry[0])
@@ -78,6 +86,38 @@ class PendingBudget:
         self._by_source[source] -= 1
         if self._by_source[source] <= 0:
             del self._by_source[source]
+
+
+@dataclass
+class Tickets:
+    """One connection's places in the two pools of phase 1, given up as its handshake moves on.
+    `ticket`: its place in `pending`, None for a relayed connection (in neither pool)."""
+
+    pending: PendingBudget
+    proving: PendingBudget
+    source: str
+    writer: asyncio.StreamWriter
+    ticket: int | None
+    proof: int | None = None
+
+    def hello_read(self) -> None:
+        if self.ticket is not None:
+            self.pending.leave(self.ticket)
+
+    def awaiting_proof(self) -> bool:
+        """A hello for a step under way: from the idle pool into the proving pool; False when its
+        source holds its share of that pool."""
+        if self.ticket is None or self.proof is not None:
+            return True
+        self.hello_read()
+        self.proof = self.proving.enter(self.source, self.writer)
+        return self.proof is not None
+
+    def proven(self) -> None:
+        """The dialer proved its key (or the handshake ended)."""
+        self.hello_read()
+        if self.proof is not None:
+            self.proving.leave(self.proof)
 
 
 @dataclass

@@ -22,7 +22,14 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from p2ptrain.comm.attempt import AllReduceError, Connection, LaneKey, Registration
-from p2ptrain.comm.budget import PendingBudget, WaitingBudget, wait_until
+from p2ptrain.comm.budget import (
+    MAX_PROVING,
+    MAX_PROVING_PER_SOURCE,
+    PendingBudget,
+    Tickets,
+    WaitingBudget,
+    wait_until,
+)
 from p2ptrain.comm.handshake import (
     MAX_HANDSHAKE_FRAME,
     MAX_LANES,
@@ -109,6 +116,7 @@ class DataPlaneServer:
         self._latest_step = -1
         self._completed_step = -1
         self.pending = PendingBudget()
+        self.proving = PendingBudget(MAX_PROVING, MAX_PROVING_PER_SOURCE)
         self.waiting = WaitingBudget()
         # one throttle per kind, so a flood of one kind never hides the other from the log
         self._refusals = ThrottledLog(log)
@@ -340,15 +348,18 @@ class DataPlaneServer:
         relayed: bool = False,
     ) -> None:
         """Read the first frame and serve what it asks: a probe, a relay, or a ring lane's handshake."""
+        tickets = Tickets(self.pending, self.proving, source, writer, ticket)
 
-        def idle_no_more() -> None:
-            if ticket is not None:
-                self.pending.leave(ticket)
+        def peek(step: int) -> Admission | None:
+            known = self._known(step)
+            if known is not None and not tickets.awaiting_proof():
+                raise HandshakeError(
+                    f"{self.proving.per_source} hellos from {source} already await their proof"
+                )
+            return known
 
         async def resolve(step: int, key: bytes) -> Admission | None:
-            # proven: every hello holds its slot for the round trip to its proof, else a stranger's
-            # hellos for a step under way each held a signed welcome's wait outside every budget
-            idle_no_more()
+            tickets.proven()  # an early dialer holds its slot for one round trip
             return await self._admission(step, key)
 
         try:
@@ -365,7 +376,7 @@ class DataPlaneServer:
                 writer.close()
                 return
             if first.kind in REACH_KINDS or first.kind in RELAY_KINDS:
-                idle_no_more()
+                tickets.hello_read()
                 service = self.reach if first.kind in REACH_KINDS else self.relay
                 await service.handle(first, reader, writer, source)
                 return
@@ -378,7 +389,7 @@ class DataPlaneServer:
                 self._claim,
                 lambda reason: self._refusals.warning("refused data-plane connection: %s", reason),
                 first,
-                self._known,
+                peek,
                 self.credentials,
             )
         except HandshakeError:
@@ -394,7 +405,9 @@ class DataPlaneServer:
             self._drops.warning("data-plane connection from %s dropped in its handshake: %s", source, exc)
             writer.close()
             return
-        idle_no_more()
+        finally:
+            tickets.proven()  # or refused, or gone
+
         registration = self._expected.get(session.step)
         future = None
         if registration is not None and registration.attempt == session.attempt:
