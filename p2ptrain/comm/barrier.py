@@ -39,6 +39,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from p2ptrain.comm import lanes
 from p2ptrain.comm.wire import FrameError, WireError
@@ -65,17 +66,10 @@ def holders_in(header: dict, step: int, n: int, sender: int, before: int) -> int
     return holders
 
 
-async def every_holder(
-    index: int,
-    n: int,
-    step: int,
-    to_successor: lanes.Channel,
-    from_predecessor: lanes.Channel,
-    seconds: float,
-) -> None:
-    """`await_every_holder` on a thread of its own, as the transfer's (the default executor may be
-    busy with a checkpoint's copy or hash). Cancelled, it leaves the thread to end when the caller
-    shuts the connections (ring_all_reduce does, in any case)."""
+async def on_own_thread(work: Callable[[], None], name: str) -> None:
+    """`work()` on a thread of its own, as the transfer's (the default executor may be busy with a
+    checkpoint's copy or hash). Cancelled, it leaves the thread to end when the caller shuts the
+    connections it blocks on (ring_all_reduce does, in any case)."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
 
@@ -90,13 +84,13 @@ async def every_holder(
     def run() -> None:
         error: BaseException | None = None
         try:
-            await_every_holder(index, n, step, to_successor, from_predecessor, seconds)
+            work()
         except BaseException as exc:  # handed to the waiting coroutine
             error = exc
         with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
             loop.call_soon_threadsafe(settle, error)
 
-    threading.Thread(target=run, name=f"p2ptrain-ring-barrier-{step}", daemon=True).start()
+    threading.Thread(target=run, name=name, daemon=True).start()
     await done
 
 

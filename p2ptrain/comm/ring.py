@@ -47,7 +47,7 @@ import numpy as np
 import zstandard
 
 from p2ptrain.comm import claims, lanes, quant
-from p2ptrain.comm.barrier import every_holder
+from p2ptrain.comm.barrier import await_every_holder, on_own_thread
 from p2ptrain.comm.connect import LanePlan, connect_lanes
 from p2ptrain.comm.dataplane import AllReduceError, Connection, DataPlaneServer, RingSettings
 from p2ptrain.comm.handshake import HandshakeError, ViewsDiffer
@@ -378,7 +378,8 @@ async def ring_all_reduce(
         plan.check_results()
         ends = (outgoing[plan.schedule.successor, 0], into[plan.schedule.predecessor, 0])
         bound = settings.failure_timeout * (plan.schedule.frames_in() + plan.n)  # as the data allow
-        await every_holder(plan.index, plan.n, step, *ends, bound)
+        barrier = functools.partial(await_every_holder, plan.index, plan.n, step, *ends, bound)
+        await on_own_thread(barrier, f"p2ptrain-ring-barrier-{step}")
         server.completed(step)
     except AllReduceError as exc:
         level = logging.INFO if exc.views_differ else logging.WARNING  # normal while records spread
