@@ -37,9 +37,8 @@ from p2ptrain.web.server import Served, start_app
 
 log = logging.getLogger(__name__)
 SERVE_BLOCK = 1 << 18
-"""Bytes read and sent at a time under a serving cap (its bursts stay short)."""
-FREE_BLOCK = 1 << 22
-"""…and without one."""
+"""Bytes read and sent at a time: a cap's bursts stay short, and 256 connections that stop
+reading hold 64 MiB of blocks at most."""
 
 
 class CheckpointSidecar:
@@ -147,7 +146,7 @@ class CheckpointSidecar:
             handle.seek(start)
             left = stop - start
             while left > 0:
-                block = await asyncio.to_thread(handle.read, min(SERVE_BLOCK if cap else FREE_BLOCK, left))
+                block = await asyncio.to_thread(handle.read, min(SERVE_BLOCK, left))
                 if not block:
                     break  # the file shrank under us: the fetcher sees a short body and moves on
                 if cap is not None:
