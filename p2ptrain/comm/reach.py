@@ -136,12 +136,12 @@ class ReachService:
     async def _probe_for(self, frame: Frame, writer: asyncio.StreamWriter, source: str) -> None:
         port, nonce = frame.header.get("port"), frame.header.get("nonce")
         ckpt_port, ckpt_nonce = frame.header.get("ckpt_port"), frame.header.get("ckpt_nonce")
-        reason = None
+        network, reason = network_of(source), None
         if not (_is_port(port) and (ckpt_port is None or _is_port(ckpt_port))):
             reason = "port must be an integer in 1..65535"
         elif not (_is_nonce(nonce) and (ckpt_port is None or _is_nonce(ckpt_nonce))):
             reason = f"nonce must be {NONCE_BYTES} bytes"
-        elif network_of(source) in self._probing:
+        elif network in self._probing:
             reason = "a probe for this address's network is running already"
         elif len(self._probing) >= MAX_PROBES_IN_FLIGHT:
             reason = f"{MAX_PROBES_IN_FLIGHT} probes are running already"
@@ -150,14 +150,14 @@ class ReachService:
             await write_frame(writer, {"kind": "refuse", "reason": reason}, timeout=DIAL_TIMEOUT)
             return
         assert isinstance(port, int) and isinstance(nonce, bytes)
-        self._probing.add(network_of(source))
+        self._probing.add(network)
         try:
             dialed = await _send_proof(source, port, nonce)
             ckpt_dialed = False
             if isinstance(ckpt_port, int) and isinstance(ckpt_nonce, bytes):
                 ckpt_dialed = await _get_proof(source, ckpt_port, ckpt_nonce)
         finally:
-            self._probing.discard(network_of(source))
+            self._probing.discard(network)
         answer = {"kind": "reach-result", "observed": source, "dialed": dialed, "ckpt_dialed": ckpt_dialed}
         await write_frame(writer, answer, timeout=DIAL_TIMEOUT)
 

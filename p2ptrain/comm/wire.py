@@ -16,7 +16,7 @@ import asyncio
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import msgpack
 
@@ -28,7 +28,6 @@ VERSION = 4
 PREFIX = struct.Struct("!4sBHI")
 MAX_HEADER_BYTES = 4096
 DEFAULT_MAX_PAYLOAD = 256 << 20
-T = TypeVar("T")
 
 
 class WireError(Exception):
