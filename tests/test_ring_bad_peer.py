@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from p2ptrain.comm.seal import TAG_BYTES, FrameSeal
 from p2ptrain.comm.wire import MAGIC, PREFIX, VERSION, encode_frame, encode_head
 from p2ptrain.identity import load_or_create_identity
 from p2ptrain.procs import ChildProcesses
+from tests.flooder import hello
 from tests.helpers import free_port, read_address
 from tests.ring_procs import run_ring
 
@@ -296,14 +296,7 @@ def test_hellos_for_a_step_under_way_hold_their_sources_share_until_they_prove_a
         flood = []
         for _ in range(MAX_PROVING_PER_SOURCE + 64):
             _, writer = await asyncio.open_connection(host, port, local_addr=("127.0.0.3", 0))
-            hello = {"kind": "hello", "node_key": os.urandom(32), "step": STEP, "attempt": 0}
-            hello |= {
-                "digest": os.urandom(32),
-                "nonce": os.urandom(32),
-                "lane": 0,
-                "ephemeral": os.urandom(32),
-            }
-            writer.write(b"".join(bytes(part) for part in encode_frame(hello, b"")))
+            writer.write(hello(STEP))  # a made-up key and digest
             flood.append(writer)
         await settle(lambda: server.proving.refused >= 64, "the rest refused")
         assert len(server.proving) == MAX_PROVING_PER_SOURCE
