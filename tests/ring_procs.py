@@ -14,11 +14,14 @@ from typing import Any
 
 import numpy as np
 
-from p2ptrain.comm import claims, robust
+from p2ptrain.comm import claims, lanes, ring, robust
 from p2ptrain.comm.ring import AllReduceError, DataPlaneServer, RingMember, RingSettings, ring_all_reduce
 from p2ptrain.comm.transfer import Slots
 from p2ptrain.identity import load_or_create_identity
 from p2ptrain.procs import free_port
+
+STEP = 11
+"""The step every run_ring all-reduces."""
 
 
 @dataclass
@@ -84,7 +87,7 @@ def _member(
             buffer[length // 2] = np.nan if fault == "nan" else -np.inf
         if fault in ("scale", "lying_owner", "low_claims"):  # a poisoner: fault_after times its own
             buffer *= np.float32(fault_after)
-        if fault in ("lying_owner", "low_claims", "tamper_forward"):
+        if fault in ("lying_owner", "low_claims", "tamper_forward", "withhold_last", "forge_barrier"):
             lie(fault, fault_after)
         started = time.monotonic()
         attempts = 0
@@ -134,7 +137,10 @@ def lie(fault: str, factor: int) -> None:
     """Make this process a dishonest member of a robust all-reduce (comm.clip > 0), as an attacker
     would run modified code: "lying_owner" sums its segment without clipping; "low_claims" claims
     norms `factor` times smaller than its values; "tamper_forward" changes a byte of every chunk of
-    the all-gather it passes on (the owner's signature then no longer matches)."""
+    the all-gather it passes on (the owner's signature then no longer matches). Against the
+    completion barrier, two accomplices among `factor` members (ring topology): "withhold_last"
+    never sends its successor the chunks of its last all-gather round, "forge_barrier" sends its
+    successor a set naming every member, its own signatures junk, as soon as its data are in."""
     if fault == "lying_owner":
 
         def unclipped(
@@ -146,6 +152,23 @@ def lie(fault: str, factor: int) -> None:
     elif fault == "low_claims":
         honest = claims.chunk_norms
         claims.chunk_norms = lambda values, bounds: honest(values, bounds) / factor
+    elif fault == "withhold_last":
+        put = Slots.put
+
+        def withheld(self: Slots, key: tuple[str, int, int], payload: Any, spare: Any = None) -> None:
+            if key[:2] != ("ag", factor - 2):
+                put(self, key, payload, spare)
+
+        Slots.put = withheld  # type: ignore[method-assign]
+    elif fault == "forge_barrier":
+
+        def forged(*args: Any) -> None:
+            to_successor = next(arg for arg in args if isinstance(arg, lanes.Channel))
+            everyone = ((1 << factor) - 1).to_bytes((factor + 7) // 8, "little")
+            header = {"kind": "done", "step": STEP, "holders": everyone, "proofs": bytes(64 * factor)}
+            lanes.send_frame(to_successor, header, b"", 5.0)
+
+        ring.await_every_holder = forged  # type: ignore[assignment]
     else:
         put = Slots.put
 
@@ -194,7 +217,7 @@ def run_ring(
                 length,
                 outlier,
                 settings,
-                11,
+                STEP,
                 inboxes[i],
                 outbox,
                 *faults.get(i, (None, 0)),

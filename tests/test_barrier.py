@@ -9,15 +9,32 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from p2ptrain.comm import lanes
-from p2ptrain.comm.barrier import DONE, await_every_holder
+from p2ptrain.comm.barrier import DONE, Holding, await_every_holder
 from p2ptrain.comm.seal import FrameSeal
 from p2ptrain.comm.wire import FrameError, PeerClosed, PeerTimeout
+from p2ptrain.identity import NodeIdentity
 
 STEP = 11
+DIGEST = bytes(range(32))
+IDENTITIES = [NodeIdentity(Ed25519PrivateKey.generate(), Path("unused")) for _ in range(70)]
+
+
+def holding(index: int, n: int, attempt: int = 0, digest: bytes = DIGEST) -> Holding:
+    """Member `index`'s part in the barrier of attempt `attempt` among the first `n` identities
+    (`digest` stands for the membership digest, which covers the step)."""
+    keys = [identity.public_key for identity in IDENTITIES[:n]]
+    return Holding.signed(IDENTITIES[index], STEP, keys, digest, attempt)
+
+
+def proofs(holders: int, n: int = 4, attempt: int = 0, digest: bytes = DIGEST) -> bytes:
+    """The members' real signatures for every member in `holders`, as an honest sender's first frame."""
+    return b"".join(holding(m, n, attempt, digest).signature for m in range(n) if holders >> m & 1)
 
 
 def channel_pair() -> tuple[lanes.Channel, lanes.Channel]:
@@ -34,7 +51,7 @@ def run_ring(n: int, seconds: float = 5.0) -> dict[int, str]:
 
     def member(index: int) -> None:
         try:
-            await_every_holder(index, n, STEP, links[index][0], links[(index - 1) % n][1], seconds)
+            await_every_holder(holding(index, n), links[index][0], links[(index - 1) % n][1], seconds)
             outcomes[index] = "holds"
         except Exception as exc:
             outcomes[index] = f"{type(exc).__name__}: {exc}"
@@ -56,15 +73,18 @@ def test_every_member_of_a_ring_learns_that_all_hold_the_result(n: int) -> None:
     assert run_ring(n) == dict.fromkeys(range(n), "holds")
 
 
-def predecessor(behave: Callable[[lanes.Channel], None], seconds: float = 3.0) -> tuple[str, float]:
-    """Member 2 of 4 whose predecessor (member 1) sends what `behave` sends; its outcome, and when."""
+def predecessor(
+    behave: Callable[[lanes.Channel], None], seconds: float = 3.0, attempt: int = 0
+) -> tuple[str, float]:
+    """Member 2 of 4, in attempt `attempt`, whose predecessor (member 1) sends what `behave` sends;
+    its outcome, and when."""
     to_successor, _ = channel_pair()
     theirs, ours = channel_pair()
     sender = threading.Thread(target=behave, args=(theirs,), daemon=True)
     sender.start()
     started = time.monotonic()
     try:
-        await_every_holder(2, 4, STEP, to_successor, ours, seconds)
+        await_every_holder(holding(2, 4, attempt), to_successor, ours, seconds)
         outcome = "holds"
     except (FrameError, PeerClosed, PeerTimeout) as exc:
         outcome = f"{type(exc).__name__}: {exc}"
@@ -75,8 +95,14 @@ def predecessor(behave: Callable[[lanes.Channel], None], seconds: float = 3.0) -
     return outcome, seconds
 
 
-def send(channel: lanes.Channel, holders: object, kind: str = DONE, step: int = STEP) -> None:
-    lanes.send_frame(channel, {"kind": kind, "step": step, "holders": holders}, b"", 1.0)
+def send(
+    channel: lanes.Channel, holders: object, kind: str = DONE, step: int = STEP, signed: bytes | None = None
+) -> None:
+    """A barrier frame with `holders`, carrying `signed` or else every named member's real signature."""
+    if signed is None:
+        signed = proofs(int.from_bytes(holders, "little")) if isinstance(holders, bytes) else b""
+    header = {"kind": kind, "step": step, "holders": holders, "proofs": signed}
+    lanes.send_frame(channel, header, b"", 1.0)
 
 
 def test_a_predecessor_that_repeats_its_set_is_refused_at_once() -> None:
@@ -117,3 +143,32 @@ def test_a_silent_predecessor_fails_the_barrier_at_its_bound_and_a_gone_one_at_o
     assert outcome.startswith("PeerTimeout") and 0.9 < seconds < 5.0
     outcome, seconds = predecessor(lambda channel: channel.sock.close(), seconds=30.0)
     assert outcome.startswith("PeerClosed") and seconds < 5.0
+
+
+def test_the_full_set_of_an_honest_predecessor_ends_the_barrier() -> None:
+    """What the refusals below are measured against: real signatures of this attempt, and a junk
+    one for the receiver's own bit (it knows that one, so it does not look)."""
+    assert predecessor(lambda channel: send(channel, bytes([0b1111])))[0] == "holds"
+    own_junk = proofs(0b1011)[:128] + bytes(64) + proofs(0b1000)
+    assert predecessor(lambda channel: send(channel, bytes([0b1111]), signed=own_junk))[0] == "holds"
+
+
+@pytest.mark.parametrize(
+    ("signed", "attempt", "needle"),
+    [
+        (bytes(64) + proofs(0b1110), 0, "without its signature"),  # junk for member 0
+        (proofs(0b0111) + proofs(0b0010), 0, "without its signature"),  # member 1's for member 3
+        (proofs(0b1111, attempt=0), 1, "without its signature"),  # an earlier attempt's
+        (proofs(0b1111, digest=bytes(32)), 0, "without its signature"),  # another step's or members'
+        (proofs(0b0111), 0, "without the 4 signature"),  # one short
+        (proofs(0b1111) + bytes(64), 0, "without the 4 signature"),
+    ],
+)
+def test_a_set_naming_a_member_without_that_members_signature_is_refused(
+    signed: bytes, attempt: int, needle: str
+) -> None:
+    """A member that forwards a full set it did not receive (its accomplice withholding the last
+    chunk from someone) would have the members after it take the result while the deprived one
+    retries without them: a set must carry each member's signature of this very attempt."""
+    outcome, seconds = predecessor(lambda c: send(c, bytes([0b1111]), signed=signed), attempt=attempt)
+    assert outcome.startswith("FrameError") and needle in outcome and seconds < 1.0, outcome

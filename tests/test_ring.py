@@ -177,6 +177,22 @@ def test_a_member_killed_once_it_holds_every_frame_leaves_no_survivor_with_the_r
     assert results == {}
 
 
+def test_two_accomplices_cannot_have_honest_members_take_a_result_another_lacks(tmp_path: Path) -> None:
+    """Member 1 withholds the chunks of its last all-gather round from member 2, so member 2 alone
+    lacks part of the result; member 3 forwards member 4 a set naming every member. Unsigned, the
+    barrier let 4 and 0 take the result while 2 failed and would retry without them (two results of
+    one step). Each member's bit is its signature now: 4 refuses the forged set, and no honest
+    member takes the result."""
+    n = 5
+    settings = RingSettings(chunk_bytes=1 << 14, failure_timeout=3.0, topology="ring")
+    faults = {1: ("withhold_last", n), 3: ("forge_barrier", n)}
+    outcomes, _, _ = run_ring(tmp_path, n, 100_000, settings=settings, faults=faults)
+    honest = [0, 2, 4]
+    assert all(index in outcomes for index in honest), outcomes
+    assert not any(outcomes[index].ok for index in honest), outcomes
+    assert "forged set" in outcomes[4].error, outcomes[4]
+
+
 def test_a_member_whose_link_is_slow_is_waited_for_in_the_barrier(tmp_path: Path) -> None:
     """Member 1 reads a frame every 300 ms (a slow link into it), each well within
     failure_timeout: its successor holds every frame a whole segment earlier than it. A barrier

@@ -24,12 +24,20 @@ link failed every attempt, and members that had sent their set and then timed ou
 with the result). A frame that does not grow the sender's set is refused, so a member cannot hold
 its successor longer by repeating itself.
 
+Each member's bit is its signature of the attempt: the membership digest (which covers the step)
+and the attempt number, the same on every member, as neighbours' handshakes agree on both. It is
+sent once and passed on with the set, and a member checks every signature it did not have, so a set
+that names a member proves that this member holds the result. Unsigned, two colluding members
+could split the others: one withholding the all-gather's last chunk from its successor, the other
+forwarding a full set it never received, so that the members after it took the result while the
+deprived one failed and retried without them. Another attempt's or step's signature proves nothing
+here: both are in what is signed.
+
 What it cannot close: a member that dies (or stalls past the bound) while the sets travel, after
 some members learned that all hold the result and before the others did. That window is a few
-small frames long; before, it was the last round of the all-gather's data. Nor does it hold
-against a member that lies: one that forwards a full set it did not receive can split the
-others as one that withholds the all-gather's last chunk could before. The params hash in the
-heartbeats is the backstop for both.
+small frames long; before, it was the last round of the all-gather's data. A member that
+withholds its sets holds the step for up to the bound and then fails it on every member alike.
+The params hash in the heartbeats is the backstop.
 """
 
 from __future__ import annotations
@@ -39,23 +47,52 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from p2ptrain.comm import lanes
 from p2ptrain.comm.wire import FrameError, WireError
+from p2ptrain.identity import SIGNATURE_BYTES, NodeIdentity, short_id, verify
 
 log = logging.getLogger(__name__)
 
 DONE = "done"
-"""The kind of a barrier frame: header {"kind", "step", "holders"}, no payload; "holders" is a
-bitmap (bit i of byte i // 8: member i), bytes so that it fits any number of members."""
+"""The kind of a barrier frame: header {"kind", "step", "holders", "proofs"}, no payload.
+"holders" is a bitmap (bit i of byte i // 8: member i), bytes so that it fits any number of
+members; "proofs" the signatures of the members new in it since the sender's last frame, in
+member order, 64 bytes each."""
+DOMAIN = b"p2ptrain/barrier/v1\0"
 
 
-def holders_in(header: dict, step: int, n: int, sender: int, before: int) -> int:
-    """The set a barrier frame from member `sender` carries; FrameError for anything else. A sender
-    sends only once it holds the result (its own bit is in the set) and only when its set grew
-    (a strict superset of `before`, the set it sent last): so at most n frames come."""
-    raw = header.get("holders")
+@dataclass(frozen=True)
+class Holding:
+    """One member's part in the barrier of one attempt: the members' keys in ring order, what
+    each signs once it holds the result, and this member's signature of it."""
+
+    index: int
+    step: int
+    keys: Sequence[bytes]
+    statement: bytes
+    signature: bytes
+
+    @classmethod
+    def signed(
+        cls, identity: NodeIdentity, step: int, keys: Sequence[bytes], digest: bytes, attempt: int
+    ) -> Holding:
+        statement = DOMAIN + digest + attempt.to_bytes(4, "big")
+        return cls(keys.index(identity.public_key), step, tuple(keys), statement, identity.sign(statement))
+
+    @property
+    def n(self) -> int:
+        return len(self.keys)
+
+
+def holders_in(header: dict, step: int, n: int, sender: int, before: int) -> tuple[int, dict[int, bytes]]:
+    """The set a barrier frame from member `sender` carries, and the signatures it brings (member →
+    signature); FrameError for anything else. A sender sends only once it holds the result (its own
+    bit is in the set) and only when its set grew (a strict superset of `before`, the set it sent
+    last): so at most n frames come, each with the signatures of the members new in it."""
+    raw, proofs = header.get("holders"), header.get("proofs")
     if header.get("kind") != DONE or header.get("step") != step:
         raise FrameError(f"expected a barrier frame of step {step}, got {header.get('kind')!r}")
     if not isinstance(raw, bytes) or len(raw) != (n + 7) // 8:
@@ -63,7 +100,12 @@ def holders_in(header: dict, step: int, n: int, sender: int, before: int) -> int
     holders = int.from_bytes(raw, "little")
     if holders >> n or not holders >> sender & 1 or holders & before != before or holders == before:
         raise FrameError(f"barrier frame with a bad set of holders: {holders:#x} after {before:#x}")
-    return holders
+    new = [member for member in range(n) if (holders & ~before) >> member & 1]
+    if not isinstance(proofs, bytes) or len(proofs) != SIGNATURE_BYTES * len(new):
+        raise FrameError(f"barrier frame without the {len(new)} signature(s) of the members new in it")
+    return holders, {
+        member: proofs[k * SIGNATURE_BYTES : (k + 1) * SIGNATURE_BYTES] for k, member in enumerate(new)
+    }
 
 
 async def on_own_thread(work: Callable[[], None], name: str) -> None:
@@ -95,30 +137,53 @@ async def on_own_thread(work: Callable[[], None], name: str) -> None:
 
 
 def await_every_holder(
-    index: int,
-    n: int,
-    step: int,
-    to_successor: lanes.Channel,
-    from_predecessor: lanes.Channel,
-    seconds: float,
+    holding: Holding, to_successor: lanes.Channel, from_predecessor: lanes.Channel, seconds: float
 ) -> None:
-    """Block until this member knows that all `n` members hold the result; WireError when that
-    takes more than `seconds`, a frame of its predecessor's is not a barrier frame (or does not
-    grow its set), or the connection ends first."""
+    """Block until this member knows that all members hold the result; WireError when that takes
+    more than `seconds`, a frame of its predecessor's is not a barrier frame (or does not grow its
+    set, or names a member without that member's signature), or the connection ends first."""
+    n, index = holding.n, holding.index
     everyone, known, deadline = (1 << n) - 1, 1 << index, time.monotonic() + seconds
-    _tell(to_successor, step, n, known, seconds)
+    signatures = {index: holding.signature}
+    sent = _tell(to_successor, holding.step, n, known, 0, signatures, seconds)
     predecessor, theirs = (index - 1) % n, 0
     while known != everyone:
         frame = lanes.recv_frame(from_predecessor, max(0.0, deadline - time.monotonic()), 0)
-        theirs = holders_in(frame.header, step, n, predecessor, theirs)
-        if theirs | known != known:
-            known |= theirs
-            _tell(to_successor, step, n, known, seconds)
+        theirs, proofs = holders_in(frame.header, holding.step, n, predecessor, theirs)
+        for member, signature in proofs.items():
+            if known >> member & 1:
+                continue  # ours already, checked: what comes with it again changes nothing
+            if not verify(holding.keys[member], signature, holding.statement):
+                raise FrameError(
+                    f"barrier frame naming member {member} ({short_id(holding.keys[member])}) as a "
+                    "holder without its signature of this attempt: a forged set"
+                )
+            signatures[member] = signature
+            known |= 1 << member
+        if known != sent:
+            sent = _tell(to_successor, holding.step, n, known, sent, signatures, seconds)
 
 
-def _tell(channel: lanes.Channel, step: int, n: int, holders: int, timeout: float) -> None:
-    header = {"kind": DONE, "step": step, "holders": holders.to_bytes((n + 7) // 8, "little")}
+def _tell(
+    channel: lanes.Channel,
+    step: int,
+    n: int,
+    holders: int,
+    sent: int,
+    signatures: dict[int, bytes],
+    timeout: float,
+) -> int:
+    """Send `holders` with the signatures of the members not in `sent` (what went before); returns
+    `holders`, the new `sent`."""
+    proofs = b"".join(signatures[member] for member in range(n) if (holders & ~sent) >> member & 1)
+    header = {
+        "kind": DONE,
+        "step": step,
+        "holders": holders.to_bytes((n + 7) // 8, "little"),
+        "proofs": proofs,
+    }
     try:
         lanes.send_frame(channel, header, b"", timeout)
     except WireError as exc:  # it knows already, or it failed: either way our outcome is ours
         log.debug("step %d: barrier frame not sent to the successor: %s", step, exc)
+    return holders

@@ -47,7 +47,7 @@ import numpy as np
 import zstandard
 
 from p2ptrain.comm import claims, lanes, quant
-from p2ptrain.comm.barrier import await_every_holder, on_own_thread
+from p2ptrain.comm.barrier import Holding, await_every_holder, on_own_thread
 from p2ptrain.comm.connect import LanePlan, connect_lanes
 from p2ptrain.comm.dataplane import AllReduceError, Connection, DataPlaneServer, RingSettings
 from p2ptrain.comm.handshake import HandshakeError, ViewsDiffer
@@ -378,7 +378,8 @@ async def ring_all_reduce(
         plan.check_results()
         ends = (outgoing[plan.schedule.successor, 0], into[plan.schedule.predecessor, 0])
         bound = settings.failure_timeout * (plan.schedule.frames_in() + plan.n)  # as the data allow
-        barrier = functools.partial(await_every_holder, plan.index, plan.n, step, *ends, bound)
+        holding = Holding.signed(identity, step, keys, digest, registration.attempt)
+        barrier = functools.partial(await_every_holder, holding, *ends, bound)
         await on_own_thread(barrier, f"p2ptrain-ring-barrier-{step}")
         server.completed(step)
     except AllReduceError as exc:
