@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from p2ptrain.comm import claims, lanes, ring, robust
+from p2ptrain.comm import claims, ring, robust
+from p2ptrain.comm.barrier import ToSuccessor
 from p2ptrain.comm.ring import AllReduceError, DataPlaneServer, RingMember, RingSettings, ring_all_reduce
 from p2ptrain.comm.transfer import Slots
 from p2ptrain.identity import load_or_create_identity
@@ -89,6 +90,8 @@ def _member(
             buffer *= np.float32(fault_after)
         if fault in ("lying_owner", "low_claims", "tamper_forward", "withhold_last", "forge_barrier"):
             lie(fault, fault_after)
+        if fault == "freeze_at_barrier":
+            freeze_at_barrier()
         started = time.monotonic()
         attempts = 0
         try:
@@ -133,6 +136,18 @@ def die(outbox: Any) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def freeze_at_barrier() -> None:
+    """Stop this process (SIGSTOP: a frozen machine) once every data frame of its is in and out,
+    before it sends its set of holders."""
+    check = ring._AllReduce.check_results
+
+    def frozen(plan: Any) -> None:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        check(plan)
+
+    ring._AllReduce.check_results = frozen  # type: ignore[method-assign,assignment]
+
+
 def lie(fault: str, factor: int) -> None:
     """Make this process a dishonest member of a robust all-reduce (comm.clip > 0), as an attacker
     would run modified code: "lying_owner" sums its segment without clipping; "low_claims" claims
@@ -163,10 +178,9 @@ def lie(fault: str, factor: int) -> None:
     elif fault == "forge_barrier":
 
         def forged(*args: Any) -> None:
-            to_successor = next(arg for arg in args if isinstance(arg, lanes.Channel))
             everyone = ((1 << factor) - 1).to_bytes((factor + 7) // 8, "little")
             header = {"kind": "done", "step": STEP, "holders": everyone, "proofs": bytes(64 * factor)}
-            lanes.send_frame(to_successor, header, b"", 5.0)
+            next(arg for arg in args if isinstance(arg, ToSuccessor)).send(header)
 
         ring.await_every_holder = forged  # type: ignore[assignment]
     else:
@@ -248,7 +262,8 @@ def run_ring(
         for inbox in inboxes:
             inbox.put(members)
         outcomes: dict[int, Outcome] = {}
-        expected = n - sum(1 for kind, _ in faults.values() if kind in ("kill", "stall", "vanish"))
+        gone = ("kill", "stall", "vanish", "freeze_at_barrier")
+        expected = n - sum(1 for kind, _ in faults.values() if kind in gone)
         deadline = time.monotonic() + timeout
         while len(outcomes) < expected and time.monotonic() < deadline:
             try:

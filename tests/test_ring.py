@@ -204,6 +204,23 @@ def test_a_member_whose_link_is_slow_is_waited_for_in_the_barrier(tmp_path: Path
     assert len(results) == 3
 
 
+def test_a_member_that_freezes_before_its_barrier_is_not_waited_for_the_whole_bound(tmp_path: Path) -> None:
+    """Member 1 stops (SIGSTOP: a frozen machine, or one whose link died without a reset) once all
+    its data frames are in and out, before it sends its set. Its successor waited for it as long as
+    the data phase may take (here failure_timeout × ~130 frames); keepalives stop with it, so every
+    survivor fails within a few failure timeouts, and none takes the result."""
+    n, length = 3, 100_000
+    settings = RingSettings(chunk_bytes=1 << 12, failure_timeout=2.0, topology="ring")
+    frames = Schedule.of(2, n, length, settings).frames_in()
+    bound = settings.failure_timeout * (frames + n)
+    outcomes, results, _ = run_ring(
+        tmp_path, n, length, settings=settings, faults={1: ("freeze_at_barrier", 0)}, timeout=bound / 2
+    )
+    assert sorted(outcomes) == [0, 2], outcomes
+    assert not any(outcome.ok for outcome in outcomes.values()) and results == {}, outcomes
+    assert max(outcome.seconds for outcome in outcomes.values()) < bound / 4, (bound, outcomes)
+
+
 @pytest.mark.parametrize("n", [3, 5])
 def test_a_member_gone_before_it_connects_is_not_waited_for(tmp_path: Path, n: int) -> None:
     """Elected, then killed before its lanes reach us: its port refuses, so the survivors fail the

@@ -17,12 +17,17 @@ everything may have closed the connection). A member whose barrier fails shuts i
 its successor fails at once, and so on around the ring; a member that dies before it sent its own
 set leaves every survivor with an error, all alike, and they retry together.
 
-How long a member waits: as long as the data phase may still legitimately take, failure_timeout
-for each frame it receives, plus one for each hop of the sets. A predecessor on a slow link may be
-a whole segment of frames behind (with a fixed wait of two failure timeouts, a ring with one slow
-link failed every attempt, and members that had sent their set and then timed out left others
-with the result). A frame that does not grow the sender's set is refused, so a member cannot hold
-its successor longer by repeating itself.
+How long a member waits for its predecessor: while it hears from it, as long as the data phase may
+still legitimately take, failure_timeout for each frame it receives, plus one for each hop of the
+sets. A predecessor on a slow link may be a whole segment of frames behind (with a fixed wait of two
+failure timeouts, a ring with one slow link failed every attempt, and members that had sent their
+set and then timed out left others with the result). So that a predecessor that froze or lost its
+link (no reset comes) is not waited for that long (hours for a large model), every member sends its
+successor a keepalive every failure_timeout / 4, from its last data frame to it until its own
+barrier ends; a member whose predecessor is silent for 2 × failure_timeout fails. A frame that
+does not grow the sender's set is refused, so a member cannot hold its successor longer by
+repeating itself; one that keeps sending keepalives and never its set (a stranger) holds the step
+for the whole bound.
 
 Each member's bit is its signature of the attempt: the membership digest (which covers the step)
 and the attempt number, the same on every member, as neighbours' handshakes agree on both. It is
@@ -62,6 +67,53 @@ DONE = "done"
 members; "proofs" the signatures of the members new in it since the sender's last frame, in
 member order, 64 bytes each."""
 DOMAIN = b"p2ptrain/barrier/v1\0"
+ALIVE = "alive"
+"""The kind of a keepalive frame: header {"kind", "step"}, no payload."""
+BEATS_PER_TIMEOUT = 4
+"""Keepalives a member sends per failure_timeout; its successor gives up after twice as many
+missing (a descheduled process is late, not gone)."""
+
+
+class ToSuccessor:
+    """The lane to the ring successor once this member's data frames to it are out (`start`):
+    keepalives every failure_timeout / BEATS_PER_TIMEOUT until `stop`, and the barrier's sets
+    between them, one frame at a time. Sends are best effort: a successor that knows everything
+    may have closed."""
+
+    def __init__(self, step: int, failure_timeout: float):
+        self.step, self.failure_timeout = step, failure_timeout
+        self.channel: lanes.Channel | None = None
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+
+    def start(self, channel: lanes.Channel) -> None:
+        """Begin the keepalives on `channel` (its data frames all sent); once, and not after `stop`."""
+        with self._lock:
+            if self.channel is not None or self._stopped.is_set():
+                return
+            self.channel = channel
+        threading.Thread(target=self._beat, name=f"p2ptrain-ring-alive-{self.step}", daemon=True).start()
+
+    def send(self, header: dict) -> bool:
+        """One frame to the successor; False when it no longer takes them (it knows already, or it
+        failed: either way our outcome is ours)."""
+        with self._lock:
+            if self.channel is None:
+                return False
+            try:
+                lanes.send_frame(self.channel, header, b"", self.failure_timeout)
+            except WireError as exc:
+                log.debug("step %d: frame not sent to the ring successor: %s", self.step, exc)
+                return False
+        return True
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _beat(self) -> None:
+        while not self._stopped.wait(self.failure_timeout / BEATS_PER_TIMEOUT):
+            if not self.send({"kind": ALIVE, "step": self.step}):
+                return
 
 
 @dataclass(frozen=True)
@@ -137,19 +189,25 @@ async def on_own_thread(work: Callable[[], None], name: str) -> None:
 
 
 def await_every_holder(
-    holding: Holding, to_successor: lanes.Channel, from_predecessor: lanes.Channel, seconds: float
+    holding: Holding, to_successor: ToSuccessor, from_predecessor: lanes.Channel, seconds: float
 ) -> None:
-    """Block until this member knows that all members hold the result; WireError when that takes
-    more than `seconds`, a frame of its predecessor's is not a barrier frame (or does not grow its
-    set, or names a member without that member's signature), or the connection ends first."""
-    n, index = holding.n, holding.index
+    """Block until this member knows that all members hold the result (`to_successor` started:
+    every data frame to it is out); WireError when that takes
+    more than `seconds`, the predecessor is silent for 2 × failure_timeout, a frame of its is not a
+    barrier frame or keepalive (or does not grow its set, or names a member without that member's
+    signature), or the connection ends first."""
+    n, index, step = holding.n, holding.index, holding.step
     everyone, known, deadline = (1 << n) - 1, 1 << index, time.monotonic() + seconds
+    silence = 2 * to_successor.failure_timeout
     signatures = {index: holding.signature}
-    sent = _tell(to_successor, holding.step, n, known, 0, signatures, seconds)
+    sent = _tell(to_successor, n, known, 0, signatures)
     predecessor, theirs = (index - 1) % n, 0
     while known != everyone:
-        frame = lanes.recv_frame(from_predecessor, max(0.0, deadline - time.monotonic()), 0)
-        theirs, proofs = holders_in(frame.header, holding.step, n, predecessor, theirs)
+        wait = min(silence, deadline - time.monotonic())
+        frame = lanes.recv_frame(from_predecessor, max(0.0, wait), 0)
+        if frame.header.get("kind") == ALIVE and frame.header.get("step") == step:
+            continue
+        theirs, proofs = holders_in(frame.header, step, n, predecessor, theirs)
         for member, signature in proofs.items():
             if known >> member & 1:
                 continue  # ours already, checked: what comes with it again changes nothing
@@ -161,29 +219,13 @@ def await_every_holder(
             signatures[member] = signature
             known |= 1 << member
         if known != sent:
-            sent = _tell(to_successor, holding.step, n, known, sent, signatures, seconds)
+            sent = _tell(to_successor, n, known, sent, signatures)
 
 
-def _tell(
-    channel: lanes.Channel,
-    step: int,
-    n: int,
-    holders: int,
-    sent: int,
-    signatures: dict[int, bytes],
-    timeout: float,
-) -> int:
+def _tell(to_successor: ToSuccessor, n: int, holders: int, sent: int, signatures: dict[int, bytes]) -> int:
     """Send `holders` with the signatures of the members not in `sent` (what went before); returns
     `holders`, the new `sent`."""
     proofs = b"".join(signatures[member] for member in range(n) if (holders & ~sent) >> member & 1)
-    header = {
-        "kind": DONE,
-        "step": step,
-        "holders": holders.to_bytes((n + 7) // 8, "little"),
-        "proofs": proofs,
-    }
-    try:
-        lanes.send_frame(channel, header, b"", timeout)
-    except WireError as exc:  # it knows already, or it failed: either way our outcome is ours
-        log.debug("step %d: barrier frame not sent to the successor: %s", step, exc)
+    holders_bytes = holders.to_bytes((n + 7) // 8, "little")
+    to_successor.send({"kind": DONE, "step": to_successor.step, "holders": holders_bytes, "proofs": proofs})
     return holders

@@ -47,7 +47,7 @@ import numpy as np
 import zstandard
 
 from p2ptrain.comm import claims, lanes, quant
-from p2ptrain.comm.barrier import Holding, await_every_holder, on_own_thread
+from p2ptrain.comm.barrier import Holding, ToSuccessor, await_every_holder, on_own_thread
 from p2ptrain.comm.connect import LanePlan, connect_lanes
 from p2ptrain.comm.dataplane import AllReduceError, Connection, DataPlaneServer, RingSettings
 from p2ptrain.comm.handshake import HandshakeError, ViewsDiffer
@@ -112,6 +112,8 @@ class _AllReduce(RobustReduce):
             )
         self.limits: list[np.ndarray] | None = None
         """Robust: per chunk of our segment, each member's limit, once every claim is in."""
+        self.to_successor = ToSuccessor(step, settings.failure_timeout)
+        """Keepalives and the barrier's sets, from our last data frame to the successor on."""
         self.waiting: list[int] = []
         """Robust: chunks of ours whose shares are all in, waiting for the last claims."""
         self.result = np.empty(self._size(own.shape[0]), np.uint8)
@@ -187,6 +189,8 @@ class _AllReduce(RobustReduce):
                     self.held_up[peer][0] += len(payload)
                     self.held_up[peer][1] += waited
                 self.stats.bytes_sent += len(payload)
+        if (peer, lane) == (self.schedule.successor, 0):  # until our barrier ends: we are alive
+            self.to_successor.start(channel)
 
     def hung_up(self, peer: int, state: str) -> None:
         """A peer we only send to made its connection readable: it never writes after the handshake
@@ -376,10 +380,10 @@ async def ring_all_reduce(
         if plan.failure is not None:
             raise plan.failure
         plan.check_results()
-        ends = (outgoing[plan.schedule.successor, 0], into[plan.schedule.predecessor, 0])
         bound = settings.failure_timeout * (plan.schedule.frames_in() + plan.n)  # as the data allow
         holding = Holding.signed(identity, step, keys, digest, registration.attempt)
-        barrier = functools.partial(await_every_holder, holding, *ends, bound)
+        ends = (plan.to_successor, into[plan.schedule.predecessor, 0], bound)
+        barrier = functools.partial(await_every_holder, holding, *ends)
         await on_own_thread(barrier, f"p2ptrain-ring-barrier-{step}")
         server.completed(step)
     except AllReduceError as exc:
@@ -399,6 +403,7 @@ async def ring_all_reduce(
         cancelled = True  # the caller stops waiting: do not block its cancellation on the threads
         raise
     finally:
+        plan.to_successor.stop()
         transfer.stop()
         for future in incoming.values():  # accepted, but the step failed before they were used
             if future.done() and not future.cancelled() and future.exception() is None:
