@@ -4,6 +4,7 @@ member; the ring harness (test_ring.py) covers it inside whole all-reduces."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 import threading
@@ -182,8 +183,21 @@ def test_a_predecessor_that_keeps_alive_is_waited_for_up_to_the_bound() -> None:
         lambda channel: keep_alive(channel, every, 60.0), seconds=4.0, failure_timeout=failure_timeout
     )
     assert outcome.startswith("PeerTimeout") and 3.9 < seconds < 20.0, (outcome, seconds)
-    outcome, _ = predecessor(lambda c: lanes.send_frame(c, {"kind": ALIVE, "step": STEP + 1}, b"", 1.0))
-    assert outcome.startswith("FrameError") and "expected a barrier frame" in outcome
+    for header in ({"kind": ALIVE, "step": STEP + 1}, {"kind": ALIVE, "step": STEP, "pad": bytes(3000)}):
+        outcome, _ = predecessor(functools.partial(lanes.send_frame, header=header, payload=b"", timeout=1.0))
+        assert outcome.startswith("FrameError") and "expected a barrier frame" in outcome, outcome
+
+
+def test_a_send_after_the_attempt_closed_the_lane_returns_false() -> None:
+    """The keepalive thread or the barrier may send just as the attempt ends and closes the socket:
+    an OSError (not a WireError) escaped the thread with a traceback."""
+    to_successor, successor = channel_pair()
+    ends = ToSuccessor(STEP, FAILURE_TIMEOUT)
+    ends.start(to_successor)
+    ends.stop()
+    to_successor.sock.close()
+    assert ends.send({"kind": DONE, "step": STEP, "holders": bytes([1]), "proofs": proofs(1)}) is False
+    successor.sock.close()
 
 
 def test_the_full_set_of_an_honest_predecessor_ends_the_barrier() -> None:
@@ -213,3 +227,31 @@ def test_a_set_naming_a_member_without_that_members_signature_is_refused(
     retries without them: a set must carry each member's signature of this very attempt."""
     outcome, seconds = predecessor(lambda c: send(c, bytes([0b1111]), signed=signed), attempt=attempt)
     assert outcome.startswith("FrameError") and needle in outcome and seconds < 1.0, outcome
+
+
+def test_keepalives_to_a_successor_that_does_not_read_yet_neither_block_nor_cut_a_frame() -> None:
+    """A successor still in its data phase does not read the lane: keepalives once filled its
+    buffers, a send timed out half written, the thread stopped for good and the set sent after it
+    was lost or cut (small buffers here stand for a long wait with default ones). Now a keepalive
+    waits while bytes of ours are unacknowledged: the set goes out whole after the backlog."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    sender = socket.socket()
+    sender.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    sender.connect(listener.getsockname())
+    receiver, _ = listener.accept()
+    listener.close()
+    receiver.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    key = os.urandom(32)
+    to_successor = ToSuccessor(STEP, failure_timeout=0.01)
+    to_successor.start(lanes.Channel(sender, FrameSeal(key)))
+    try:
+        time.sleep(4.0)  # the successor's data phase: 1600 beats due, far more than the buffers hold
+        assert to_successor.send({"kind": DONE, "step": STEP, "holders": bytes([1]), "proofs": proofs(1)})
+        channel, kinds = lanes.Channel(receiver, FrameSeal(key)), list[str]()
+        while not kinds or kinds[-1] != DONE:
+            kinds.append(lanes.recv_frame(channel, 10.0, 0).header["kind"])
+        assert set(kinds[:-1]) == {ALIVE} and len(kinds) > 10, kinds
+    finally:
+        to_successor.stop()
+        sender.close()
+        receiver.close()

@@ -38,11 +38,15 @@ forwarding a full set it never received, so that the members after it took the r
 deprived one failed and retried without them. Another attempt's or step's signature proves nothing
 here: both are in what is signed.
 
-What it cannot close: a member that dies (or stalls past the bound) while the sets travel, after
-some members learned that all hold the result and before the others did. That window is a few
-small frames long; before, it was the last round of the all-gather's data. A member that
-withholds its sets holds the step for up to the bound and then fails it on every member alike.
-The params hash in the heartbeats is the backstop.
+What it cannot close: a member that dies (or goes silent for 2 × failure_timeout) while the sets
+travel, after some members learned that all hold the result and before the others did. That window
+is a few small frames long; before, it was the last round of the all-gather's data. A lying member
+can open it on purpose: it passes on every signature but one (its successor is the only way that
+one reaches it), so the members after its successor take the result and its successor fails. No
+exchange along a ring can stop that. What decides then is what decides after a crash in the
+window: a node that gave a step up replays it once a majority is past it (election.swarm_ahead),
+and one whose params hash differs from the majority's goes back to their checkpoint. A member
+that sends keepalives and withholds its sets holds the step for up to the bound.
 """
 
 from __future__ import annotations
@@ -85,6 +89,7 @@ class ToSuccessor:
         self.channel: lanes.Channel | None = None
         self._lock = threading.Lock()
         self._stopped = threading.Event()
+        self._broken = False
 
     def start(self, channel: lanes.Channel) -> None:
         """Begin the keepalives on `channel` (its data frames all sent); once, and not after `stop`."""
@@ -94,15 +99,21 @@ class ToSuccessor:
             self.channel = channel
         threading.Thread(target=self._beat, name=f"p2ptrain-ring-alive-{self.step}", daemon=True).start()
 
-    def send(self, header: dict) -> bool:
+    def send(self, header: dict, beat: bool = False) -> bool:
         """One frame to the successor; False when it no longer takes them (it knows already, or it
-        failed: either way our outcome is ours)."""
+        failed: either way our outcome is ours). A failed send may have cut a frame in two, so
+        nothing more goes on the lane. A keepalive (`beat`) is skipped while bytes of ours are
+        still unacknowledged (a successor still in its data phase does not read this lane yet): it
+        never waits for room, so it can neither time out half sent nor pile up past one."""
         with self._lock:
-            if self.channel is None:
+            if self.channel is None or self._broken or (beat and self._stopped.is_set()):
                 return False
             try:
+                if beat and lanes.unacknowledged(self.channel.sock):
+                    return True
                 lanes.send_frame(self.channel, header, b"", self.failure_timeout)
-            except WireError as exc:
+            except (WireError, OSError) as exc:  # OSError: the attempt closed the socket meanwhile
+                self._broken = True
                 log.debug("step %d: frame not sent to the ring successor: %s", self.step, exc)
                 return False
         return True
@@ -112,7 +123,7 @@ class ToSuccessor:
 
     def _beat(self) -> None:
         while not self._stopped.wait(self.failure_timeout / BEATS_PER_TIMEOUT):
-            if not self.send({"kind": ALIVE, "step": self.step}):
+            if not self.send({"kind": ALIVE, "step": self.step}, beat=True):
                 return
 
 
@@ -205,7 +216,7 @@ def await_every_holder(
     while known != everyone:
         wait = min(silence, deadline - time.monotonic())
         frame = lanes.recv_frame(from_predecessor, max(0.0, wait), 0)
-        if frame.header.get("kind") == ALIVE and frame.header.get("step") == step:
+        if frame.header == {"kind": ALIVE, "step": step}:  # exactly: no room for junk to chew on
             continue
         theirs, proofs = holders_in(frame.header, step, n, predecessor, theirs)
         for member, signature in proofs.items():

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import socket
 import struct
+import termios
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
@@ -149,6 +151,11 @@ def send_frame(channel: Channel, header: Mapping[str, Any], payload: Any, timeou
             else:
                 views[0] = views[0][sent:]
                 sent = 0
+
+
+def unacknowledged(sock: socket.socket) -> int:
+    """Bytes sent on `sock` that the peer has not acknowledged yet (Linux's SIOCOUTQ)."""
+    return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, bytes(4)))[0])
 
 
 def readable_state(sock: socket.socket) -> Literal["idle", "closed", "data"]:
