@@ -26,8 +26,7 @@ link (no reset comes) is not waited for that long (hours for a large model), eve
 successor a keepalive every failure_timeout / 4, from its last data frame to it until its own
 barrier ends; a member whose predecessor is silent for 2 × failure_timeout fails. A frame that
 does not grow the sender's set is refused, so a member cannot hold its successor longer by
-repeating itself; one that keeps sending keepalives and never its set (a stranger) holds the step
-for the whole bound.
+repeating itself.
 
 Each member's bit is its signature of the attempt: the membership digest (which covers the step)
 and the attempt number, the same on every member, as neighbours' handshakes agree on both. It is
@@ -202,11 +201,11 @@ async def on_own_thread(work: Callable[[], None], name: str) -> None:
 def await_every_holder(
     holding: Holding, to_successor: ToSuccessor, from_predecessor: lanes.Channel, seconds: float
 ) -> None:
-    """Block until this member knows that all members hold the result (`to_successor` started:
-    every data frame to it is out); WireError when that takes
-    more than `seconds`, the predecessor is silent for 2 × failure_timeout, a frame of its is not a
-    barrier frame or keepalive (or does not grow its set, or names a member without that member's
-    signature), or the connection ends first."""
+    """Block until this member knows that all members hold the result (`to_successor` is started:
+    every data frame to it is out). WireError when that takes more than `seconds`, the predecessor
+    is silent for 2 × failure_timeout, a frame of its is neither a keepalive nor a barrier frame
+    (or does not grow its set, or names a member without that member's signature), or the
+    connection ends first."""
     n, index, step = holding.n, holding.index, holding.step
     everyone, known, deadline = (1 << n) - 1, 1 << index, time.monotonic() + seconds
     silence = 2 * to_successor.failure_timeout
