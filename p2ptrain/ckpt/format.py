@@ -33,17 +33,15 @@ INNER_FILE = "inner.safetensors"
 META_FILE = "meta.json"
 MANIFEST_FILE = "manifest.json"
 SHARED_FILES = (PARAMS_FILE, OUTER_FILE)
+"""Byte-identical on every member of an outer step."""
+STAGED_KEEP = 2
+"""RAM copies kept: the newest, and the one before it for a peer still downloading it."""
 
 
 def max_checkpoint_bytes(parameters: int) -> int:
     """More than any checkpoint of a model of `parameters` holds: θ, the momentum, the AdamW
     moments and the overlap's two vectors are six fp32 vectors; eight, and 16 MiB of headers."""
     return 8 * 4 * parameters + (16 << 20)
-
-
-"""Byte-identical on every member of an outer step."""
-STAGED_KEEP = 2
-"""RAM copies kept: the newest, and the one before it for a peer still downloading it."""
 
 
 class CheckpointMeta(TypedDict, total=False):
