@@ -39,8 +39,8 @@ def test_the_pending_step_is_taken_tau_steps_into_the_next_phase(
 ) -> None:
     """Delayed estimate (it differs from S's next params), H = 4, τ = 2: step N's result is asked
     for two steps into phase N + 1 (the last one once the run is over); there w moves by S − w_start,
-    keeping its two steps' progress, and the phase goes on from S. A step given up leaves S as it
-    was and brings w back onto it."""
+    keeping its two steps' progress less the share c·τ/H of the shift they are taken to have
+    undone, and the phase goes on from S. A step given up leaves S as it was and moves w towards it."""
     torch.set_num_threads(1)
     overrides = ["train.max_steps=12", "train.inner_steps=4", 'checkpoint.staging=""']
     overrides += ["checkpoint.interval=0", "outer.overlap=true", "outer.overlap_steps=2", "outer.eager=false"]
@@ -68,7 +68,8 @@ def test_the_pending_step_is_taken_tau_steps_into_the_next_phase(
     assert link.collected == [(0, 6), (1, 10), (2, 12)]
     assert len(shifts) == 2
     for step, (before, start, params, taken, after, new_start) in enumerate(shifts):
-        assert torch.equal(after, before.clone().add_(taken).sub_(start))
+        undone = config.outer.start_correction * 2 / 4  # c·τ/H
+        assert torch.equal(after, before.clone().add_(torch.sub(taken, start), alpha=1 - undone))
         assert torch.equal(new_start, taken)
         assert not torch.equal(start, taken)  # the estimate missed: the shift is real
         assert torch.equal(taken, params) == (step == given_up)  # S moved unless given up
@@ -106,3 +107,52 @@ def test_on_arrival_the_pending_step_is_taken_after_the_first_step_that_ends_wit
     lines = [line for line in read_metrics(tmp_path / "node" / "metrics.jsonl") if line["kind"] == "outer"]
     assert [line.get("taken_after_steps") for line in lines] == [taken_after, taken_after, None]
     assert trainer.outer_step == 3
+
+
+class HalvingLink(RecordingLink):
+    """As if a second member had sent zeros: the average is half the node's own Δ, so the phase
+    started off S by the half its estimate missed."""
+
+    def collect(self, outer_step: int) -> Averaged:
+        assert self.trainer is not None and self.trainer.leader is not None
+        self.trainer.leader.buffer.mul_(0.5)
+        return super().collect(outer_step)
+
+
+@pytest.mark.parametrize("correction", [0.0, 0.5])
+def test_the_handed_over_delta_is_corrected_by_a_share_of_where_the_phase_started_off_s(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, correction: float
+) -> None:
+    """Result at the phase's end (τ = 0): once S has taken step N, phase N + 1's Δ = y − w is handed
+    over (and is the next estimate) less c·(y − θ_S), the share of the start's error its inner steps
+    are taken to have undone; with c = 0, Δ as measured."""
+    torch.set_num_threads(1)
+    overrides = ["train.max_steps=12", "train.inner_steps=4", 'checkpoint.staging=""']
+    overrides += ["checkpoint.interval=0", "outer.overlap=true", "outer.take_on_arrival=false"]
+    overrides += [f"outer.start_correction={correction}"]
+    config = load_config("debug", overrides=overrides)
+    link = HalvingLink()
+    trainer = Trainer(config, b"m" * 32, tmp_path / "node", RankContext(), link=link)
+    link.trainer = trainer
+    end_of_phase = OverlappedOuter.end_of_phase
+    handed: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def watched(overlapped: OverlappedOuter, tokens: int, loss: float) -> bool:
+        state = overlapped.state
+        assert state is not None
+        start, weights = state.start.clone(), torch.empty_like(trainer.flat)
+        trainer.layout.gather(trainer.model, weights)
+        assert end_of_phase(overlapped, tokens, loss)
+        expected = torch.sub(start, weights)
+        if correction:
+            expected.add_(torch.sub(trainer.outer.params, start), alpha=correction)
+        handed.append((expected, state.delta.clone()))
+        if len(handed) > 1:
+            assert not torch.equal(start, trainer.outer.params)  # the phase started off S
+        return True
+
+    monkeypatch.setattr(OverlappedOuter, "end_of_phase", watched)
+    trainer.run()
+    assert len(handed) == 3 and trainer.outer_step == 3
+    for expected, delta in handed:
+        assert torch.equal(delta, expected)

@@ -10,6 +10,7 @@ working weights w) and the estimate that gives it:
     end of phase N   Δ_N = w_N − y_N              (this phase's own progress, from its start)
                      wait for R_{N−1}, if not there yet (never two steps stale)
                      S ← step(S, R_{N−1})         (StepDone N − 1: its hash is S's)
+                     Δ_N ← Δ_N − c·(y_N − θ_S)    (`outer.start_correction` c, below)
                      hand Δ_N to the agent         (Ready N: synced during phase N + 1)
                      w_{N+1} = lookahead(S, R̂_N)  (the step R̂_N would take, S unchanged)
 
@@ -21,9 +22,18 @@ Kale et al.'s eager estimate mixes the node's fresh Δ_N (its share s) with the 
 R_{N−1}; here, with S taking only true averages, that mix diverged in a scalar model at DiLoCo's
 outer lr 0.7 and momentum 0.9 once an inner phase moves far (Δ ≈ 0.8 of the distance to its
 optimum) and cost 11 % of held-out loss on the debug model, where the node's own Δ_N converged
-like blocking DiLoCo in the same model and cost 4.2 % over three seeds, the result taken at the
-phase's end (benchmarks.quality; docs/architecture.md says on what that cost depends). One node
-alone has R = Δ, so its eager overlap is blocking DiLoCo up to float rounding.
+like blocking DiLoCo in the same model. One node alone has R = Δ, so its eager overlap is blocking
+DiLoCo up to float rounding.
+
+The start correction. Phase N starts off S by y_N − θ_S (its estimate's error, known once S has
+taken step N − 1), and its inner steps undo some share of that offset; the Δ_N it measures carries
+that share, and as the next estimate it throws the next start off the other way. Uncorrected, the
+offset comes back each step times (share undone)·η(1 + μ): near or past 1 where phases move far,
+and the cost was 4.2 % of held-out loss on the debug model (10 % with mixed batches). Taking c of
+the offset out of Δ_N leaves (share − c)·η(1 + μ), at most η(1 + μ)/2 = 0.67 at the defaults
+whatever the share is, with c = ½; c = 1 (Δ measured from S) is unstable where phases move little,
+and diverged on the debug model. The average S takes is unchanged to first order: the offsets sum
+to zero over the members. docs/architecture.md has the measurements.
 
 With `outer.overlap_steps = τ` > 0 the result is taken τ inner steps into phase N + 1 instead (the
 sync has those steps to hide in; Streaming DiLoCo's overlap, Douillard et al. 2025): S takes its step
@@ -161,16 +171,19 @@ class OverlappedOuter:
 
     def merge(self, steps_done: int) -> bool:
         """Take the pending step τ steps into the phase: S takes its step, and the working weights
-        move by the difference between S's params and the estimate the phase started from (a step
-        given up moves S by nothing: the weights go back onto S). False when the agent answered
-        with a checkpoint to reload instead: the phase under way is void."""
+        move by the difference between S's params and the estimate the phase started from, less
+        the share of it the τ steps are taken to have undone (c·τ/H; a step given up moves S by
+        nothing, the weights towards it). False when the agent answered with a checkpoint to
+        reload instead: the phase under way is void."""
         trainer, leader, state = self.trainer, self.trainer.leader, self.state
         if not self._take(self._collect(), steps_done):
             self._reloaded = True
             return False
         trainer.layout.gather(trainer.model, trainer.flat if leader is not None else None)
-        if leader is not None and state is not None:
-            trainer.flat.add_(leader.outer.params).sub_(state.start)
+        if leader is not None and state is not None:  # w + (1 − c·τ/H)·(θ_S − y)
+            undone = trainer.config.outer.start_correction * steps_done / trainer.config.train.inner_steps
+            torch.sub(leader.outer.params, state.start, out=leader.buffer)  # its average is taken
+            trainer.flat.add_(leader.buffer, alpha=1 - undone)
             state.start.copy_(leader.outer.params)
         trainer.load_flat()
         return True
@@ -195,6 +208,10 @@ class OverlappedOuter:
             return False
         if leader is not None and state is not None and ready is not None:
             trainer.writer.wait()  # a checkpoint's thread may still read the pending Δ and w
+            correction = trainer.config.outer.start_correction
+            if correction and ready.finite:  # Δ − c·(y − θ_S); the buffer's average is taken
+                torch.sub(leader.outer.params, state.start, out=leader.buffer)
+                trainer.flat.add_(leader.buffer, alpha=correction)
             state.delta.copy_(trainer.flat)
             leader.buffer.copy_(trainer.flat)
             trainer.link.submit(ready)
