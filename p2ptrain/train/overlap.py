@@ -26,19 +26,19 @@ like blocking DiLoCo in the same model. One node alone has R = Δ, so its eager 
 DiLoCo up to float rounding.
 
 The start correction. Phase N starts off S by y_N − θ_S (its estimate's error, known once S has
-taken step N − 1), and its inner steps undo some share of that offset; the Δ_N it measures carries
-that share, and as the next estimate it throws the next start off the other way. Uncorrected, the
-offset comes back each step times (share undone)·η(1 + μ): near or past 1 where phases move far,
-and the cost was 4.2 % of held-out loss on the debug model (10 % with mixed batches). Taking c of
-the offset out of Δ_N leaves (share − c)·η(1 + μ), at most η(1 + μ)/2 = 0.67 at the defaults
-whatever the share is, with c = ½; c = 1 (Δ measured from S) is unstable where phases move little,
-and diverged on the debug model. The average S takes is unchanged to first order: the offsets sum
-to zero over the members. docs/architecture.md has the measurements.
+taken step N − 1). Δ_N − c·(y_N − θ_S), a blend of Δ measured from y_N and from θ_S, is handed over
+and is the next estimate. The offsets sum to zero over the members, so the average S takes is
+unchanged to first order; what changes is where each node's phases start. Measured on the debug
+model with the result at the phase's end, c = ½ took the cost from 4.2 % of held-out loss to 0.24 %
+(10 % to 1.0 % with mixed batches); c = 1 diverged. Why is not settled: the linear model it was
+derived from (inner steps undo a share of the offset, which comes back amplified) predicts smaller
+offsets, and they came out larger (docs/architecture.md).
 
 With `outer.overlap_steps = τ` > 0 the result is taken τ inner steps into phase N + 1 instead (the
 sync has those steps to hide in; Streaming DiLoCo's overlap, Douillard et al. 2025): S takes its step
-there, and the working weights move by what the estimate missed, w ← w + (θ_S − w_{N+1}), keeping the
-τ steps' progress; the rest of the phase runs from S's true params, so its Δ is measured from them.
+there, and the working weights move by what the estimate missed, less the start correction scaled
+to the steps run, w ← w + (1 − c·τ/H)(θ_S − w_{N+1}), keeping the τ steps' progress; the rest of
+the phase runs from there, its Δ measured from S's params.
 τ = 0 (the end of the phase) is the one-step overlap above; the smaller τ, the closer to blocking.
 With `outer.take_on_arrival` the result is taken after the first inner step at whose end it is
 here (τ at the earliest): τ is then as many steps as the sync took, no more. It is taken there the
