@@ -29,10 +29,10 @@ The start correction. Phase N starts off S by y_N − θ_S (its estimate's error
 taken step N − 1). Δ_N − c·(y_N − θ_S), a blend of Δ measured from y_N and from θ_S, is handed over
 and is the next estimate. The offsets sum to zero over the members, so the average S takes is
 unchanged to first order; what changes is where each node's phases start. Measured on the debug
-model with the result at the phase's end, c = ½ took the cost from 4.2 % of held-out loss to 0.24 %
-(10 % to 1.0 % with mixed batches); c = 1 diverged. Why is not settled: the linear model it was
-derived from (inner steps undo a share of the offset, which comes back amplified) predicts smaller
-offsets, and they came out larger (docs/architecture.md).
+model with the result at the phase's end, c = ½ took the cost from 4.2 % of held-out loss to
+0.24 % (10 % to 1.0 % with mixed batches, 5.1 % to 2.3 % at twice the batch); c = 1 diverged. Why
+is not settled: the linear model it came from (inner steps undo a share of the offset, which comes
+back amplified) predicts smaller offsets, and they came out larger (docs/architecture.md).
 
 With `outer.overlap_steps = τ` > 0 the result is taken τ inner steps into phase N + 1 instead (the
 sync has those steps to hide in; Streaming DiLoCo's overlap, Douillard et al. 2025): S takes its step
