@@ -11,9 +11,10 @@ import pytest
 
 from p2ptrain.ckpt.sidecar import CheckpointSidecar
 from p2ptrain.comm.dataplane import DataPlaneServer, RingSettings
-from p2ptrain.comm.reach import NONCE_BYTES, Reach, network_of
+from p2ptrain.comm.reach import NONCE_BYTES, ProbeResult, Reach, network_of
 from p2ptrain.comm.wire import read_frame, write_frame
 from p2ptrain.identity import load_or_create_identity
+from p2ptrain.node.reachability import until_answered
 from p2ptrain.procs import free_port
 from p2ptrain.swarm.election import decide, keep_apart
 from p2ptrain.swarm.records import Heartbeat, NodeState
@@ -150,6 +151,48 @@ def test_a_prober_runs_one_probe_per_source_at_a_time(tmp_path: Path) -> None:
             first.close()
             second.close()
         finally:
+            await prober.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        for sock in [hanging, *fillers]:
+            sock.close()
+
+
+@pytest.mark.parametrize("seconds", [0.0, 10.0])
+def test_before_its_first_step_a_node_asks_again_while_a_busy_prober_refused(
+    tmp_path: Path, seconds: float
+) -> None:
+    """A prober busy with the probe of another node of the asker's network refuses it, so that
+    probe says nothing (UNKNOWN). Before its first step a node asks again, a second apart: once the
+    other probe is over (its dial-back hangs DIAL_TIMEOUT) its own is answered. Without the retries
+    it would enter its first step not knowing (and behind NAT, announced as dialable)."""
+    hanging, fillers = full_listener()
+
+    async def main() -> None:
+        asker, prober = await started(tmp_path, "a"), await started(tmp_path, "b")
+        try:
+            _, first = await asyncio.open_connection(*prober.address)
+            await write_frame(first, {"kind": "reach", "port": hanging.getsockname()[1], "nonce": b"a" * 16})
+            while prober.reach.in_flight == 0:  # its dial-back hangs now (for 3 s)
+                await asyncio.sleep(0.01)
+            results: list[Reach] = []
+
+            async def probe() -> ProbeResult:
+                result = await asker.reach.probe([prober.address], asker.address[1])
+                results.append(result.reach)
+                return result
+
+            final = await until_answered(probe, lambda: True, seconds)
+            assert results[0] is Reach.UNKNOWN  # refused: a probe of this network is running
+            if seconds:
+                assert final.reach is Reach.OPEN and len(results) >= 2
+            else:
+                assert final.reach is Reach.UNKNOWN and len(results) == 1
+            first.close()
+        finally:
+            await asker.close()
             await prober.close()
 
     try:

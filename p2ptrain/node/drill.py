@@ -58,7 +58,7 @@ async def run_drill(
     try:
         await wait_for_nodes(config, sync.view, stop, out, min_nodes)
         with contextlib.suppress(Interrupted):
-            await unless(reachability.probe_once(), stop.wait())
+            await unless(reachability.first_probe(), stop.wait())
         rechecks = asyncio.create_task(reachability.run(stop))
         with log_path.open("a") as log_file:
             for step in range(steps):

@@ -15,7 +15,9 @@ import contextlib
 import hashlib
 import logging
 import socket
+import time
 import urllib.parse
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from p2ptrain.comm.dataplane import DataPlaneServer
@@ -36,6 +38,8 @@ STANDBY_PROBERS = 2
 """Standby relays (bootstrap --relay) asked besides the peers."""
 RECHECK_SECONDS = 60.0
 UNKNOWN_RETRY_SECONDS = 5.0
+FIRST_PROBE_SECONDS = 10.0
+"""Before its first step a node asks again, a second apart, this long while nobody answered."""
 WILDCARD_HOSTS = ("0.0.0.0", "", "::")
 _NO_ROUTE_TARGET = "192.0.2.1"
 """TEST-NET-1: a UDP 'connect' to it sends nothing, but picks the interface of the default route."""
@@ -94,7 +98,14 @@ class Reachability:
         self.view = view
         self.port = server.address[1]
         self.result = ProbeResult(Reach.UNKNOWN)
+        self._asked = False
+        """Whether the last probe had anyone to ask."""
         self._switch: asyncio.Task[None] | None = None
+
+    async def first_probe(self) -> ProbeResult:
+        """The probe before this node's first step: `until_answered`. A node behind NAT that
+        enters a step as dialable loses it: its peers dial the private address it announced."""
+        return await until_answered(self.probe_once, lambda: self._asked, FIRST_PROBE_SECONDS)
 
     async def probe_once(self) -> ProbeResult:
         """Ask up to PROBERS peers; publish the result (and the observed address) if it changed."""
@@ -114,6 +125,7 @@ class Reachability:
         relays = await self.standby.current() if self.standby is not None else []
         probers += [(relay.host, relay.port) for relay in relays[:STANDBY_PROBERS]]
         ckpt_addr = self.publisher.current.ckpt_addr
+        self._asked = bool(probers)
         result = await self.server.reach.probe(probers, self.port, _port_of(ckpt_addr))
         changes: dict[str, Any] = {}
         if result.reach is not Reach.UNKNOWN and result.reach.value != self.publisher.current.data_reach:
@@ -164,6 +176,20 @@ class Reachability:
                     await self.probe_once()
                 except Exception as exc:  # a probe is advice: never let it end the node
                     log.warning("reachability probe failed: %s", exc)
+
+
+async def until_answered(
+    probe: Callable[[], Awaitable[ProbeResult]], asked: Callable[[], bool], seconds: float
+) -> ProbeResult:
+    """`probe()` again, a second apart, while it had probers (`asked()`) and none answered (one
+    busy with a probe of another node of this network refuses), for up to `seconds` and one probe
+    more (each is bounded by reach.ASK_TIMEOUT)."""
+    deadline = time.monotonic() + seconds
+    result = await probe()
+    while result.reach is Reach.UNKNOWN and asked() and time.monotonic() + 1.0 < deadline:
+        await asyncio.sleep(1.0)
+        result = await probe()
+    return result
 
 
 def _port_of(url: str) -> int | None:

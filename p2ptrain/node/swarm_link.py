@@ -156,7 +156,7 @@ class SwarmLink(SoloSwarm):
             self.config, self.server, self.publisher, self.sync.view, self.dht, self.sync.standby
         )
         with contextlib.suppress(Interrupted):
-            await unless(reachability.probe_once(), stop.wait())
+            await unless(reachability.first_probe(), stop.wait())
         self._rechecks = asyncio.create_task(reachability.run(stop))
         await self._check_config()
 
