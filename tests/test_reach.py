@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -127,13 +129,22 @@ def full_listener() -> tuple[socket.socket, list[socket.socket]]:
             return listener, fillers
 
 
+def run_with_a_hanging_port(main: Callable[[socket.socket], Coroutine[Any, Any, None]]) -> None:
+    """asyncio.run(main(port)) where a dial to `port` hangs (full_listener); its sockets closed after."""
+    hanging, fillers = full_listener()
+    try:
+        asyncio.run(main(hanging))
+    finally:
+        for sock in [hanging, *fillers]:
+            sock.close()
+
+
 def test_a_prober_runs_one_probe_per_source_at_a_time(tmp_path: Path) -> None:
     """A second request from the same network while the first one's dial-back hangs is refused:
     one stranger cannot make a node dial a thousand times at once, nor hold every probe slot with
     eight addresses of its network (an IPv6 host often has a whole /64)."""
-    hanging, fillers = full_listener()
 
-    async def main() -> None:
+    async def main(hanging: socket.socket) -> None:
         prober = await started(tmp_path, "b")
         try:
             first_reader, first = await asyncio.open_connection(*prober.address)
@@ -153,11 +164,7 @@ def test_a_prober_runs_one_probe_per_source_at_a_time(tmp_path: Path) -> None:
         finally:
             await prober.close()
 
-    try:
-        asyncio.run(main())
-    finally:
-        for sock in [hanging, *fillers]:
-            sock.close()
+    run_with_a_hanging_port(main)
 
 
 @pytest.mark.parametrize("seconds", [0.0, 10.0])
@@ -168,9 +175,8 @@ def test_before_its_first_step_a_node_asks_again_while_a_busy_prober_refused(
     probe says nothing (UNKNOWN). Before its first step a node asks again, a second apart: once the
     other probe is over (its dial-back hangs DIAL_TIMEOUT) its own is answered. Without the retries
     it would enter its first step not knowing (and behind NAT, announced as dialable)."""
-    hanging, fillers = full_listener()
 
-    async def main() -> None:
+    async def main(hanging: socket.socket) -> None:
         asker, prober = await started(tmp_path, "a"), await started(tmp_path, "b")
         try:
             _, first = await asyncio.open_connection(*prober.address)
@@ -195,11 +201,7 @@ def test_before_its_first_step_a_node_asks_again_while_a_busy_prober_refused(
             await asker.close()
             await prober.close()
 
-    try:
-        asyncio.run(main())
-    finally:
-        for sock in [hanging, *fillers]:
-            sock.close()
+    run_with_a_hanging_port(main)
 
 
 KEYS = [bytes([index]) * 32 for index in range(6)]
