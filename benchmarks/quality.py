@@ -23,7 +23,8 @@ and, (a'') the same 2 nodes with 4-bit codes (comm.bits = 4), bits4_vs_int8_loss
 within 1 % of 1).
 
 And (a''') the same 2 nodes with `outer.overlap` (each step's average taken at the end of the next
-inner phase, train/overlap.py): overlap_vs_blocking_loss_ratio (target within 1 % of 1).
+inner phase, train/overlap.py): overlap_vs_blocking_loss_ratio (target within 1 % of 1), with the
+start correction at its default (`--set outer.start_correction=0`: without it).
 `--set outer.overlap_steps=K` takes it K inner steps in: what `outer.take_on_arrival` (on by default)
 does where the sync takes K steps (benchmarks.swarm's taken_after_steps). Here, in one process, an
 answer has no sync time to arrive after, so these runs take it at τ, take_on_arrival off.
