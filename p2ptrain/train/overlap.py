@@ -126,6 +126,14 @@ class OverlapState:
             self.known = True
         return True
 
+    def add_offset(
+        self, outer: OuterNesterov, into: torch.Tensor, share: float, scratch: torch.Tensor
+    ) -> None:
+        """into += share·(θ_S − start): a share of the way from where the phase started onto S's
+        params, computed in `scratch` (the shared buffer: S has taken its average from it)."""
+        torch.sub(outer.params, self.start, out=scratch)
+        into.add_(scratch, alpha=share)
+
     def next_start(self, outer: OuterNesterov, delta: torch.Tensor) -> torch.Tensor:
         """w of the next phase into `start`: the step the estimate R̂ would take from S."""
         estimate = self.last_average if self.last_average is not None and self.known else delta
@@ -182,8 +190,7 @@ class OverlappedOuter:
         trainer.layout.gather(trainer.model, trainer.flat if leader is not None else None)
         if leader is not None and state is not None:  # w + (1 − c·τ/H)·(θ_S − y)
             undone = trainer.config.outer.start_correction * steps_done / trainer.config.train.inner_steps
-            torch.sub(leader.outer.params, state.start, out=leader.buffer)  # its average is taken
-            trainer.flat.add_(leader.buffer, alpha=1 - undone)
+            state.add_offset(leader.outer, trainer.flat, 1 - undone, scratch=leader.buffer)
             state.start.copy_(leader.outer.params)
         trainer.load_flat()
         return True
@@ -209,9 +216,8 @@ class OverlappedOuter:
         if leader is not None and state is not None and ready is not None:
             trainer.writer.wait()  # a checkpoint's thread may still read the pending Δ and w
             correction = trainer.config.outer.start_correction
-            if correction and ready.finite:  # Δ − c·(y − θ_S); the buffer's average is taken
-                torch.sub(leader.outer.params, state.start, out=leader.buffer)
-                trainer.flat.add_(leader.buffer, alpha=correction)
+            if correction and ready.finite:  # Δ − c·(y − θ_S)
+                state.add_offset(leader.outer, trainer.flat, correction, scratch=leader.buffer)
             state.delta.copy_(trainer.flat)
             leader.buffer.copy_(trainer.flat)
             trainer.link.submit(ready)
