@@ -59,7 +59,10 @@ def worker(
     import torch
     import torch.distributed as dist
 
-    from p2ptrain.comm.ring import DataPlaneServer, RingMember, RingSettings, ring_all_reduce
+    from p2ptrain.comm.net.members import Member
+    from p2ptrain.comm.net.server import DataPlaneServer
+    from p2ptrain.comm.reduce.allreduce import all_reduce
+    from p2ptrain.config import CommConfig
     from p2ptrain.identity import load_or_create_identity
 
     dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=WORLD)
@@ -67,21 +70,25 @@ def worker(
 
     async def ring_rounds() -> tuple[list[float], np.ndarray]:
         identity = load_or_create_identity(out.parent / f"id{rank}")
-        settings = RingSettings(
-            block=BLOCK, failure_timeout=120, setup_timeout=60, connections=connections, bits=bits,
-            topology=topology, clip=clip,
-        )  # fmt: skip
-        server = DataPlaneServer(identity, settings)
+        comm = CommConfig(
+            quant_block=BLOCK,
+            failure_timeout=120,
+            connections=connections,
+            bits=bits,
+            topology=topology,
+            clip=clip,
+        )
+        server = DataPlaneServer(identity=identity, comm=comm, setup_timeout=60)
         listen_host, port = await server.start(host)
         everyone: list[Any] = [None] * WORLD
         dist.all_gather_object(everyone, (identity.public_key, listen_host, port))
-        members = [RingMember(key, member_host, member_port) for key, member_host, member_port in everyone]
+        members = [Member(key, member_host, member_port) for key, member_host, member_port in everyone]
         buffer, times = data.copy(), []
         for step in range(rounds + 1):
             np.copyto(buffer, data)
             await asyncio.get_running_loop().run_in_executor(None, dist.barrier)  # keep the loop free
             started = time.perf_counter()
-            await ring_all_reduce(server, step, members, buffer)
+            await all_reduce(server, step=step, members=members, buffer=buffer)
             times.append(time.perf_counter() - started)
         await server.close()
         return times[1:], buffer

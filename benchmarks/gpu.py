@@ -53,7 +53,7 @@ def node_command(root: Path, name: str, peer: str, args: Any, shard: int, overla
     settings = [
         f"train.inner_steps={args.inner}",
         f"train.max_steps={args.inner * args.steps}",
-        f"outer.overlap={overlap}",
+        f"outer.overlap.enabled={overlap}",
         f"data.shard={shard}",
         "swarm.wait_nodes=2",
         'node.data_host="127.0.0.1"',
@@ -84,7 +84,7 @@ def figures(records: dict[str, list[dict[str, Any]]], tokens_per_step: int) -> d
         mfu += [r["mfu"] for r in inner if "mfu" in r]
         peak += [r["gpu_peak_gib"] for r in inner if "gpu_peak_gib" in r]
         # per phase, the loop's time outside inner steps: the wait before it, and with the result
-        # taken mid-phase (outer.take_on_arrival, overlap_steps) that step's work too
+        # taken mid-phase (outer.overlap.take_on_arrival, overlap_steps) that step's work too
         loop_s: dict[int, float] = {}
         for before, after in itertools.pairwise(inner):
             gap = after["time"] - tokens_per_step / after["tokens_per_s"] - before["time"]

@@ -24,8 +24,8 @@ within 1 % of 1).
 
 And (a''') the same 2 nodes with `outer.overlap` (each step's average taken at the end of the next
 inner phase, train/overlap.py): overlap_vs_blocking_loss_ratio (target within 1 % of 1), with the
-start correction at its default (`--set outer.start_correction=0`: without it).
-`--set outer.overlap_steps=K` takes it K inner steps in: what `outer.take_on_arrival` (on by default)
+start correction at its default (`--set outer.overlap.start_correction=0`: without it).
+`--set outer.overlap.steps=K` takes it K inner steps in: what `outer.overlap.take_on_arrival` (on by default)
 does where the sync takes K steps (benchmarks.swarm's taken_after_steps). Here, in one process, an
 answer has no sync time to arrive after, so these runs take it at τ, take_on_arrival off.
 
@@ -60,10 +60,10 @@ import torch
 
 from benchmarks.common import parser, report
 from p2ptrain.channel import Averaged, Ready
-from p2ptrain.comm.dataplane import DataPlaneServer, RingSettings
-from p2ptrain.comm.members import RingMember
-from p2ptrain.comm.ring import ring_all_reduce
-from p2ptrain.config import Config, load_config
+from p2ptrain.comm.net.members import Member
+from p2ptrain.comm.net.server import DataPlaneServer
+from p2ptrain.comm.reduce.allreduce import all_reduce
+from p2ptrain.config import CommConfig, Config, load_config
 from p2ptrain.errors import UserError
 from p2ptrain.identity import load_or_create_identity
 from p2ptrain.train.agent_link import AgentLink, SoloLink
@@ -124,25 +124,25 @@ def exact_mean(buffers: list[torch.Tensor], weights: list[int], step: int) -> No
 class Int8Ring:
     """The real int8 all-reduce between in-process members, each with its own server and key."""
 
-    def __init__(self, count: int, root: Path, settings: RingSettings | None = None, poison: float = 1.0):
+    def __init__(self, count: int, root: Path, comm: CommConfig | None = None, poison: float = 1.0):
         self.loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self.loop)
         self.poison = poison
         """The last member multiplies its pseudo-gradient by this (a poisoner, values finite)."""
         self.identities = [load_or_create_identity(root / f"id{i}") for i in range(count)]
-        settings = settings or RingSettings()
-        self.servers = [DataPlaneServer(identity, settings) for identity in self.identities]
+        comm = comm or CommConfig()
+        self.servers = [DataPlaneServer(identity=identity, comm=comm) for identity in self.identities]
         self.ports = [self.loop.run_until_complete(s.start("127.0.0.1", 0))[1] for s in self.servers]
 
     def __call__(self, buffers: list[torch.Tensor], weights: list[int], step: int) -> None:
         if self.poison != 1.0:
             buffers[-1].mul_(self.poison)
         members = [
-            RingMember(identity.public_key, "127.0.0.1", port, float(weight))
+            Member(identity.public_key, "127.0.0.1", port, float(weight))
             for identity, port, weight in zip(self.identities, self.ports, weights, strict=True)
         ]
         runs = [
-            ring_all_reduce(server, step, members, buf.numpy())
+            all_reduce(server, step=step, members=members, buffer=buf.numpy())
             for server, buf in zip(self.servers, buffers, strict=True)
         ]
         self.loop.run_until_complete(asyncio.gather(*runs))
@@ -228,10 +228,11 @@ class Lockstep:
 
 def run_overlapped(name: str, config: Config, nodes: int, average: Averager, bench: Bench) -> Curve:
     """`run` with outer.overlap: every step's average is taken at the end of the next phase (or
-    outer.overlap_steps into it), the phases in between start from the eager estimate. The curve
+    outer.overlap.steps into it), the phases in between start from the eager estimate. The curve
     is S's, step for step like `run`'s: θ_outer after each step once it is taken (its evaluation
     is a phase later than blocking's), then the last step's after the drain."""
-    outer = config.outer.model_copy(update={"overlap": True, "take_on_arrival": False})
+    overlap = config.outer.overlap.model_copy(update={"enabled": True, "take_on_arrival": False})
+    outer = config.outer.model_copy(update={"overlap": overlap})
     config = config.model_copy(update={"outer": outer})
     exchange = Lockstep(average, nodes)
     trainers = [bench.trainer(name, config, i, exchange.link(i)) for i in range(nodes)]
@@ -307,9 +308,9 @@ def seed_runs(config: Config, only: str | None, bench: Bench) -> dict[str, Curve
     curves: dict[str, Curve] = {}
 
     def through_ring(
-        name: str, nodes: int, settings: RingSettings | None = None, poison: float = 1, runner: Runner = run
+        name: str, nodes: int, comm: CommConfig | None = None, poison: float = 1, runner: Runner = run
     ) -> None:
-        ring = Int8Ring(nodes, bench.work / f"{name.replace(' ', '-')}-{config.train.seed}", settings, poison)
+        ring = Int8Ring(nodes, bench.work / f"{name.replace(' ', '-')}-{config.train.seed}", comm, poison)
         try:
             curves[name] = runner(name, config, nodes, ring, bench)
         finally:
@@ -318,14 +319,14 @@ def seed_runs(config: Config, only: str | None, bench: Bench) -> dict[str, Curve
     if only != "robust":
         through_ring("2 nodes int8", 2)
     if only in (None, "bits"):
-        through_ring("2 nodes int4", 2, RingSettings(bits=4))
+        through_ring("2 nodes int4", 2, CommConfig(bits=4))
     if only in (None, "overlap"):
         through_ring("2 nodes int8 overlap", 2, runner=run_overlapped)
     if only is None:
         curves["2 nodes fp32"] = run("2 nodes fp32", config, 2, exact_mean, bench)
         curves["1 node"] = run("1 node", config, 1, lambda buffers, weights, step: None, bench)
     for name, (clipped, poison) in ROBUST_CASES.items() if only in (None, "robust") else ():
-        through_ring(name, 3, RingSettings(clip=config.comm.clip or 1.0) if clipped else None, poison)
+        through_ring(name, 3, CommConfig(clip=config.comm.clip or 1.0) if clipped else None, poison)
     return curves
 
 

@@ -16,7 +16,7 @@ import torch
 
 from benchmarks.common import median_seconds, parser, report
 from p2ptrain import _kernels
-from p2ptrain.comm.quant import (
+from p2ptrain.comm.codec.quant import (
     add_encode_payload,
     decode_payload,
     dequantize,

@@ -40,10 +40,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from benchmarks.common import parser, report, unwind_on_sigterm
 from benchmarks.scale_drill import exponents, plot, run_swarm
-from p2ptrain.comm.connect import LanePlan
-from p2ptrain.comm.dataplane import RingSettings
-from p2ptrain.comm.members import membership_digest
-from p2ptrain.comm.schedule import Schedule
+from p2ptrain.comm.net.members import membership_digest
+from p2ptrain.comm.reduce.connect import LanePlan
+from p2ptrain.comm.reduce.schedule import Schedule
+from p2ptrain.config import CommConfig
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.swarm.dht import SwarmDHT
 from p2ptrain.swarm.election import LINK_PREFIX_HEX, LINKS_FIELD, Election, decide
@@ -128,10 +128,10 @@ def one_size(n: int, repeats: int) -> dict[str, Any]:
     decide_s, election = median_time(lambda: decide(live, STEP, deadline_passed=True), repeats)
     assert isinstance(election, Election) and election.members, "every node is ready: an election"
     digest_s, _ = median_time(lambda: membership_digest(STEP, election.members), repeats)
-    settings = RingSettings(topology="butterfly")
+    comm = CommConfig(topology="butterfly")
 
     def schedule() -> LanePlan:
-        plan = Schedule.of(0, len(election.members), 1 << 20, settings)
+        plan = Schedule.of(index=0, n=len(election.members), length=1 << 20, comm=comm)
         return LanePlan.of(election.members, plan)
 
     schedule_s, _ = median_time(schedule, repeats)

@@ -5,6 +5,11 @@ Environment names map onto the nesting with a double underscore:
 `P2PTRAIN_SWARM__HEARTBEAT_INTERVAL=2` sets `swarm.heartbeat_interval`.
 Values from the environment and from `--set key=value` are parsed as TOML values
 (`2`, `1e-3`, `true`, `"text"`, `[1, 2]`); anything that does not parse is taken as a string.
+
+A field marked `SHARED` must hold the same value on every node of a run: those fields make up
+`Config.shared()`, whose hash every heartbeat carries and every joiner compares. The others are
+each node's own (its hardware, its addresses, its patience). Each field's docstring is its
+documentation: docs/configuration.md is generated from them (`python -m p2ptrain.config_reference`).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -25,19 +30,53 @@ from p2ptrain.errors import ConfigError
 Topology = Literal["auto", "ring", "butterfly"]
 """comm.topology: the reduce-scatter path (auto: the ring at 3 members or fewer, else butterfly)."""
 
+MAX_CONNECTIONS = 16
+"""comm.connections' bound: the handshake takes lanes up to twice it (the upper half reversed)."""
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
-class Section(BaseModel):
-    """Every section refuses unknown keys, so a typo is an error rather than a silent default."""
+class Shared:
+    """Marks a field every node of a run must share (`Annotated[T, SHARED]`): it is in the digest."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    def __repr__(self) -> str:
+        return "SHARED"
+
+
+SHARED = Shared()
+
+
+class Section(BaseModel):
+    """Every section refuses unknown keys, so a typo is an error rather than a silent default.
+    Field docstrings become the fields' descriptions (the generated reference reads them)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+    def shared(self) -> dict[str, Any]:
+        """The values of this section's SHARED fields, and of its sub-sections' (nested)."""
+        found: dict[str, Any] = {}
+        dumped = self.model_dump()
+        for name, field in type(self).model_fields.items():
+            value = getattr(self, name)
+            if isinstance(value, Section):
+                inner = value.shared()
+                if inner:
+                    found[name] = inner
+            elif is_shared(field.metadata):
+                found[name] = dumped[name]
+        return found
+
+
+def is_shared(metadata: list[Any]) -> bool:
+    """Whether a field's metadata (pydantic's FieldInfo.metadata) holds the SHARED mark."""
+    return any(isinstance(item, Shared) for item in metadata)
 
 
 class RunConfig(Section):
-    id: str = Field("p2ptrain-debug", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    id: Annotated[str, SHARED] = Field(
+        "p2ptrain-debug", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$"
+    )
     """Name shared by every node of one training run; records of other runs are ignored."""
-    authority: str = Field("", pattern=r"^([0-9a-f]{64})?$")
+    authority: Annotated[str, SHARED] = Field("", pattern=r"^([0-9a-f]{64})?$")
     """Ed25519 public key (hex) of whoever admits nodes (`p2ptrain admit`); empty: an open run."""
 
     @property
@@ -86,6 +125,7 @@ class SwarmConfig(Section):
     peers: list[str] = []
     """Bootstrap multiaddresses (also from --peer or the PEER environment variable)."""
     heartbeat_interval: float = Field(1.0, gt=0, le=60)
+    """Seconds between two heartbeat records of this node."""
     heartbeat_timeout: float = Field(6.0, gt=0, le=600)
     """A node whose heartbeat sequence has not advanced for this long (on the reader's clock) is dead."""
     max_clock_skew: float = Field(30.0, ge=0, le=3600)
@@ -94,21 +134,23 @@ class SwarmConfig(Section):
     dht_timeout: float = Field(5.0, gt=0, le=120)
     """Bound on every single DHT store or get."""
     connect_retries: int = Field(4, ge=1, le=100)
+    """Tries to reach a bootstrap peer before the node gives up."""
     connect_backoff: float = Field(1.0, gt=0, le=60)
     """First retry delay in seconds; it doubles after each failed attempt."""
     shutdown_timeout: float = Field(5.0, gt=0, le=60)
+    """Seconds a stopping node gives its DHT and ranks to end before it kills them."""
     straggler_deadline: float = Field(10.0, ge=0, le=3600)
     """Seconds after a node first sees a ready(N) record before step N goes on without the late ones."""
     election_timeout: float = Field(120.0, gt=0, le=86400)
+    """Seconds one outer step's elections may take before the node gives the step up."""
     wait_nodes: int = Field(1, ge=1, le=10000)
     """A node starts training once this many live nodes (itself included) are in the swarm table."""
     sync_retries: int = Field(20, ge=1, le=1000)
     """Elections and all-reduces tried for one step before the node gives the step up."""
     push_records: bool = True
     """Push this node's ready records straight to the data ports of the step's nodes as well as
-    storing them (comm/record_push.py): elections decide sooner (16 drill nodes on 2 cores: members
-    decided 0.3 s after the last member was ready, 6 % of a step's overhead, against 2.3 s without).
-    Off: the DHT alone carries them (every election then waits for DHT round trips)."""
+    storing them (comm/net/record_push.py), so elections decide without waiting for DHT round
+    trips (docs/results: control plane). Off: the DHT alone carries them."""
     finish_grace: float = Field(60.0, ge=0, le=86400)
     """Seconds a node that finished the run stays in the swarm (state `finished`, still serving its
     checkpoint and recent all-reduce results) for nodes behind it to catch up; it leaves sooner
@@ -123,17 +165,28 @@ class SwarmConfig(Section):
 class ModelConfig(Section):
     """Llama-style decoder shape; the trainer fills in the rest of the pipeline around it."""
 
-    name: str = "debug"
-    vocab_size: int = Field(256, gt=0)
-    dim: int = Field(128, gt=0)
-    n_layers: int = Field(2, gt=0)
-    n_heads: int = Field(4, gt=0)
-    n_kv_heads: int = Field(2, gt=0)
-    ffn_dim: int = Field(352, gt=0)
-    seq_len: int = Field(256, gt=0)
-    tie_embeddings: bool = True
-    rope_theta: float = Field(10000.0, gt=0)
-    norm_eps: float = Field(1e-5, gt=0)
+    name: Annotated[str, SHARED] = "debug"
+    """A label for the shape (the bundled configs name theirs)."""
+    vocab_size: Annotated[int, SHARED] = Field(256, gt=0)
+    """Token ids the embedding holds (256 for the byte tokenizer)."""
+    dim: Annotated[int, SHARED] = Field(128, gt=0)
+    """Width of the residual stream."""
+    n_layers: Annotated[int, SHARED] = Field(2, gt=0)
+    """Transformer blocks."""
+    n_heads: Annotated[int, SHARED] = Field(4, gt=0)
+    """Attention heads (dim must be a multiple)."""
+    n_kv_heads: Annotated[int, SHARED] = Field(2, gt=0)
+    """Key/value heads (grouped-query attention; n_heads must be a multiple)."""
+    ffn_dim: Annotated[int, SHARED] = Field(352, gt=0)
+    """Hidden width of each block's SwiGLU feed-forward."""
+    seq_len: Annotated[int, SHARED] = Field(256, gt=0)
+    """Tokens per training sequence."""
+    tie_embeddings: Annotated[bool, SHARED] = True
+    """The output layer reuses the input embedding's weights."""
+    rope_theta: Annotated[float, SHARED] = Field(10000.0, gt=0)
+    """Base of the rotary position embedding."""
+    norm_eps: Annotated[float, SHARED] = Field(1e-5, gt=0)
+    """Epsilon of the RMS norms."""
 
 
 def parameter_count(config: ModelConfig) -> int:
@@ -160,18 +213,26 @@ def validate_shape(config: ModelConfig) -> None:
 
 
 class TrainConfig(Section):
-    inner_steps: int = Field(10, gt=0)
+    inner_steps: Annotated[int, SHARED] = Field(10, gt=0)
     """H: inner AdamW steps between two outer steps."""
     batch_size: int = Field(8, gt=0)
-    max_batch_size: int = Field(256, gt=0)
+    """Sequences per inner step on this node (its own: a bigger node may take more, and its
+    pseudo-gradient weighs by the tokens it processed)."""
+    max_batch_size: Annotated[int, SHARED] = Field(256, gt=0)
     """The largest batch_size a node of this run may use (shared): a member's claimed tokens per
     outer step, its weight in the average, count at most max_batch_size × seq_len × inner_steps."""
-    lr: float = Field(1e-3, gt=0)
-    weight_decay: float = Field(0.1, ge=0)
-    warmup_steps: int = Field(10, ge=0)
-    max_steps: int = Field(200, gt=0)
-    grad_clip: float = Field(1.0, gt=0)
-    seed: int = 0
+    lr: Annotated[float, SHARED] = Field(1e-3, gt=0)
+    """Peak learning rate of the inner AdamW (cosine decay after warm-up)."""
+    weight_decay: Annotated[float, SHARED] = Field(0.1, ge=0)
+    """Inner AdamW's decoupled weight decay."""
+    warmup_steps: Annotated[int, SHARED] = Field(10, ge=0)
+    """Inner steps of linear warm-up."""
+    max_steps: Annotated[int, SHARED] = Field(200, gt=0)
+    """Outer steps of the run: a node stops after this one."""
+    grad_clip: Annotated[float, SHARED] = Field(1.0, gt=0)
+    """Gradient norm clip of each inner step."""
+    seed: Annotated[int, SHARED] = 0
+    """Seed of the initial parameters (every node starts from the same ones)."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """bf16 autocast on GPU; CPU ranks always compute in fp32."""
     micro_batch: int | str = "auto"
@@ -184,6 +245,8 @@ class TrainConfig(Section):
     backward pass, so a large vocabulary's logits never exist all at once. "auto": as many tokens
     as fit in 64 MiB of fp32 logits (512 of a 32k vocabulary); 0: the whole micro-batch at once."""
     activation_checkpointing: bool = False
+    """Recompute each block's activations in the backward pass (less memory, about a third more
+    compute)."""
     compile: bool = False
     """torch.compile each block (GPU runs; compile time dwarfs a CPU debug run)."""
     time_box: float = Field(0.0, ge=0)
@@ -255,53 +318,72 @@ class MetricsConfig(Section):
     """Also log to this Weights & Biases project when wandb is installed and logged in."""
 
 
+class OverlapConfig(Section):
+    """Syncing outer step N while the inner phase of N + 1 runs (train/overlap.py): the training
+    loop waits on the network only when a sync takes longer than a whole inner phase."""
+
+    enabled: Annotated[bool, SHARED] = False
+    """Overlap the sync with the next inner phase; its result is applied in that phase
+    (`take_on_arrival`, `steps`), at the latest at its end."""
+    eager: Annotated[bool, SHARED] = True
+    """The next phase starts from the step the node's own fresh pseudo-gradient would take, in
+    place of the pending average; False: the step the last average would take."""
+    start_correction: Annotated[float, SHARED] = Field(0.5, ge=0, le=1)
+    """c: with the result taken at the phase's end, Δ − c·(y − θ_S) is handed over and is the next
+    phase's estimate (y: where the phase started, θ_S: S's params once S took its step); taken τ
+    steps in, the working weights keep 1 − c·τ/H of their shift onto S. 0: Δ as measured from y;
+    1 diverged (docs/results: overlap quality)."""
+    steps: Annotated[int, SHARED] = Field(0, ge=0, le=1_000_000)
+    """Apply step N's result after this many inner steps of phase N + 1 (the time the sync has to
+    hide in), moving the working weights by what the estimate missed; 0: at the end of that phase.
+    Fewer steps: less staleness (closer to blocking DiLoCo's loss), less time to hide. With
+    `take_on_arrival`, the earliest step it is taken after."""
+    take_on_arrival: Annotated[bool, SHARED] = True
+    """Take step N's result after the first inner step of phase N + 1 at whose end it is here (not
+    before `steps`), at the latest at the phase's end: as little staleness as the sync's time
+    allows, no wait. Where each node takes it is its own; S is the same. False: at `steps` (0: the
+    phase's end) whenever it came."""
+
+
 class OuterConfig(Section):
-    lr: float = Field(0.7, gt=0)
-    momentum: float = Field(0.9, ge=0, lt=1)
-    nesterov: bool = True
-    overlap: bool = False
-    """Sync step N while the inner phase of N + 1 runs (train/overlap.py); its result is applied in
-    that phase (`take_on_arrival`, `overlap_steps`), at the latest at its end."""
-    eager: bool = True
-    """With overlap: the next phase starts from the step the node's own fresh pseudo-gradient would
-    take, in place of the pending average; False: the step the last average would take."""
-    start_correction: float = Field(0.5, ge=0, le=1)
-    """With overlap, a result taken at the phase's end: Δ − c·(y − θ_S) is handed over and is the
-    next phase's estimate (y: where the phase started, θ_S: S's params once S took its step); taken
-    τ steps in, the working weights keep 1 − c·τ/H of their shift onto S. 0: Δ as measured from y
-    (4.2 % of held-out loss on the debug model, ½: 0.24 %; train/overlap.py); 1 diverged."""
-    overlap_steps: int = Field(0, ge=0, le=1_000_000)
-    """With overlap: apply step N's result after this many inner steps of phase N + 1 (the time the
-    sync has to hide in), moving the working weights by what the estimate missed; 0: at the end of
-    that phase. Fewer steps: less staleness (closer to blocking DiLoCo's loss), less time to hide.
-    With `take_on_arrival`, the earliest step it is taken after."""
-    take_on_arrival: bool = True
-    """With overlap: take step N's result after the first inner step of phase N + 1 at whose end it
-    is here (not before `overlap_steps`), at the latest at the phase's end: as little staleness as
-    the sync's time allows, no wait. Where each node takes it is its own; S is the same. False:
-    at `overlap_steps` (0: the phase's end) whenever it came."""
+    lr: Annotated[float, SHARED] = Field(0.7, gt=0)
+    """Outer learning rate of the Nesterov step on the averaged pseudo-gradient."""
+    momentum: Annotated[float, SHARED] = Field(0.9, ge=0, lt=1)
+    """Outer momentum."""
+    nesterov: Annotated[bool, SHARED] = True
+    """Nesterov momentum (False: heavy ball)."""
+    overlap: OverlapConfig = OverlapConfig()
+    """The sync of one step overlapped with the next inner phase (`outer.overlap = true` is short
+    for `outer.overlap.enabled = true`)."""
+
+    @field_validator("overlap", mode="before")
+    @classmethod
+    def _overlap_on_or_off(cls, value: Any) -> Any:
+        return {"enabled": value} if isinstance(value, bool) else value
 
 
 class CommConfig(Section):
-    quant_block: int = Field(256, ge=16, le=1 << 20, multiple_of=2)
+    quant_block: Annotated[int, SHARED] = Field(256, ge=16, le=1 << 20, multiple_of=2)
     """Values per (min, step) pair of the code (even: a 4-bit block starts on a byte)."""
-    bits: Literal[4, 8] = 8
+    bits: Annotated[Literal[4, 8], SHARED] = 8
     """Code width on the wire: 8, or 4 (about half the bytes, about 17× the error; quant.py)."""
-    chunk_bytes: int = Field(4 << 20, ge=1 << 12)
+    chunk_bytes: Annotated[int, SHARED] = Field(4 << 20, ge=1 << 12)
     """Pipelining unit of the ring all-reduce, in fp32 bytes (a quarter of that on the wire)."""
-    connections: int = Field(1, ge=1, le=16)
+    connections: Annotated[int, SHARED] = Field(1, ge=1, le=MAX_CONNECTIONS)
     """Parallel TCP connections to each ring peer; chunks take them in turn (long fat links, where
     one connection's window cannot fill the pipe)."""
-    zstd: bool = False
+    zstd: Annotated[bool, SHARED] = False
+    """zstd-compress every data frame (int8 codes of smooth values compress a little; costs CPU)."""
     failure_timeout: float = Field(5.0, gt=0, le=600)
-    topology: Topology = "auto"
+    """Longest wait for the next frame (or for a peer to answer) before a step's attempt fails."""
+    topology: Annotated[Topology, SHARED] = "auto"
     """Reduce-scatter path: ring (neighbours only) or butterfly (straight to each segment's owner)."""
-    clip: float = Field(0.0, ge=0, le=1000)
+    clip: Annotated[float, SHARED] = Field(0.0, ge=0, le=1000)
     """Robust aggregation when > 0: the butterfly's owner of each chunk clips every member's share
     to `clip` × the median of the members' signed norm claims (weight-normalised; and to the
     member's own claim) before it sums them, so one member's huge but finite pseudo-gradient counts
     as at most `clip` typical ones; every member checks each owner's sum against the claims
-    (comm/claims.py). 0: the plain weighted mean (ring or butterfly)."""
+    (comm/robust/). 0: the plain weighted mean (ring or butterfly)."""
 
 
 class Config(Section):
@@ -316,33 +398,10 @@ class Config(Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     metrics: MetricsConfig = MetricsConfig()
 
-    LOCAL_TRAIN_FIELDS: ClassVar[frozenset[str]] = frozenset(
-        {
-            "batch_size",
-            "micro_batch",
-            "loss_chunk",
-            "precision",
-            "activation_checkpointing",
-            "compile",
-            "time_box",
-        }
-    )
-    """Training settings each node may choose for itself (its hardware's), outside the digest."""
-
-    RING_FIELDS: ClassVar[frozenset[str]] = frozenset(
-        {"quant_block", "bits", "chunk_bytes", "connections", "zstd", "topology", "clip"}
-    )
-    """Data-plane settings every member of a ring must agree on (frame sizes, lanes, encoding)."""
-
     def shared(self) -> dict[str, Any]:
-        """What every member of a run must share: run id, model, inner and outer optimisation, and
-        the shape of the all-reduce."""
-        shared = {name: getattr(self, name).model_dump() for name in ("run", "model", "outer")}
-        train = self.train.model_dump()
-        shared["train"] = {key: value for key, value in train.items() if key not in self.LOCAL_TRAIN_FIELDS}
-        comm = self.comm.model_dump()
-        shared["comm"] = {key: value for key, value in comm.items() if key in self.RING_FIELDS}
-        return shared
+        """What every member of a run must share (the SHARED fields, by section): run id, model,
+        inner and outer optimisation, and the shape of the all-reduce."""
+        return super().shared()
 
     def max_tokens(self) -> int:
         """The most tokens a member may claim for one outer step (its weight is capped there)."""
@@ -354,16 +413,26 @@ class Config(Section):
 
 
 def config_differences(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
-    """'section.key: mine vs theirs' for every shared setting that differs."""
-    found = []
-    for section in sorted(set(mine) | set(theirs)):
-        ours, other = mine.get(section, {}), theirs.get(section, {})
-        if not isinstance(ours, dict) or not isinstance(other, dict):
-            continue
-        for key in sorted(set(ours) | set(other)):
-            if ours.get(key) != other.get(key):
-                found.append(f"{section}.{key} is {ours.get(key)!r} here, {other.get(key)!r} in the swarm")
-    return found
+    """'section.key is mine here, theirs in the swarm' for every shared setting that differs
+    (`theirs` came from a peer: any shape is read without error)."""
+    ours, other = _flatten(mine), _flatten(theirs)
+    return [
+        f"{key} is {ours.get(key)!r} here, {other.get(key)!r} in the swarm"
+        for key in sorted(set(ours) | set(other))
+        if ours.get(key) != other.get(key)
+    ]
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "", depth: int = 0) -> dict[str, Any]:
+    """Dotted key → value for every leaf of nested dicts (at most 4 deep; deeper ones are leaves)."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and depth < 4:
+            flat.update(_flatten(value, f"{dotted}.", depth + 1))
+        else:
+            flat[dotted] = value
+    return flat
 
 
 def resolve_config_path(name: str | os.PathLike[str]) -> Path:

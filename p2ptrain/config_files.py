@@ -18,6 +18,13 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 ENV_PREFIX = "P2PTRAIN_"
+MOVED = {
+    "outer.eager": "outer.overlap.eager",
+    "outer.start_correction": "outer.overlap.start_correction",
+    "outer.overlap_steps": "outer.overlap.steps",
+    "outer.take_on_arrival": "outer.overlap.take_on_arrival",
+}
+"""Keys that moved, and where to: an old config or command line gets told the new name."""
 
 
 def parse_scalar(text: str) -> Any:
@@ -80,7 +87,8 @@ def read_toml(path: Path) -> dict[str, Any]:
 def describe(error: ErrorDetails) -> str:
     key = ".".join(str(part) for part in error["loc"])
     if error["type"] == "extra_forbidden":
-        return f"unknown key '{key}'"
+        moved = f" (it is {MOVED[key]} now)" if key in MOVED else ""
+        return f"unknown key '{key}'{moved}"
     if isinstance(error.get("input"), dict):  # a check across a section's keys: the message says
         return f"'{key}': {error['msg']}"
     return f"'{key}': {error['msg']} (got {error.get('input')!r})"

@@ -48,9 +48,9 @@ from pathlib import Path
 import msgpack
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from p2ptrain.comm.record_push import RECORD_KIND
-from p2ptrain.comm.relay import RelayRequest
-from p2ptrain.comm.wire import encode_frame
+from p2ptrain.comm.net.record_push import RECORD_KIND
+from p2ptrain.comm.net.relay import RelayRequest
+from p2ptrain.comm.transport.wire import encode_frame
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.swarm.records import Heartbeat, NodeState
 

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import spawn
 
 from p2ptrain.config import load_config
+from p2ptrain.procs import free_port
 from p2ptrain.train.layout import CanonicalLayout
 from p2ptrain.train.rank import exit_without_teardown
 from p2ptrain.train.trainer import RankContext, Trainer, build_model
-from tests.helpers import free_port
 
 TINY = [
     "model.dim=64",
@@ -80,5 +80,5 @@ def run_world(
 ) -> dict:
     """Run `mode` ("layout" or "train") on `world` local ranks; returns rank 0's result."""
     args = (world, free_port(), mode, str(out), list(overrides), str(resume) if resume else None)
-    mp.spawn(_worker, args=args, nprocs=world, join=True)
+    spawn(_worker, args=args, nprocs=world, join=True)
     return torch.load(out, weights_only=False)

@@ -14,10 +14,15 @@ from typing import Any
 
 import numpy as np
 
-from p2ptrain.comm import claims, ring, robust
-from p2ptrain.comm.barrier import ToSuccessor
-from p2ptrain.comm.ring import AllReduceError, DataPlaneServer, RingMember, RingSettings, ring_all_reduce
-from p2ptrain.comm.transfer import Slots
+from p2ptrain.comm.net.attempt import AllReduceError
+from p2ptrain.comm.net.members import Member
+from p2ptrain.comm.net.server import DataPlaneServer
+from p2ptrain.comm.reduce import allreduce
+from p2ptrain.comm.reduce.allreduce import all_reduce
+from p2ptrain.comm.reduce.barrier import ToSuccessor
+from p2ptrain.comm.reduce.transfer import Slots
+from p2ptrain.comm.robust import claims, clipping
+from p2ptrain.config import CommConfig
 from p2ptrain.identity import load_or_create_identity
 from p2ptrain.procs import free_port
 
@@ -34,7 +39,7 @@ class Outcome:
     failed_at: float = 0.0
     """time.time() when the error was raised, to bound detection time."""
     link_rates: dict[int, float] | None = None
-    """Peer index → bytes/s this member measured sending to it (RingStats.link_rates)."""
+    """Peer index → bytes/s this member measured sending to it (ReduceStats.link_rates)."""
     attempts: int = 1
     bytes_sent: int = 0
     relayed: int = 0
@@ -50,28 +55,35 @@ def member_data(index: int, length: int, outlier: bool) -> np.ndarray:
     return data
 
 
-def _member(
-    index: int,
-    root: str,
-    length: int,
-    outlier: bool,
-    settings: RingSettings,
-    step: int,
-    inbox: Any,
-    outbox: Any,
-    fault: str | None,
-    fault_after: int,
-    retries: int,
-) -> None:
+@dataclass(frozen=True)
+class MemberSpec:
+    """What one member process of `run_ring` is told."""
+
+    index: int
+    root: str
+    length: int
+    outlier: bool
+    comm: CommConfig
+    setup_timeout: float
+    step: int
+    fault: str | None
+    fault_after: int
+    retries: int
+
+
+def _member(spec: MemberSpec, inbox: Any, outbox: Any) -> None:
+    index, length, step = spec.index, spec.length, spec.step
+    fault, fault_after = spec.fault, spec.fault_after
+
     async def main() -> None:
-        identity = load_or_create_identity(Path(root) / f"id{index}")
-        server = DataPlaneServer(identity, settings)
+        identity = load_or_create_identity(Path(spec.root) / f"id{index}")
+        server = DataPlaneServer(identity=identity, comm=spec.comm, setup_timeout=spec.setup_timeout)
         host, port = await server.start()
         outbox.put(("address", index, identity.public_key, host, port))
         members = await asyncio.get_running_loop().run_in_executor(None, inbox.get)
         if fault == "vanish":  # elected, then gone before dialing anyone: its port refuses
             die(outbox)
-        buffer = member_data(index, length, outlier)
+        buffer = member_data(index, length, spec.outlier)
         frames = 0
 
         def progress(phase: str, rnd: int, chunk: int) -> None:
@@ -101,26 +113,39 @@ def _member(
                 # as a node whose view of the ready records lags; every member retries at once.
                 view = members[::-1] if fault == "stale_view" and attempts <= fault_after else members
                 try:
-                    stats = await ring_all_reduce(server, step, view, buffer, progress)
+                    stats = await all_reduce(
+                        server, step=step, members=view, buffer=buffer, progress=progress
+                    )
                     break
                 except AllReduceError as exc:
-                    if attempts >= retries:
+                    if attempts >= spec.retries:
                         seconds = time.monotonic() - started
                         named = [m.key for m in members].index(exc.unresponsive) if exc.unresponsive else -1
                         outcome = Outcome(
-                            index, False, str(exc), seconds, time.time(), attempts=attempts, named=named
+                            index=index,
+                            ok=False,
+                            error=str(exc),
+                            seconds=seconds,
+                            failed_at=time.time(),
+                            attempts=attempts,
+                            named=named,
                         )
                         outbox.put(("done", outcome))
                         return
         finally:
             await server.close()
-        np.save(Path(root) / f"result{index}.npy", buffer)
+        np.save(Path(spec.root) / f"result{index}.npy", buffer)
         keys = [member.key for member in members]
         rates = {keys.index(key): rate for key, rate in stats.link_rates.items()}
         outcome = Outcome(
-            index, True, "", time.monotonic() - started, link_rates=rates, attempts=attempts,
-            bytes_sent=stats.bytes_sent, relayed=server.relay.bytes_relayed,
-        )  # fmt: skip
+            index=index,
+            ok=True,
+            seconds=time.monotonic() - started,
+            link_rates=rates,
+            attempts=attempts,
+            bytes_sent=stats.bytes_sent,
+            relayed=server.relay.bytes_relayed,
+        )
         outbox.put(("done", outcome))
 
     asyncio.run(main())
@@ -139,13 +164,13 @@ def die(outbox: Any) -> None:
 def freeze_at_barrier() -> None:
     """Stop this process (SIGSTOP: a frozen machine) once every data frame of its is in and out,
     before it sends its set of holders."""
-    check = ring._AllReduce.check_results
+    check = allreduce._AllReduce.check_results
 
     def frozen(plan: Any) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
         check(plan)
 
-    ring._AllReduce.check_results = frozen  # type: ignore[method-assign,assignment]
+    allreduce._AllReduce.check_results = frozen  # type: ignore[method-assign,assignment]
 
 
 def lie(fault: str, factor: int) -> None:
@@ -163,7 +188,7 @@ def lie(fault: str, factor: int) -> None:
         ) -> tuple[np.ndarray, list[int]]:
             return np.asarray(np.sum(list(arrived.values()), axis=0, dtype=np.float32)), []
 
-        robust.clipped_sum = unclipped
+        clipping.clipped_sum = unclipped
     elif fault == "low_claims":
         honest = claims.chunk_norms
         claims.chunk_norms = lambda values, bounds: honest(values, bounds) / factor
@@ -182,7 +207,7 @@ def lie(fault: str, factor: int) -> None:
             header = {"kind": "done", "step": STEP, "holders": everyone, "proofs": bytes(64 * factor)}
             next(arg for arg in args if isinstance(arg, ToSuccessor)).send(header)
 
-        ring.await_every_holder = forged  # type: ignore[assignment]
+        allreduce.await_every_holder = forged  # type: ignore[attr-defined,assignment]
     else:
         put = Slots.put
 
@@ -202,7 +227,8 @@ def run_ring(
     *,
     weights: list[float] | None = None,
     outlier: bool = False,
-    settings: RingSettings | None = None,
+    comm: CommConfig | None = None,
+    setup_timeout: float = 30.0,
     faults: dict[int, tuple[str, int]] | None = None,
     timeout: float = 60.0,
     retries: int = 1,
@@ -220,26 +246,26 @@ def run_ring(
     context = mp.get_context("spawn")
     outbox = context.Queue()
     inboxes = [context.Queue() for _ in range(n)]
-    settings = settings or RingSettings(chunk_bytes=1 << 16)
+    comm = comm or CommConfig(chunk_bytes=1 << 16)
     faults = faults or {}
-    processes = [
-        context.Process(
-            target=_member,
-            args=(
-                i,
-                str(root),
-                length,
-                outlier,
-                settings,
-                STEP,
-                inboxes[i],
-                outbox,
-                *faults.get(i, (None, 0)),
-                retries,
-            ),
-            daemon=True,
+    specs = [
+        MemberSpec(
+            index=i,
+            root=str(root),
+            length=length,
+            outlier=outlier,
+            comm=comm,
+            setup_timeout=setup_timeout,
+            step=STEP,
+            fault=faults.get(i, (None, 0))[0],
+            fault_after=faults.get(i, (None, 0))[1],
+            retries=retries,
         )
         for i in range(n)
+    ]
+    processes = [
+        context.Process(target=_member, args=(spec, inboxes[spec.index], outbox), daemon=True)
+        for spec in specs
     ]
     for process in processes:
         process.start()
@@ -256,7 +282,13 @@ def run_ring(
             key, host, _ = addresses[index]
             addresses[index] = (key, host, free_port())
         members = [
-            RingMember(addresses[i][0], addresses[i][1], addresses[i][2], weights[i], i not in behind_nat)
+            Member(
+                key=addresses[i][0],
+                host=addresses[i][1],
+                port=addresses[i][2],
+                weight=weights[i],
+                reachable=i not in behind_nat,
+            )
             for i in range(n)
         ]
         for inbox in inboxes:

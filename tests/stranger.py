@@ -36,8 +36,8 @@ from typing import TypedDict
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from p2ptrain.comm.handshake import MAX_HANDSHAKE_FRAME
-from p2ptrain.comm.wire import WireError, read_frame, write_frame
+from p2ptrain.comm.transport.handshake import MAX_HANDSHAKE_FRAME
+from p2ptrain.comm.transport.wire import WireError, read_frame, write_frame
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.swarm.dht import DHTSettings, SwarmDHT
 from p2ptrain.swarm.election import IN_STEPS

@@ -16,11 +16,13 @@ import pytest
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import ValueWithExpiration
 
-from p2ptrain.comm.connect import dial_member
-from p2ptrain.comm.dataplane import DataPlaneServer, RingSettings
-from p2ptrain.comm.handshake import Credentials, HandshakeError
-from p2ptrain.comm.members import RingMember
+from p2ptrain.comm.net.members import Member
+from p2ptrain.comm.net.server import DataPlaneServer
+from p2ptrain.comm.reduce.connect import dial_member
+from p2ptrain.comm.transport.handshake import Credentials, HandshakeError
+from p2ptrain.config import CommConfig
 from p2ptrain.identity import NodeIdentity, load_or_create_identity
+from p2ptrain.procs import free_port
 from p2ptrain.swarm.admission import (
     TicketError,
     check_admits,
@@ -39,7 +41,7 @@ from p2ptrain.swarm.records import (
 )
 from p2ptrain.swarm.validator import HeartbeatValidator, key_id
 from p2ptrain.untrusted import ThrottledLog
-from tests.helpers import LocalSwarm, cli, free_port, read_address, wait_until
+from tests.helpers import LocalSwarm, cli, read_address, wait_until
 from tests.test_drill import DRILL, assert_agreement, drill_args, drill_log, finish
 from tests.test_records import RUN, SOON
 
@@ -224,17 +226,25 @@ def test_the_handshake_of_a_closed_run_admits_ticketed_members_only(keys: dict[s
 
     async def main() -> None:
         a, b = keys["a"], keys["b"]
-        settings = RingSettings(setup_timeout=3.0)
-        listener = DataPlaneServer(b, settings, credentials=credentials(b))
+        comm = CommConfig()
+        listener = DataPlaneServer(identity=b, comm=comm, setup_timeout=3.0, credentials=credentials(b))
         host, port = await listener.start()
-        member = RingMember(b.public_key, host, port)
+        member = Member(b.public_key, host, port)
         digest = bytes(32)
         try:
 
             async def dial(shown: Credentials | None) -> None:
                 registration = listener.expect(3, [a.public_key], digest)
                 try:
-                    _, writer, _ = await dial_member(a, member, 3, digest, settings, credentials=shown)
+                    _, writer, _ = await dial_member(
+                        a,
+                        member,
+                        step=3,
+                        digest=digest,
+                        setup_timeout=3.0,
+                        failure_timeout=comm.failure_timeout,
+                        credentials=shown,
+                    )
                     writer.close()
                 finally:
                     listener.forget(3)

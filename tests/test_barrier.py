@@ -15,10 +15,17 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from p2ptrain.comm import lanes
-from p2ptrain.comm.barrier import ALIVE, BEATS_PER_TIMEOUT, DONE, Holding, ToSuccessor, await_every_holder
-from p2ptrain.comm.seal import FrameSeal
-from p2ptrain.comm.wire import FrameError, PeerClosed, PeerTimeout
+from p2ptrain.comm.reduce.barrier import (
+    ALIVE,
+    BEATS_PER_TIMEOUT,
+    DONE,
+    Holding,
+    ToSuccessor,
+    await_every_holder,
+)
+from p2ptrain.comm.transport import lanes
+from p2ptrain.comm.transport.seal import FrameSeal
+from p2ptrain.comm.transport.wire import FrameError, PeerClosed, PeerTimeout
 from p2ptrain.identity import NodeIdentity
 
 STEP = 11

@@ -114,7 +114,7 @@ COUNT = 300
 
 
 def test_rank_zero_asks_whether_a_steps_answer_is_here_without_waiting_and_keeps_it(tmp_path: Path) -> None:
-    """outer.take_on_arrival: rank 0 looks at the channel between inner steps. Nothing there, or
+    """outer.overlap.take_on_arrival: rank 0 looks at the channel between inner steps. Nothing there, or
     only another step's answer: not here, and no wait. The answer: here, and `collect` returns it
     without reading again."""
     agent_end, rank_end = socket.socketpair()

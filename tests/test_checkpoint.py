@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from p2ptrain.ckpt.format import INNER_FILE, CheckpointError, checkpoint_places, latest_checkpoint
 from p2ptrain.config import load_config
@@ -27,7 +28,7 @@ def test_n_steps_straight_equal_half_then_resume_then_half(
 ) -> None:
     """With outer.overlap a checkpoint of S holds the step this node had handed over (its Δ) and
     where the next inner phase started: the resumed node hands it over again and goes on from there
-    (with outer.overlap_steps it takes the pending step that many inner steps in, as straight; on
+    (with outer.overlap.steps it takes the pending step that many inner steps in, as straight; on
     arrival, after one: a node's own link has the answer at once)."""
     torch.set_num_threads(1)
     config = load_config(
@@ -37,9 +38,9 @@ def test_n_steps_straight_equal_half_then_resume_then_half(
             "train.max_steps=40",
             "checkpoint.keep=3",
             'checkpoint.staging=""',
-            f"outer.overlap={str(overlap).lower()}",
-            f"outer.overlap_steps={merge_after}",
-            f"outer.take_on_arrival={str(on_arrival).lower()}",
+            f"outer.overlap.enabled={str(overlap).lower()}",
+            f"outer.overlap.steps={merge_after}",
+            f"outer.overlap.take_on_arrival={str(on_arrival).lower()}",
         ],
     )
     straight = Trainer(config, b"k" * 32, tmp_path / "straight", RankContext())
@@ -106,7 +107,7 @@ def test_a_failed_write_never_becomes_the_latest(tmp_path: Path, monkeypatch: py
     config = load_config(
         "debug", overrides=["train.max_steps=2", "train.inner_steps=1", 'checkpoint.staging=""']
     )
-    real_save = checkpoint_module.save_file
+    real_save = save_file
 
     def crash_in_step_2(
         tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str] | None = None

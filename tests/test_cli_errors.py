@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from p2ptrain.identity import NODE_KEY_FILE, load_or_create_identity
+from p2ptrain.procs import free_port
 from p2ptrain.swarm.p2p_key import ensure_p2p_identity, peer_id_of
-from tests.helpers import assert_one_line_error, cli, free_port, socket_files, stale_sockets
+from tests.helpers import assert_one_line_error, cli, socket_files, stale_sockets
 
 PEER_ID = "QmTaMjzayTqNDpDJQSfyoqzzgJuHkbGj1oNzxzXC34MxPA"
 

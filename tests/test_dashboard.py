@@ -14,11 +14,12 @@ from unittest.mock import ANY
 
 import pytest
 
+from p2ptrain.procs import free_port
 from p2ptrain.swarm.records import Heartbeat, NodeState
 from p2ptrain.swarm.status import format_table, status_json
 from p2ptrain.train.metrics import read_metrics
 from p2ptrain.web.dashboard import MAX_NODES, Dashboard, parse_dashboard_address
-from tests.helpers import LocalSwarm, assert_one_line_error, cli, free_port, wait_until
+from tests.helpers import LocalSwarm, assert_one_line_error, cli, wait_until
 
 if TYPE_CHECKING:  # selenium comes with '.[dev]'; the browser test is skipped without it
     from selenium.webdriver.chrome.webdriver import WebDriver

@@ -33,7 +33,7 @@ def test_demo_trains_loses_a_node_takes_in_a_new_one(tmp_path: Path, overlap: bo
     extra = ("--set", "node.serve_mbps=16", *LIGHT)  # and the tests' light batches
     extra += ("--set", "train.inner_steps=30")  # the demo sets train.max_steps to 6 × 30
     if overlap:
-        extra += ("--set", "outer.overlap=true")
+        extra += ("--set", "outer.overlap.enabled=true")
     result = cli("demo", "--json", "--steps", "6", "--kill-at", "2", "--work-dir", work, *extra, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads(result.stdout.strip().splitlines()[-1])

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from p2ptrain.comm.connect import dial_member
-from p2ptrain.comm.dataplane import Connection, DataPlaneServer, RingSettings
-from p2ptrain.comm.members import RingMember, membership_digest
+from p2ptrain.comm.net.attempt import Connection
+from p2ptrain.comm.net.members import Member, membership_digest
+from p2ptrain.comm.net.server import DataPlaneServer
+from p2ptrain.comm.reduce.connect import dial_member
+from p2ptrain.config import CommConfig
 from p2ptrain.identity import load_or_create_identity
 from p2ptrain.swarm.election import (
     LINKS_FIELD,
@@ -393,14 +395,19 @@ class WaitingHello:
 
     @staticmethod
     async def start(root: Path, step: int, setup_timeout: float) -> WaitingHello:
-        settings = RingSettings(failure_timeout=5.0, setup_timeout=setup_timeout)
         me, member = load_or_create_identity(root / "me"), load_or_create_identity(root / "m")
-        server = DataPlaneServer(me, settings)
+        server = DataPlaneServer(
+            identity=me, comm=CommConfig(failure_timeout=5.0), setup_timeout=setup_timeout
+        )
         host, port = await server.start()
         server.at_step(step)  # no candidates: the member's hello waits in a stranger's slot
-        members = [RingMember(me.public_key, host, port), RingMember(member.public_key, "127.0.0.1", 1)]
+        members = [Member(me.public_key, host, port), Member(member.public_key, "127.0.0.1", 1)]
         digest = membership_digest(step, members)
-        dial = asyncio.create_task(dial_member(member, members[0], step, digest, settings))
+        dial = asyncio.create_task(
+            dial_member(
+                member, members[0], step=step, digest=digest, setup_timeout=setup_timeout, failure_timeout=5.0
+            )
+        )
         return WaitingHello(server, member.public_key, digest, dial)
 
 

@@ -53,7 +53,7 @@ def flush_killed_node(work_dir: Path) -> None:
 
 
 def overlap_flags(overlap: bool) -> list[str]:
-    return ["--set", f"outer.overlap={str(overlap).lower()}"]
+    return ["--set", f"outer.overlap.enabled={str(overlap).lower()}"]
 
 
 @pytest.mark.slow

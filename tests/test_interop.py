@@ -6,8 +6,9 @@ import shutil
 import sys
 from pathlib import Path
 
+from p2ptrain.procs import free_port
 from p2ptrain.swarm.p2p_key import ensure_p2p_identity, peer_id_of
-from tests.helpers import LocalSwarm, free_port, read_address, wait_until
+from tests.helpers import LocalSwarm, read_address, wait_until
 
 
 def test_hivemind_dht_as_bootstrap_peer(swarm: LocalSwarm, tmp_path: Path) -> None:

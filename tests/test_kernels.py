@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from p2ptrain import _kernels
-from p2ptrain.comm.quant import (
+from p2ptrain.comm.codec.quant import (
     NonFiniteError,
     add_encode_payload,
     decode_payload,

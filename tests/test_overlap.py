@@ -1,6 +1,6 @@
-"""outer.overlap_steps: the pending step is taken τ inner steps into the next phase, on a real
+"""outer.overlap.steps: the pending step is taken τ inner steps into the next phase, on a real
 trainer (one node, its own link): S takes its step there, and the working weights move by what the
-estimate they started from missed. outer.take_on_arrival: taken after the first step at whose end
+estimate they started from missed. outer.overlap.take_on_arrival: taken after the first step at whose end
 the answer is here."""
 
 from __future__ import annotations
@@ -43,7 +43,12 @@ def test_the_pending_step_is_taken_tau_steps_into_the_next_phase(
     undone, and the phase goes on from S. A step given up leaves S as it was and moves w towards it."""
     torch.set_num_threads(1)
     overrides = ["train.max_steps=12", "train.inner_steps=4", 'checkpoint.staging=""']
-    overrides += ["checkpoint.interval=0", "outer.overlap=true", "outer.overlap_steps=2", "outer.eager=false"]
+    overrides += [
+        "checkpoint.interval=0",
+        "outer.overlap.enabled=true",
+        "outer.overlap.steps=2",
+        "outer.overlap.eager=false",
+    ]
     config = load_config("debug", overrides=overrides)
     link = RecordingLink(given_up)
     trainer = Trainer(config, b"m" * 32, tmp_path / "node", RankContext(), link=link)
@@ -68,7 +73,7 @@ def test_the_pending_step_is_taken_tau_steps_into_the_next_phase(
     assert link.collected == [(0, 6), (1, 10), (2, 12)]
     assert len(shifts) == 2
     for step, (before, start, params, taken, after, new_start) in enumerate(shifts):
-        undone = config.outer.start_correction * 2 / 4  # c·τ/H
+        undone = config.outer.overlap.start_correction * 2 / 4  # c·τ/H
         assert torch.equal(after, before.clone().add_(torch.sub(taken, start), alpha=1 - undone))
         assert torch.equal(new_start, taken)
         assert not torch.equal(start, taken)  # the estimate missed: the shift is real
@@ -97,8 +102,8 @@ def test_on_arrival_the_pending_step_is_taken_after_the_first_step_that_ends_wit
     step of a run's last phase only once the run is over: 12). The outer metrics line says where."""
     torch.set_num_threads(1)
     overrides = ["train.max_steps=12", "train.inner_steps=4", 'checkpoint.staging=""']
-    overrides += ["checkpoint.interval=0", "outer.overlap=true", "outer.take_on_arrival=true"]
-    config = load_config("debug", overrides=[*overrides, f"outer.overlap_steps={tau}"])
+    overrides += ["checkpoint.interval=0", "outer.overlap.enabled=true", "outer.overlap.take_on_arrival=true"]
+    config = load_config("debug", overrides=[*overrides, f"outer.overlap.steps={tau}"])
     link = LateLink(late)
     trainer = Trainer(config, b"m" * 32, tmp_path / "node", RankContext(), link=link)
     link.trainer = trainer
@@ -128,8 +133,12 @@ def test_the_handed_over_delta_is_corrected_by_a_share_of_where_the_phase_starte
     are taken to have undone; with c = 0, Δ as measured."""
     torch.set_num_threads(1)
     overrides = ["train.max_steps=12", "train.inner_steps=4", 'checkpoint.staging=""']
-    overrides += ["checkpoint.interval=0", "outer.overlap=true", "outer.take_on_arrival=false"]
-    overrides += [f"outer.start_correction={correction}"]
+    overrides += [
+        "checkpoint.interval=0",
+        "outer.overlap.enabled=true",
+        "outer.overlap.take_on_arrival=false",
+    ]
+    overrides += [f"outer.overlap.start_correction={correction}"]
     config = load_config("debug", overrides=overrides)
     link = HalvingLink()
     trainer = Trainer(config, b"m" * 32, tmp_path / "node", RankContext(), link=link)

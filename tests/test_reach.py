@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 
 from p2ptrain.ckpt.sidecar import CheckpointSidecar
-from p2ptrain.comm.dataplane import DataPlaneServer, RingSettings
-from p2ptrain.comm.reach import NONCE_BYTES, ProbeResult, Reach, network_of
-from p2ptrain.comm.wire import read_frame, write_frame
+from p2ptrain.comm.net.reach import NONCE_BYTES, ProbeResult, Reach, network_of
+from p2ptrain.comm.net.server import DataPlaneServer
+from p2ptrain.comm.transport.wire import read_frame, write_frame
+from p2ptrain.config import CommConfig
 from p2ptrain.identity import load_or_create_identity
 from p2ptrain.node.reachability import until_answered
 from p2ptrain.procs import free_port
@@ -23,7 +24,7 @@ from p2ptrain.swarm.records import Heartbeat, NodeState
 
 
 async def started(root: Path, name: str) -> DataPlaneServer:
-    server = DataPlaneServer(load_or_create_identity(root / name), RingSettings())
+    server = DataPlaneServer(identity=load_or_create_identity(root / name), comm=CommConfig())
     await server.start("127.0.0.1", 0)
     return server
 

@@ -8,9 +8,10 @@ import os
 import signal
 from pathlib import Path
 
-from p2ptrain.comm.dataplane import DataPlaneServer, RingSettings
-from p2ptrain.comm.record_push import MAX_PUSHED_RECORD, RECORD_KIND, RecordPusher, push_record
-from p2ptrain.comm.wire import encode_frame
+from p2ptrain.comm.net.record_push import MAX_PUSHED_RECORD, RECORD_KIND, RecordPusher, push_record
+from p2ptrain.comm.net.server import DataPlaneServer
+from p2ptrain.comm.transport.wire import encode_frame
+from p2ptrain.config import CommConfig
 from p2ptrain.identity import load_or_create_identity
 from p2ptrain.node.election_reads import ElectionReads
 from p2ptrain.procs import free_port
@@ -21,7 +22,9 @@ from p2ptrain.swarm.records import NodeState
 
 async def started(root: Path) -> tuple[DataPlaneServer, list[tuple[bytes, str]]]:
     """A server whose sink keeps what it is pushed and holds every record but b"unknown"."""
-    server = DataPlaneServer(load_or_create_identity(root / "node"), RingSettings(failure_timeout=1.0))
+    server = DataPlaneServer(
+        identity=load_or_create_identity(root / "node"), comm=CommConfig(failure_timeout=1.0)
+    )
     received: list[tuple[bytes, str]] = []
 
     def sink(record: bytes, source: str) -> bool:

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2ptrain.identity import NodeIdentity, load_or_create_identity
+from p2ptrain.identity import verify as identity_verify
 from p2ptrain.swarm.records import (
     MAX_RECORD_BYTES,
     Heartbeat,
@@ -235,7 +236,7 @@ def test_the_validator_verifies_a_records_bytes_once_and_still_checks_where_they
         verifications.append(args)
         return verify(*args)
 
-    verify = records.verify
+    verify = identity_verify
     monkeypatch.setattr(records, "verify", counting_verify)
     a, b = identities
     validator = HeartbeatValidator((RUN, "other"))

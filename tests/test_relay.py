@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from p2ptrain.comm.dataplane import MAX_ATTEMPT_JUMP, DataPlaneServer, RingSettings
-from p2ptrain.comm.members import RingMember, membership_digest
-from p2ptrain.comm.relay import RelayRefused, RelayRequest, open_relayed, relay_for, route
-from p2ptrain.comm.relay_service import MAX_PER_SIGNER
-from p2ptrain.comm.wire import WireError, read_frame, write_frame
+from p2ptrain.comm.net.members import Member, membership_digest
+from p2ptrain.comm.net.relay import RelayRefused, RelayRequest, open_relayed, relay_for, route
+from p2ptrain.comm.net.relay_service import MAX_PER_SIGNER
+from p2ptrain.comm.net.server import MAX_ATTEMPT_JUMP, DataPlaneServer
+from p2ptrain.comm.transport.wire import WireError, read_frame, write_frame
+from p2ptrain.config import CommConfig
 from p2ptrain.identity import NodeIdentity, load_or_create_identity
 from p2ptrain.rate import RateCap
 from tests.test_ring_bad_peer import discard, settle
@@ -32,15 +33,17 @@ class Swarm:
     ) -> None:
         names = ["relay", *(f"public{i}" for i in range(reachable)), "home0", "home1"]
         self.ids = {name: load_or_create_identity(root / name) for name in names}
-        self.settings = RingSettings(setup_timeout=setup_timeout)
-        self.server = DataPlaneServer(self.ids["relay"], self.settings, relay_mbps=relay_mbps)
-        self.members: list[RingMember] = []
+        self.setup_timeout = setup_timeout
+        self.server = DataPlaneServer(
+            identity=self.ids["relay"], comm=CommConfig(), setup_timeout=setup_timeout, relay_mbps=relay_mbps
+        )
+        self.members: list[Member] = []
         self.step = STEP
 
     async def start(self) -> Swarm:
         host, port = await self.server.start("127.0.0.1", 0)
         self.members = [
-            RingMember(
+            Member(
                 identity.public_key, host, port if name == "relay" else 1, 1.0, not name.startswith("home")
             )
             for name, identity in self.ids.items()
@@ -96,7 +99,7 @@ async def refusal(swarm: Swarm, header: dict) -> str:
     reader, writer = await asyncio.open_connection(swarm.members[0].host, swarm.members[0].port)
     try:
         await write_frame(writer, header)
-        answer = await read_frame(reader, swarm.settings.setup_timeout + 5, 0)
+        answer = await read_frame(reader, swarm.setup_timeout + 5, 0)
         assert answer.kind == "refuse", answer.header
         return str(answer.header["reason"])
     finally:
@@ -158,7 +161,7 @@ def test_a_relay_request_that_does_not_hold_is_refused_with_its_reason(
             started = time.monotonic()
             assert reason in await refusal(swarm, header or request.header(identity))
             # refused at once; a membership of the newest step that may yet come waits for it (bounded)
-            bound = swarm.settings.setup_timeout + 2 if case == "another membership" else 2.0
+            bound = swarm.setup_timeout + 2 if case == "another membership" else 2.0
             assert time.monotonic() - started < bound
             assert swarm.server.relay.active == 0 and swarm.server.relay.edges_relayed == 0
         finally:
@@ -247,7 +250,7 @@ def test_what_a_relay_copies_is_capped(tmp_path: Path) -> None:
 
 def test_an_edges_relay_is_one_reachable_member_that_every_member_computes_alike() -> None:
     keys = [bytes([i]) * 32 for i in range(8)]
-    members = [RingMember(key, "10.0.0.1", 7000 + i, 1.0, i < 3) for i, key in enumerate(keys)]
+    members = [Member(key, "10.0.0.1", 7000 + i, 1.0, i < 3) for i, key in enumerate(keys)]
     chosen = {relay_for(step, members, keys[5], keys[6]) for step in range(60)}
     assert chosen <= set(members[:3]) and len(chosen) == 3  # spread over the reachable members
     assert relay_for(3, members[::-1], keys[5], keys[6]) == relay_for(3, members, keys[5], keys[6])
@@ -289,7 +292,7 @@ def test_a_learned_attempt_number_moves_ours_a_bounded_step_at_a_time(tmp_path: 
     """A peer or a relay claiming attempt 2³¹ − 1 cannot send the step where no hello can follow."""
 
     async def main() -> None:
-        server = DataPlaneServer(load_or_create_identity(tmp_path / "n"), RingSettings())
+        server = DataPlaneServer(identity=load_or_create_identity(tmp_path / "n"), comm=CommConfig())
         server.learn_attempt(3, 2**31 - 1)
         assert server.expect(3, (), bytes(32)).attempt == MAX_ATTEMPT_JUMP
         server.forget(3)

@@ -21,7 +21,7 @@ from p2ptrain.ckpt.replay import (
     unpack_into,
 )
 from p2ptrain.ckpt.sidecar import CheckpointSidecar
-from p2ptrain.comm import quant
+from p2ptrain.comm.codec import quant
 from p2ptrain.swarm.records import Heartbeat, NodeState
 from tests.test_ring_bad_peer import settle
 

@@ -12,18 +12,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from p2ptrain.comm import quant
-from p2ptrain.comm.budget import MAX_PENDING_HANDSHAKES, MAX_PENDING_PER_SOURCE, MAX_PROVING_PER_SOURCE
-from p2ptrain.comm.connect import dial_member
-from p2ptrain.comm.handshake import HandshakeError, dial
-from p2ptrain.comm.members import membership_digest
-from p2ptrain.comm.ring import AllReduceError, DataPlaneServer, RingMember, RingSettings, ring_all_reduce
-from p2ptrain.comm.seal import TAG_BYTES, FrameSeal
-from p2ptrain.comm.wire import MAGIC, PREFIX, VERSION, encode_frame, encode_head
+from p2ptrain.comm.codec import quant
+from p2ptrain.comm.net.attempt import AllReduceError
+from p2ptrain.comm.net.budget import MAX_PENDING_HANDSHAKES, MAX_PENDING_PER_SOURCE, MAX_PROVING_PER_SOURCE
+from p2ptrain.comm.net.members import Member, membership_digest
+from p2ptrain.comm.net.server import DataPlaneServer
+from p2ptrain.comm.reduce.allreduce import all_reduce
+from p2ptrain.comm.reduce.connect import dial_member
+from p2ptrain.comm.transport.handshake import HandshakeError, dial
+from p2ptrain.comm.transport.seal import TAG_BYTES, FrameSeal
+from p2ptrain.comm.transport.wire import MAGIC, PREFIX, VERSION, encode_frame, encode_head
+from p2ptrain.config import CommConfig
 from p2ptrain.identity import load_or_create_identity
-from p2ptrain.procs import ChildProcesses
+from p2ptrain.procs import ChildProcesses, free_port
 from tests.flooder import hello
-from tests.helpers import free_port, read_address
+from tests.helpers import read_address
 from tests.ring_procs import run_ring
 
 LENGTH = 1000
@@ -95,17 +98,20 @@ def test_bad_frame_from_an_authenticated_peer(
             load_or_create_identity(tmp_path / "honest"),
             load_or_create_identity(tmp_path / "bad"),
         )
-        settings = RingSettings(failure_timeout=2.0, setup_timeout=10.0, topology="ring")
-        honest, bad = DataPlaneServer(honest_id, settings), DataPlaneServer(bad_id, settings)
+        comm = CommConfig(failure_timeout=2.0, topology="ring")
+        honest = DataPlaneServer(identity=honest_id, comm=comm, setup_timeout=10.0)
+        bad = DataPlaneServer(identity=bad_id, comm=comm, setup_timeout=10.0)
         members = [
-            RingMember(honest_id.public_key, *await honest.start()),
-            RingMember(bad_id.public_key, *await bad.start()),
+            Member(honest_id.public_key, *await honest.start()),
+            Member(bad_id.public_key, *await bad.start()),
         ]
         digest = membership_digest(STEP, members)
         bad.expect(STEP, [honest_id.public_key], digest)  # accept the honest member's dial, then ignore it
 
         async def misbehave() -> None:
-            _, writer, session = await dial_member(bad_id, members[0], STEP, digest, settings)
+            _, writer, session = await dial_member(
+                bad_id, members[0], step=STEP, digest=digest, setup_timeout=10.0, failure_timeout=2.0
+            )
             assert session.keys is not None
             writer.write(BAD_FRAMES[case](FrameSeal(session.keys.sending)))
             await writer.drain()
@@ -117,7 +123,7 @@ def test_bad_frame_from_an_authenticated_peer(
         attacker = asyncio.create_task(misbehave())
         error = None
         try:
-            await ring_all_reduce(honest, STEP, members, buffer)
+            await all_reduce(honest, step=STEP, members=members, buffer=buffer)
         except AllReduceError as exc:
             error = exc
         await discard(attacker)
@@ -125,7 +131,7 @@ def test_bad_frame_from_an_authenticated_peer(
         await bad.close()
         return error, buffer, before
 
-    with caplog.at_level(logging.WARNING, logger="p2ptrain.comm.ring"):
+    with caplog.at_level(logging.WARNING, logger="p2ptrain.comm.reduce.allreduce"):
         error, buffer, before = asyncio.run(asyncio.wait_for(scenario(), 30))
     assert isinstance(error, AllReduceError), case
     assert np.array_equal(buffer, before), "the buffer must stay untouched on failure"
@@ -161,7 +167,9 @@ def test_one_source_holds_at_most_its_share_of_pending_handshakes(tmp_path: Path
     """Idle connections beyond a source's share are closed at once; memory stays bounded."""
 
     async def scenario() -> None:
-        server = DataPlaneServer(load_or_create_identity(tmp_path / "x"), RingSettings(failure_timeout=5.0))
+        server = DataPlaneServer(
+            identity=load_or_create_identity(tmp_path / "x"), comm=CommConfig(failure_timeout=5.0)
+        )
         _, port = await server.start()
         idle = await idle_connections(port, "127.0.0.2", MAX_PENDING_PER_SOURCE)
         await settle(lambda: server.pending_handshakes == MAX_PENDING_PER_SOURCE, "the source's share held")
@@ -180,12 +188,13 @@ def test_a_member_gets_through_a_full_pool_of_idle_connections(tmp_path: Path) -
     handshake (the oldest idle one gives way), and a hello for a far step is refused at once."""
 
     async def scenario() -> None:
-        settings = RingSettings(failure_timeout=5.0, setup_timeout=5.0)
         listener_id, member_id = (
             load_or_create_identity(tmp_path / "l"),
             load_or_create_identity(tmp_path / "m"),
         )
-        server = DataPlaneServer(listener_id, settings)
+        server = DataPlaneServer(
+            identity=listener_id, comm=CommConfig(failure_timeout=5.0), setup_timeout=5.0
+        )
         host, port = await server.start()
         sources = [f"127.0.0.{i}" for i in range(2, 2 + MAX_PENDING_HANDSHAKES // MAX_PENDING_PER_SOURCE + 1)]
         idle = [
@@ -195,16 +204,20 @@ def test_a_member_gets_through_a_full_pool_of_idle_connections(tmp_path: Path) -
         ]
         await settle(lambda: server.pending_handshakes == MAX_PENDING_HANDSHAKES, "a full pool")
         assert server.pending.evicted >= MAX_PENDING_PER_SOURCE
-        listener = RingMember(listener_id.public_key, host, port)
-        members = [listener, RingMember(member_id.public_key, "127.0.0.1", 1)]
+        listener = Member(listener_id.public_key, host, port)
+        members = [listener, Member(member_id.public_key, "127.0.0.1", 1)]
         digest = membership_digest(STEP, members)
         server.at_step(STEP)
         registration = server.expect(STEP, [member_id.public_key], digest)
-        _, writer, _ = await dial_member(member_id, listener, STEP, digest, settings)
+        _, writer, _ = await dial_member(
+            member_id, listener, step=STEP, digest=digest, setup_timeout=5.0, failure_timeout=5.0
+        )
         assert (await asyncio.wait_for(registration.incoming[(member_id.public_key, 0)], 5)) is not None
         writer.close()
         with pytest.raises(HandshakeError, match="far ahead"):
-            await dial_member(member_id, listener, STEP + 1000, digest, settings)
+            await dial_member(
+                member_id, listener, step=STEP + 1000, digest=digest, setup_timeout=5.0, failure_timeout=5.0
+            )
         for _, idle_writer in idle:
             idle_writer.close()
         await server.close()
@@ -230,11 +243,9 @@ def test_a_bit_flipped_on_the_path_fails_the_step_for_every_member(
         children.spawn("proxy", [*argv, "--address-file", str(address_file)], tmp_path / "proxy.log")
         return "127.0.0.1", int(read_address(address_file))
 
-    settings = RingSettings(chunk_bytes=1 << 16, topology="ring", failure_timeout=3.0)
+    comm = CommConfig(chunk_bytes=1 << 16, topology="ring", failure_timeout=3.0)
     try:
-        outcomes, results, _ = run_ring(
-            tmp_path, 3, 200_003, settings=settings, proxy=through_proxy, proxied=1
-        )
+        outcomes, results, _ = run_ring(tmp_path, 3, 200_003, comm=comm, proxy=through_proxy, proxied=1)
     finally:
         assert children.stop_all() == []
     assert "flipped a bit" in (tmp_path / "proxy.log").read_text(), phase
@@ -250,13 +261,17 @@ def test_strangers_proving_keys_for_a_step_do_not_hide_a_member_whose_views_diff
 
     async def scenario() -> AllReduceError:
         ours, member = (load_or_create_identity(tmp_path / name) for name in ("ours", "member"))
-        server = DataPlaneServer(ours, RingSettings(failure_timeout=2.0, setup_timeout=3.0, topology="ring"))
+        server = DataPlaneServer(
+            identity=ours, comm=CommConfig(failure_timeout=2.0, topology="ring"), setup_timeout=3.0
+        )
         members = [
-            RingMember(ours.public_key, *await server.start()),
-            RingMember(member.public_key, "127.0.0.1", free_port(), reachable=False),  # it dials us
+            Member(ours.public_key, *await server.start()),
+            Member(member.public_key, "127.0.0.1", free_port(), reachable=False),  # it dials us
         ]
         server.at_step(STEP)
-        reduce = asyncio.create_task(ring_all_reduce(server, STEP, members, np.ones(100, np.float32)))
+        reduce = asyncio.create_task(
+            all_reduce(server, step=STEP, members=members, buffer=np.ones(100, np.float32))
+        )
         for index in range(40):  # strangers: proven keys, another membership
             stranger = load_or_create_identity(tmp_path / f"stranger{index}")
             reader, writer = await asyncio.open_connection(*server.address)
@@ -285,12 +300,13 @@ def test_hellos_for_a_step_under_way_hold_their_sources_share_until_they_prove_a
     the pool of welcomes waiting for a proof, the rest are refused, and a member still gets in."""
 
     async def scenario() -> None:
-        settings = RingSettings(failure_timeout=5.0, setup_timeout=5.0)
         listener_id, member_id = (load_or_create_identity(tmp_path / n) for n in ("l", "m"))
-        server = DataPlaneServer(listener_id, settings)
+        server = DataPlaneServer(
+            identity=listener_id, comm=CommConfig(failure_timeout=5.0), setup_timeout=5.0
+        )
         host, port = await server.start()
-        listener = RingMember(listener_id.public_key, host, port)
-        digest = membership_digest(STEP, [listener, RingMember(member_id.public_key, "127.0.0.1", 1)])
+        listener = Member(listener_id.public_key, host, port)
+        digest = membership_digest(STEP, [listener, Member(member_id.public_key, "127.0.0.1", 1)])
         server.at_step(STEP)
         registration = server.expect(STEP, [member_id.public_key], digest)
         flood = []
@@ -301,7 +317,9 @@ def test_hellos_for_a_step_under_way_hold_their_sources_share_until_they_prove_a
         await settle(lambda: server.proving.refused >= 64, "the rest refused")
         assert len(server.proving) == MAX_PROVING_PER_SOURCE
         assert len(server._answering) <= MAX_PROVING_PER_SOURCE + MAX_PENDING_PER_SOURCE
-        _, writer, _ = await dial_member(member_id, listener, STEP, digest, settings)
+        _, writer, _ = await dial_member(
+            member_id, listener, step=STEP, digest=digest, setup_timeout=5.0, failure_timeout=5.0
+        )
         assert (await asyncio.wait_for(registration.incoming[(member_id.public_key, 0)], 5)) is not None
         for flooding in [*flood, writer]:
             flooding.close()

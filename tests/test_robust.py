@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from p2ptrain.comm import claims
-from p2ptrain.comm.robust import clipped_sum, norm
-from p2ptrain.comm.wire import FrameError
+from p2ptrain.comm.robust import claims
+from p2ptrain.comm.robust.clipping import clipped_sum, norm
+from p2ptrain.comm.transport.wire import FrameError
 from p2ptrain.identity import load_or_create_identity
 
 DIGEST = bytes(range(32))

@@ -19,11 +19,10 @@ from hivemind.utils import get_dht_time
 
 from p2ptrain.cli.commands import relay_options
 from p2ptrain.cli.parser import build_parser
-from p2ptrain.comm.connect import dial_member
-from p2ptrain.comm.dataplane import RingSettings
-from p2ptrain.comm.handshake import HandshakeError
-from p2ptrain.comm.members import RingMember, membership_digest
-from p2ptrain.comm.relay import RelayRefused, RelayRequest, open_relayed, relay_for
+from p2ptrain.comm.net.members import Member, membership_digest
+from p2ptrain.comm.net.relay import RelayRefused, RelayRequest, open_relayed, relay_for
+from p2ptrain.comm.reduce.connect import dial_member
+from p2ptrain.comm.transport.handshake import HandshakeError
 from p2ptrain.errors import UserError
 from p2ptrain.identity import NodeIdentity, load_or_create_identity
 from p2ptrain.swarm.dht import DHTSettings, SwarmDHT
@@ -39,12 +38,12 @@ STEP = 4
 ANNOUNCED = re.compile(r"standby relay for run '[^']+' at (\S+):(\d+) \(key ([0-9a-f]{64})")
 
 
-def start_relaying_bootstrap(swarm: LocalSwarm) -> RingMember:
+def start_relaying_bootstrap(swarm: LocalSwarm) -> Member:
     swarm.start_bootstrap(extra=("--relay", "127.0.0.1:0", "--run-id", RUN))
     wait_until(lambda: ANNOUNCED.search(swarm.log("bootstrap")) is not None, 30, what="the relay's line")
     found = ANNOUNCED.search(swarm.log("bootstrap"))
     assert found is not None
-    return RingMember(bytes.fromhex(found.group(3)), found.group(1), int(found.group(2)))
+    return Member(bytes.fromhex(found.group(3)), found.group(1), int(found.group(2)))
 
 
 async def publish(dht: SwarmDHT, identity: NodeIdentity, state: NodeState, step: int, reach: str) -> None:
@@ -107,7 +106,9 @@ def test_a_relaying_bootstrap_splices_its_runs_ends_behind_nat_and_refuses_every
         # a hello: the relay is a member of no step, and says so at once
         started = time.monotonic()
         with pytest.raises(HandshakeError, match="member of no step"):
-            await dial_member(ids["home0"], relay, STEP, digest, RingSettings(setup_timeout=5.0))
+            await dial_member(
+                ids["home0"], relay, step=STEP, digest=digest, setup_timeout=5.0, failure_timeout=5.0
+            )
         assert time.monotonic() - started < 3.0
         # a node asks for the relays when it is ready for a step: past REFRESH_S it gets the last
         # read's at once, and the next read goes on in the background (here: a DHT that stalls)
@@ -161,8 +162,8 @@ def test_relay_flags_that_do_not_hold_are_refused_in_one_line(tmp_path: Path) ->
 def test_an_election_lists_standby_relays_only_where_no_member_can_relay() -> None:
     keys = [bytes([i]) * 32 for i in range(1, 5)]
     standby = [
-        RingMember(bytes([9]) * 32, "203.0.113.9", 7000),
-        RingMember(bytes([8]) * 32, "203.0.113.8", 7000),
+        Member(bytes([9]) * 32, "203.0.113.9", 7000),
+        Member(bytes([8]) * 32, "203.0.113.8", 7000),
     ]
 
     def beat(key: bytes, reach: str) -> Heartbeat:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from p2ptrain.comm.dataplane import DataPlaneServer, RingSettings
+from p2ptrain.comm.net.server import DataPlaneServer
+from p2ptrain.config import CommConfig
 from p2ptrain.identity import load_or_create_identity
 from p2ptrain.swarm.crash_watch import answers_hello
 from tests.helpers import LocalSwarm, cli, data_port, metrics, read_address, wait_until
@@ -86,7 +87,7 @@ def test_the_probe_of_a_named_node_takes_our_views_differ_to_a_step_nobody_is_at
     honest node of a closed run gives one to a probe without a ticket."""
 
     async def scenario() -> dict[str, bool]:
-        honest = DataPlaneServer(load_or_create_identity(tmp_path / "honest"), RingSettings())
+        honest = DataPlaneServer(identity=load_or_create_identity(tmp_path / "honest"), comm=CommConfig())
         host, port = await honest.start("127.0.0.1", 0)
         honest.at_step(3)
         liars = {

@@ -5,7 +5,8 @@ from __future__ import annotations
 import signal
 import time
 
-from tests.helpers import LocalSwarm, free_port, read_address, wait_until
+from p2ptrain.procs import free_port
+from tests.helpers import LocalSwarm, read_address, wait_until
 
 
 def test_bootstrap_and_three_nodes_see_each_other(swarm: LocalSwarm) -> None:

@@ -63,8 +63,13 @@ def test_two_nodes_of_two_ranks_hold_the_same_params_after_every_outer_step(
     first step from the first on at whose end rank 0 has it, which both ranks of a node must agree
     on), and S (whose hash the records hold) is the same on both nodes after every step."""
     swarm.start_bootstrap()
-    mode = ["--set", f"outer.overlap={str(overlap).lower()}", "--set", f"outer.overlap_steps={merge_after}"]
-    mode += ["--set", f"outer.take_on_arrival={str(on_arrival).lower()}"]
+    mode = [
+        "--set",
+        f"outer.overlap.enabled={str(overlap).lower()}",
+        "--set",
+        f"outer.overlap.steps={merge_after}",
+    ]
+    mode += ["--set", f"outer.overlap.take_on_arrival={str(on_arrival).lower()}"]
     for shard, name in enumerate(("a", "b")):  # pinned: two random node keys share a shard 1 time in 64
         pinned = ["--set", f"data.shard={shard}"]
         swarm.start_node(

@@ -15,11 +15,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2ptrain.comm.connect import dial_member
-from p2ptrain.comm.dataplane import DataPlaneServer, RingSettings
-from p2ptrain.comm.handshake import AttemptBehind, HandshakeError, Session, ViewsDiffer, accept, dial
-from p2ptrain.comm.members import RingMember
-from p2ptrain.comm.wire import (
+from p2ptrain.comm.net.members import Member
+from p2ptrain.comm.net.server import DataPlaneServer
+from p2ptrain.comm.reduce.connect import dial_member
+from p2ptrain.comm.transport.handshake import (
+    AttemptBehind,
+    HandshakeError,
+    Session,
+    ViewsDiffer,
+    accept,
+    dial,
+)
+from p2ptrain.comm.transport.wire import (
     MAGIC,
     PREFIX,
     VERSION,
@@ -33,6 +40,7 @@ from p2ptrain.comm.wire import (
     read_frame,
     write_frame,
 )
+from p2ptrain.config import CommConfig
 from p2ptrain.identity import NodeIdentity, load_or_create_identity
 
 T = TypeVar("T")
@@ -254,7 +262,7 @@ def test_handshake_between_members(nodes: Nodes) -> None:
 def test_a_sealed_frame_opens_only_once_in_order_on_its_own_direction() -> None:
     """What a tampering proxy could do to sealed frames: flip a bit (payload, header or prefix),
     drop, replay, reorder, reflect. Each is refused by the tag."""
-    from p2ptrain.comm.seal import TAG_BYTES, FrameSeal
+    from p2ptrain.comm.transport.seal import TAG_BYTES, FrameSeal
 
     key, other = b"k" * 32, b"o" * 32
 
@@ -318,7 +326,7 @@ def test_handshake_refusals_are_logged_on_both_sides(
     }
     kwargs = options.get(case, {})
     dialer = nodes.c if case.startswith("non-member") else nodes.b
-    with caplog.at_level(logging.WARNING, logger="p2ptrain.comm.handshake"):
+    with caplog.at_level(logging.WARNING, logger="p2ptrain.comm.transport.handshake"):
         accepted, dialed = handshake(nodes.a, dialer, members, **kwargs)
     assert isinstance(accepted, HandshakeError) and reason in str(accepted)
     assert isinstance(dialed, HandshakeError) and reason in str(dialed)
@@ -352,22 +360,27 @@ def test_dialer_detects_the_wrong_listener(nodes: Nodes) -> None:
 def test_attempts_of_one_step_never_mix(nodes: Nodes) -> None:
     """A dialer behind the listener's attempt learns the listener's number; one ahead abandons the
     listener's attempt and gets into its next one (same step, same members, same digest)."""
-    settings = RingSettings(setup_timeout=10.0, failure_timeout=5.0)
 
     async def main() -> None:
-        server = DataPlaneServer(nodes.a, settings)
+        server = DataPlaneServer(identity=nodes.a, comm=CommConfig(failure_timeout=5.0), setup_timeout=10.0)
         host, port = await server.start()
-        member = RingMember(nodes.a.public_key, host, port)
+        member = Member(nodes.a.public_key, host, port)
         try:
             server.expect(5, [nodes.b.public_key], DIGEST)
             server.forget(5)  # attempt 0 failed here
             current = server.expect(5, [nodes.b.public_key], DIGEST)
             assert current.attempt == 1
             with pytest.raises(AttemptBehind) as behind:
-                await dial_member(nodes.b, member, 5, DIGEST, settings, attempt=0)
+                await dial_member(
+                    nodes.b, member, step=5, digest=DIGEST, attempt=0, setup_timeout=10.0, failure_timeout=5.0
+                )
             assert behind.value.attempt == 1 and not current.abandoned.is_set()
 
-            ahead = asyncio.create_task(dial_member(nodes.b, member, 5, DIGEST, settings, attempt=3))
+            ahead = asyncio.create_task(
+                dial_member(
+                    nodes.b, member, step=5, digest=DIGEST, attempt=3, setup_timeout=10.0, failure_timeout=5.0
+                )
+            )
             await current.abandoned.wait()  # the dialer moved on: this attempt cannot succeed
             assert "attempt 3" in current.reason and not ahead.done()
             server.forget(5)

@@ -31,7 +31,7 @@ from p2ptrain.ckpt.manifest import (
     file_sha256,
     parse_manifest,
 )
-from p2ptrain.comm.reach import sidecar_can_be_reached
+from p2ptrain.comm.net.reach import sidecar_can_be_reached
 from p2ptrain.errors import NetworkError
 from p2ptrain.swarm.records import Heartbeat, NodeState
 

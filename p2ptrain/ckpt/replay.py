@@ -29,7 +29,7 @@ import msgpack
 import numpy as np
 
 from p2ptrain.ckpt.fetch import checkpoint_source, read_body, stall_timeout
-from p2ptrain.comm import quant
+from p2ptrain.comm.codec import quant
 from p2ptrain.swarm.election import swarm_ahead
 from p2ptrain.swarm.records import Heartbeat
 from p2ptrain.untrusted import unpack_untrusted

@@ -30,7 +30,7 @@ from aiohttp import web
 from p2ptrain.ckpt.format import MANIFEST_FILE, STAGED_KEEP, checkpoint_name
 from p2ptrain.ckpt.manifest import Manifest, ManifestError, parse_manifest
 from p2ptrain.ckpt.replay import RecentResults
-from p2ptrain.comm.reach import NONCE_BYTES
+from p2ptrain.comm.net.reach import NONCE_BYTES
 from p2ptrain.rate import RateCap
 from p2ptrain.untrusted import ThrottledLog, decimal
 from p2ptrain.web.server import Served, start_app

@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a config override for every node, e.g. --set outer.overlap=true (repeatable)",
+        help="a config override for every node, e.g. --set outer.overlap.enabled=true (repeatable)",
     )
     demo.add_argument(
         "--json", action="store_true", help="print the summary as one JSON object on the last line"

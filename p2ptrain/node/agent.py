@@ -221,7 +221,7 @@ class TrainingNode:
             self.say(f"joined: contributing from outer step {message.outer_step + 1}, join_s={join_s:.1f}")
         self.view.note(message.outer_step, members, note)
         await channel.send(averaged)
-        if self.config.outer.overlap and self.last_step_done < message.outer_step:
+        if self.config.outer.overlap.enabled and self.last_step_done < message.outer_step:
             # rank 0 trains step N + 1 already: say so now, not once it takes step N (a whole inner
             # phase later), or a node behind would still elect us for N. The hash comes with the
             # step (StepDone): a record of outer step N + 1 never shows S before step N.
@@ -252,7 +252,7 @@ class TrainingNode:
             self.ranks.sample_memory()
         elif isinstance(message, Ready):
             assert self.vector is not None, "Ready before Hello"
-            if self.config.outer.overlap:
+            if self.config.outer.overlap.enabled:
                 # rank 0 trains on meanwhile: keep reading its messages while the step syncs (it sends
                 # the next Ready only after this step's answer, so one sync at a time)
                 self.syncing = asyncio.ensure_future(self._answer(message, channel))

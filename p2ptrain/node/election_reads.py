@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from p2ptrain.comm.dataplane import DataPlaneServer
+from p2ptrain.comm.net.server import DataPlaneServer
 from p2ptrain.swarm.membership import Offered, SwarmView, live
 from p2ptrain.swarm.records import Heartbeat
 

@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from p2ptrain.comm.dataplane import AllReduceError, DataPlaneServer
-from p2ptrain.comm.members import RingStats
-from p2ptrain.comm.reach import can_be_dialed
-from p2ptrain.comm.record_push import RecordPusher
-from p2ptrain.comm.ring import ring_all_reduce
+from p2ptrain.comm.net.attempt import AllReduceError
+from p2ptrain.comm.net.reach import can_be_dialed
+from p2ptrain.comm.net.record_push import RecordPusher
+from p2ptrain.comm.net.server import DataPlaneServer
+from p2ptrain.comm.reduce.allreduce import ReduceStats, all_reduce
 from p2ptrain.config import Config
 from p2ptrain.faults import Faults
 from p2ptrain.identity import short_id
@@ -62,7 +62,7 @@ class StepGivenUp(RuntimeError):
 @dataclass
 class SyncResult:
     election: Election
-    stats: RingStats
+    stats: ReduceStats
     attempts: int
     election_s: float = 0.0
     """From this node's ready record to the members of the attempt that completed being decided."""
@@ -258,7 +258,7 @@ class OuterSync:
         last_error: Exception | None = None
         attempt = 0
         deadline = time.monotonic() + swarm.election_timeout
-        refusers = Refusers(2 * self.server.settings.setup_timeout)
+        refusers = Refusers(2 * self.server.setup_timeout)
         while attempt < swarm.sync_retries and time.monotonic() < deadline:
             standby = await self.standby.current()
             try:
@@ -291,13 +291,13 @@ class OuterSync:
             next_attempt_at = elected_at + min(MIN_ATTEMPT_SECONDS, swarm.heartbeat_interval / 2)
             self.publisher.publish_soon(state=NodeState.SYNCING)  # for the others' tables: no need to wait
             try:
-                reduce = ring_all_reduce(
+                reduce = all_reduce(
                     self.server,
-                    step,
-                    election.members,
-                    vector,
-                    lambda *_: self.faults.die_mid_reduce(step),
-                    election.relays,
+                    step=step,
+                    members=election.members,
+                    buffer=vector,
+                    progress=lambda *_: self.faults.die_mid_reduce(step),
+                    relays=election.relays,
                 )
                 stats = await finish_first(reduce, LEAVING_GRACE_S)  # a node that stops finishes it
             except AllReduceError as exc:

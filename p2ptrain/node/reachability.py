@@ -20,8 +20,8 @@ import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from p2ptrain.comm.dataplane import DataPlaneServer
-from p2ptrain.comm.reach import ProbeResult, Reach, can_be_dialed
+from p2ptrain.comm.net.reach import ProbeResult, Reach, can_be_dialed
+from p2ptrain.comm.net.server import DataPlaneServer
 from p2ptrain.config import Config
 from p2ptrain.deadline import within
 from p2ptrain.swarm.dht import SwarmDHT

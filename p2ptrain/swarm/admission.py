@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import msgpack
 
-from p2ptrain.comm.handshake import Credentials
+from p2ptrain.comm.transport.handshake import Credentials
 from p2ptrain.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, NodeIdentity, short_id, verify
 from p2ptrain.untrusted import UndecodableError, unpack_untrusted
 

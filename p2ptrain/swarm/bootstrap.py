@@ -10,9 +10,8 @@ from typing import TextIO
 
 import multiaddr
 
-from p2ptrain.comm.dataplane import DataPlaneServer, RingSettings
-from p2ptrain.comm.handshake import MAX_LANES
-from p2ptrain.config import SwarmConfig
+from p2ptrain.comm.net.server import DataPlaneServer
+from p2ptrain.config import MAX_CONNECTIONS, CommConfig, SwarmConfig
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.swarm.dht import DHTSettings, SwarmDHT
 from p2ptrain.swarm.membership import HeartbeatPublisher, keep_alive
@@ -82,10 +81,10 @@ async def serve_relay(
     reachability probes (swarm/standby.py), until `stop`; then withdraw the record."""
     # the run's settings are not known here: any lane count a run may use
     server = DataPlaneServer(
-        options.identity,
-        RingSettings(connections=MAX_LANES),
-        options.mbps,
-        RunEnds(dht, run_id, authority).check,
+        identity=options.identity,
+        comm=CommConfig(connections=MAX_CONNECTIONS),
+        relay_mbps=options.mbps,
+        relay_admit=RunEnds(dht, run_id, authority).check,
     )
     try:
         _, port = await server.start(options.host, options.port)

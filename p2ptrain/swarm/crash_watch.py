@@ -21,10 +21,10 @@ import secrets
 import time
 from collections.abc import Iterable
 
-from p2ptrain.comm.connect import refuses_connections
-from p2ptrain.comm.handshake import NONCE_BYTES, hello_header
-from p2ptrain.comm.reach import can_be_dialed
-from p2ptrain.comm.wire import WireError, read_frame, write_frame
+from p2ptrain.comm.net.reach import can_be_dialed
+from p2ptrain.comm.reduce.connect import refuses_connections
+from p2ptrain.comm.transport.handshake import NONCE_BYTES, hello_header
+from p2ptrain.comm.transport.wire import WireError, read_frame, write_frame
 from p2ptrain.deadline import within
 from p2ptrain.identity import NodeIdentity, short_id
 from p2ptrain.swarm.election import parse_address

@@ -33,8 +33,8 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from p2ptrain.comm.members import RingMember, membership_digest
-from p2ptrain.comm.reach import can_be_dialed
+from p2ptrain.comm.net.members import Member, membership_digest
+from p2ptrain.comm.net.reach import can_be_dialed
 from p2ptrain.swarm.evidence import left_out
 from p2ptrain.swarm.records import Heartbeat, NodeState, record_number
 from p2ptrain.untrusted import decimal
@@ -53,10 +53,10 @@ LINK_PREFIX_HEX = 16
 @dataclass(frozen=True)
 class Election:
     step: int
-    members: list[RingMember]
+    members: list[Member]
     left_out: dict[bytes, str] = field(default_factory=dict)
     """Ready nodes the evidence leaves out of this attempt, each with the reason."""
-    relays: tuple[RingMember, ...] = ()
+    relays: tuple[Member, ...] = ()
     """Standby relays (`bootstrap --relay`) for edges between members behind NAT, listed only where
     no member can relay (ordered by key; part of the digest)."""
 
@@ -248,7 +248,7 @@ def decide(
     in_transit: Collection[bytes] = (),
     max_tokens: int | None = None,
     excluded: Mapping[bytes, str] | None = None,
-    standby: Sequence[RingMember] = (),
+    standby: Sequence[Member] = (),
 ) -> Election | None:
     """The members of `step` if this view allows a decision now, else None (keep waiting).
 
@@ -281,7 +281,7 @@ def decide(
         assert address is not None, "ready_for keeps only records with a usable address"
         host, port = address
         tokens = by_key[key].tokens if max_tokens is None else min(by_key[key].tokens, max_tokens)
-        members.append(RingMember(key, host, port, float(tokens), key not in behind_nat))
+        members.append(Member(key, host, port, float(tokens), key not in behind_nat))
     relays = (
         () if len(members) < 2 or behind_nat != set(by_key) else tuple(sorted(standby, key=lambda r: r.key))
     )
@@ -378,7 +378,7 @@ async def elect(
     in_transit: Collection[bytes] = (),
     max_tokens: int | None = None,
     pause: Callable[[float], Awaitable[None]] = asyncio.sleep,
-    standby: Sequence[RingMember] = (),
+    standby: Sequence[Member] = (),
 ) -> Election:
     """Poll the heartbeats (via `read`) until `decide` gives the members of `step`.
 

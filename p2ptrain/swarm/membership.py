@@ -24,7 +24,7 @@ from typing import Any
 from hivemind.utils import get_dht_time
 
 import p2ptrain.swarm.quiet  # noqa: F401  (hivemind keeps quiet)
-from p2ptrain.comm.reach import can_be_dialed
+from p2ptrain.comm.net.reach import can_be_dialed
 from p2ptrain.config import Config
 from p2ptrain.deadline import within
 from p2ptrain.identity import NodeIdentity

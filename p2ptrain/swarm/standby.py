@@ -21,9 +21,9 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 
-from p2ptrain.comm.members import RingMember
-from p2ptrain.comm.reach import can_be_dialed
-from p2ptrain.comm.relay import RelayRequest
+from p2ptrain.comm.net.members import Member
+from p2ptrain.comm.net.reach import can_be_dialed
+from p2ptrain.comm.net.relay import RelayRequest
 from p2ptrain.deadline import within
 from p2ptrain.identity import short_id
 from p2ptrain.swarm.dht import SwarmDHT
@@ -63,11 +63,11 @@ class StandbyRelays:
         self._authority = authority
         self._clock = clock
         self._read_at: float | None = None
-        self._relays: list[RingMember] = []
+        self._relays: list[Member] = []
         self._reading: asyncio.Future[None] | None = None
         self._refusals = ThrottledLog(log)
 
-    async def current(self) -> list[RingMember]:
+    async def current(self) -> list[Member]:
         """The relays of the last read. The first call reads; after that a read older than
         REFRESH_S is renewed in the background and this call answers at once: a node calls this
         when it is ready for a step, and a DHT read there (0.6 s at 16 nodes on 2 cores) held
@@ -91,7 +91,7 @@ class StandbyRelays:
         for beat in live(beats):
             address = parse_address(beat.data_addr)
             if address is not None:
-                relays.append(RingMember(beat.node_key, *address))
+                relays.append(Member(beat.node_key, *address))
         relays = relays[:MAX_STANDBY]  # the records come ordered by key
         if relays != self._relays:
             names = ", ".join(f"{short_id(r.key)} at {r.host}:{r.port}" for r in relays) or "none"

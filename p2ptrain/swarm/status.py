@@ -6,7 +6,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from p2ptrain.comm.reach import Reach
+from p2ptrain.comm.net.reach import Reach
 from p2ptrain.identity import short_id
 from p2ptrain.swarm.election import ring_order
 from p2ptrain.swarm.records import Heartbeat, NodeState, record_number

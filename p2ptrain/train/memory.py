@@ -125,7 +125,7 @@ def estimate(config: Config, micro_batch: int, world_size: int = 1, on_gpu: bool
     logits = 3 * logit_tokens * model.vocab_size * 4 + (logit_tokens * model.vocab_size * 2 if half else 0)
     # θ_outer, momentum, the shared Δ vector, the gathered θ, two checkpoint snapshot vectors; with
     # outer.overlap also the pending Δ and the phase's start (delayed: and the last average)
-    overlap = (2 if config.outer.eager else 3) if config.outer.overlap else 0
+    overlap = (2 if config.outer.overlap.eager else 3) if config.outer.overlap.enabled else 0
     outer_state = (6 + overlap) * total * 4
     return MemoryEstimate(
         micro_batch=micro_batch,

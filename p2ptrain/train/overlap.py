@@ -10,13 +10,13 @@ working weights w) and the estimate that gives it:
     end of phase N   Δ_N = w_N − y_N              (this phase's own progress, from its start)
                      wait for R_{N−1}, if not there yet (never two steps stale)
                      S ← step(S, R_{N−1})         (StepDone N − 1: its hash is S's)
-                     Δ_N ← Δ_N − c·(y_N − θ_S)    (`outer.start_correction` c, below)
+                     Δ_N ← Δ_N − c·(y_N − θ_S)    (`outer.overlap.start_correction` c, below)
                      hand Δ_N to the agent         (Ready N: synced during phase N + 1)
                      w_{N+1} = lookahead(S, R̂_N)  (the step R̂_N would take, S unchanged)
 
     eager:   R̂_N = Δ_N                           (the node's own fresh pseudo-gradient stands in
                                                   for the pending average; default)
-    delayed: R̂_N = R_{N−1}                        (the last average; `outer.eager = false`)
+    delayed: R̂_N = R_{N−1}                        (the last average; `outer.overlap.eager = false`)
 
 Kale et al.'s eager estimate mixes the node's fresh Δ_N (its share s) with the others' shares of
 R_{N−1}; here, with S taking only true averages, that mix diverged in a scalar model at DiLoCo's
@@ -34,13 +34,13 @@ model with the result at the phase's end, c = ½ took the cost from 4.2 % of hel
 is not settled: the linear model it came from (inner steps undo a share of the offset, which comes
 back amplified) predicts smaller offsets, and they came out larger (docs/architecture.md).
 
-With `outer.overlap_steps = τ` > 0 the result is taken τ inner steps into phase N + 1 instead (the
+With `outer.overlap.steps = τ` > 0 the result is taken τ inner steps into phase N + 1 instead (the
 sync has those steps to hide in; Streaming DiLoCo's overlap, Douillard et al. 2025): S takes its step
 there, and the working weights move by what the estimate missed, less the start correction scaled
 to the steps run, w ← w + (1 − c·τ/H)(θ_S − w_{N+1}), keeping the τ steps' progress; the rest of
 the phase runs from there, its Δ measured from S's params.
 τ = 0 (the end of the phase) is the one-step overlap above; the smaller τ, the closer to blocking.
-With `outer.take_on_arrival` the result is taken after the first inner step at whose end it is
+With `outer.overlap.take_on_arrival` the result is taken after the first inner step at whose end it is
 here (τ at the earliest): τ is then as many steps as the sync took, no more. It is taken there the
 same way, so S is the same whichever step each node takes it at; the working weights are local.
 
@@ -148,14 +148,16 @@ class OverlappedOuter:
         self.pending: Pending | None = None
         """The step being synced now (every rank knows it: they all count the same steps)."""
         self.phase_counted = False
-        self.merge_after = trainer.config.outer.overlap_steps
+        self.merge_after = trainer.config.outer.overlap.steps
         """τ: inner steps into a phase after which the pending step is taken (0: at its end)."""
-        self.on_arrival = trainer.config.outer.take_on_arrival
+        self.on_arrival = trainer.config.outer.overlap.take_on_arrival
         """Take it after the first step, from τ on, at whose end it has arrived."""
         self._reloaded = False
         """A merge mid-phase reloaded a checkpoint: the phase under way is void."""
         leader = trainer.leader
-        self.state = OverlapState(trainer.layout.numel, trainer.config.outer.eager) if leader else None
+        self.state = (
+            OverlapState(trainer.layout.numel, trainer.config.outer.overlap.eager) if leader else None
+        )
         if self.state is not None:
             self.state.start.copy_(trainer.outer.params)
 
@@ -189,7 +191,9 @@ class OverlappedOuter:
             return False
         trainer.layout.gather(trainer.model, trainer.flat if leader is not None else None)
         if leader is not None and state is not None:  # w + (1 − c·τ/H)·(θ_S − y)
-            undone = trainer.config.outer.start_correction * steps_done / trainer.config.train.inner_steps
+            undone = (
+                trainer.config.outer.overlap.start_correction * steps_done / trainer.config.train.inner_steps
+            )
             state.add_offset(leader.outer, trainer.flat, 1 - undone, scratch=leader.buffer)
             state.start.copy_(leader.outer.params)
         trainer.load_flat()
@@ -215,7 +219,7 @@ class OverlappedOuter:
             return False
         if leader is not None and state is not None and ready is not None:
             trainer.writer.wait()  # a checkpoint's thread may still read the pending Δ and w
-            correction = trainer.config.outer.start_correction
+            correction = trainer.config.outer.overlap.start_correction
             if correction and ready.finite:  # Δ − c·(y − θ_S)
                 state.add_offset(leader.outer, trainer.flat, correction, scratch=leader.buffer)
             state.delta.copy_(trainer.flat)

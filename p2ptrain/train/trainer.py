@@ -137,7 +137,7 @@ class Trainer:
             keep = None  # the agent prunes, after its copies to disk
         self.writer = CheckpointWriter(self.layout, config.model, keep, self._checkpoint_written)
         self.tokens_per_step = config.train.batch_size * config.model.seq_len
-        self.overlapped = OverlappedOuter(self) if config.outer.overlap else None
+        self.overlapped = OverlappedOuter(self) if config.outer.overlap.enabled else None
         """The outer step overlapped with the next inner phase (outer.overlap), else None."""
         if resume is not None:
             self.resume(resume, own_data)

@@ -16,11 +16,11 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from p2ptrain.comm import lanes
-from p2ptrain.comm.dataplane import Connection
-from p2ptrain.comm.quant import Buffer
-from p2ptrain.comm.seal import FrameSeal
-from p2ptrain.comm.wire import PeerClosed
+from p2ptrain.comm.codec.quant import Buffer
+from p2ptrain.comm.net.attempt import Connection
+from p2ptrain.comm.transport import lanes
+from p2ptrain.comm.transport.seal import FrameSeal
+from p2ptrain.comm.transport.wire import PeerClosed
 
 SlotKey = tuple[str, int, int]
 """(phase, round, chunk) of a frame whose payload another thread produces."""

@@ -7,7 +7,7 @@ would otherwise change every member's params silently. So:
 1. Each member claims, for every chunk, the L2 norm of its own values (before its weight and before
    quantization) and signs the claims of each segment for (step, membership digest, segment). It
    sends them to the segment's owner ahead of its shares (a "claims" frame) and keeps its own.
-2. The owner clips every share to min(claim × slack, clip × median of the claims) (`robust.limits`);
+2. The owner clips every share to min(claim × slack, clip × median of the claims) (`clipping.limits`);
    a member's share larger than its own claim is cut to the claim, so a low claim buys nothing.
 3. The owner sends the n signed claims it used (the "bundle") ahead of its segment in the all-gather,
    and signs every chunk of its result: sha256(payload) under (step, digest, segment, chunk). The
@@ -32,9 +32,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from p2ptrain.comm import robust
-from p2ptrain.comm.quant import Buffer
-from p2ptrain.comm.wire import FrameError
+from p2ptrain.comm.codec.quant import Buffer
+from p2ptrain.comm.robust import clipping
+from p2ptrain.comm.transport.wire import FrameError
 from p2ptrain.identity import SIGNATURE_BYTES, NodeIdentity, short_id, verify
 
 CLAIMS_DOMAIN = b"p2ptrain/claims/v1\0"
@@ -53,7 +53,7 @@ def claim_bytes(chunks: int) -> int:
 
 def chunk_norms(values: np.ndarray, bounds: Sequence[tuple[int, int]]) -> np.ndarray:
     """The L2 norm (float64) of `values[start:stop]` for each chunk."""
-    return np.array([robust.norm(values[start:stop]) for start, stop in bounds], np.float64)
+    return np.array([clipping.norm(values[start:stop]) for start, stop in bounds], np.float64)
 
 
 def sign_claims(identity: NodeIdentity, step: int, digest: bytes, segment: int, norms: np.ndarray) -> bytes:
@@ -86,10 +86,11 @@ def read_bundle(
     size = claim_bytes(chunks)
     if len(blob) != size * len(keys):
         raise FrameError(f"claims bundle of segment {segment}: {len(blob)} bytes, not {size * len(keys)}")
-    return np.stack([
+    rows = [
         read_claims(blob[i * size : (i + 1) * size], key, step, digest, segment, chunks)
         for i, key in enumerate(keys)
-    ])  # fmt: skip
+    ]
+    return np.stack(rows)
 
 
 def limits(claims: np.ndarray, fractions: Sequence[float], clip: float, bits: int) -> np.ndarray:
@@ -97,10 +98,11 @@ def limits(claims: np.ndarray, fractions: Sequence[float], clip: float, bits: in
     min(claim × slack, clip × median of the weighted members' claims); 0 for weight 0."""
     weighted = [float(claim) for claim, fraction in zip(claims, fractions, strict=True) if fraction > 0]
     cap = clip * statistics.median(weighted) if weighted else 0.0
-    return np.array([
+    per_member = [
         min(float(claim) * SLACK[bits], cap) if fraction > 0 else 0.0
         for claim, fraction in zip(claims, fractions, strict=True)
-    ])  # fmt: skip
+    ]
+    return np.array(per_member)
 
 
 def result_bound(claims: np.ndarray, fractions: Sequence[float], clip: float, bits: int) -> float:
@@ -122,19 +124,29 @@ class Ledger:
 
     def __init__(
         self,
+        *,
         identity: NodeIdentity,
         step: int,
         digest: bytes,
         keys: Sequence[bytes],
         fractions: Sequence[float],
-        settings: tuple[float, int],
+        clip: float,
+        bits: int,
         chunks: Sequence[Sequence[tuple[int, int]]],
         own: np.ndarray,
     ):
-        self.identity, self.step, self.digest = identity, step, digest
-        self.keys, self.fractions = list(keys), list(fractions)
-        self.clip, self.bits = settings
-        self.chunks, self.own = chunks, own
+        """`keys`, `fractions`: the members in order and their shares of the average; `clip`,
+        `bits`: comm.clip and comm.bits; `chunks`: per segment, its chunks' (start, stop); `own`:
+        this member's vector (its claims are the norms of its chunks)."""
+        self.identity = identity
+        self.step = step
+        self.digest = digest
+        self.keys = list(keys)
+        self.fractions = list(fractions)
+        self.clip = clip
+        self.bits = bits
+        self.chunks = chunks
+        self.own = own
         self.index = self.keys.index(identity.public_key)
         self.own_segment = (self.index + 1) % len(self.keys)
         self.lock = threading.Lock()
@@ -192,7 +204,7 @@ class Ledger:
         if not isinstance(signature, bytes) or not verify(owner_key, signature, message):
             raise FrameError(f"chunk {chunk} of segment {segment} does not carry its owner's signature")
         self.signatures[(segment, chunk)] = signature
-        self.norms[(segment, chunk)] = robust.norm(values)
+        self.norms[(segment, chunk)] = clipping.norm(values)
 
     def violation(self) -> tuple[int, str] | None:
         """Once every frame is in: the owner of the first chunk we received above the clip rule's

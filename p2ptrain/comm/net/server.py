@@ -1,9 +1,9 @@
-"""The data plane's shared parts: members, settings and the listening server (dialing: connect.py).
+"""The data plane's listening server (dialing: reduce/connect.py).
 
-Every node listens on one TCP port. For each all-reduce step the schedule (ring.py) tells the server
-which peers may connect and under which membership digest; the server authenticates each incoming
-connection (handshake.py) and hands it to the waiting step. Peers that dial before this node has
-reached the step wait (bounded) instead of being refused.
+Every node listens on one TCP port. For each all-reduce step the reduction (reduce/allreduce.py)
+tells the server which peers may connect and under which membership digest; the server
+authenticates each incoming connection (transport/handshake.py) and hands it to the waiting step.
+Peers that dial before this node has reached the step wait (bounded) instead of being refused.
 
 Each try of a step is an attempt with a number (see handshake.py). The server keeps, per step, the
 lowest number the next attempt may take: one past the last attempt here, or the highest a peer has
@@ -19,10 +19,9 @@ import contextlib
 import logging
 import time
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
 
-from p2ptrain.comm.attempt import AllReduceError, Connection, LaneKey, Registration
-from p2ptrain.comm.budget import (
+from p2ptrain.comm.net.attempt import LaneKey, Registration
+from p2ptrain.comm.net.budget import (
     MAX_PROVING,
     MAX_PROVING_PER_SOURCE,
     PendingBudget,
@@ -30,9 +29,13 @@ from p2ptrain.comm.budget import (
     WaitingBudget,
     wait_until,
 )
-from p2ptrain.comm.handshake import (
+from p2ptrain.comm.net.members import Member
+from p2ptrain.comm.net.reach import REACH_KINDS, ReachService
+from p2ptrain.comm.net.record_push import HELD, NOT_HELD, RECORD_KIND, RecordSink, receive_record
+from p2ptrain.comm.net.relay import RELAY_KINDS
+from p2ptrain.comm.net.relay_service import RelayAdmit, RelayService
+from p2ptrain.comm.transport.handshake import (
     MAX_HANDSHAKE_FRAME,
-    MAX_LANES,
     Admission,
     Credentials,
     HandshakeError,
@@ -40,20 +43,13 @@ from p2ptrain.comm.handshake import (
     Session,
     accept_any,
 )
-from p2ptrain.comm.members import RingMember
-from p2ptrain.comm.reach import REACH_KINDS, ReachService
-from p2ptrain.comm.record_push import HELD, NOT_HELD, RECORD_KIND, RecordSink, receive_record
-from p2ptrain.comm.relay import RELAY_KINDS
-from p2ptrain.comm.relay_service import RelayAdmit, RelayService
-from p2ptrain.comm.wire import ClosedBetweenFrames, WireError, read_frame, write_frame
-from p2ptrain.config import Topology
+from p2ptrain.comm.transport.wire import ClosedBetweenFrames, WireError, read_frame, write_frame
+from p2ptrain.config import CommConfig
 from p2ptrain.deadline import within
 from p2ptrain.identity import NodeIdentity, short_id
 from p2ptrain.untrusted import ThrottledLog
 
 log = logging.getLogger(__name__)
-__all__ = ["AllReduceError", "Connection", "DataPlaneServer", "LaneKey", "Registration", "RingSettings"]
-
 KEPT_STEPS = 4
 """Steps whose next attempt number the server remembers (older ones cannot come back)."""
 RELAY_DRAIN_S = 1.0
@@ -67,33 +63,6 @@ MAX_STEPS_AHEAD = 1
 this node published ready for that step; one step of slack for a dialer that registered first)."""
 
 
-@dataclass(frozen=True)
-class RingSettings:
-    block: int = 256
-    chunk_bytes: int = 4 << 20
-    """fp32 bytes per pipelined chunk (about a quarter of that goes on the wire)."""
-    failure_timeout: float = 5.0
-    """Longest wait for the next frame (or for a neighbour to connect) before the step fails."""
-    setup_timeout: float = 30.0
-    """How long members may take to arrive at the step and connect."""
-    zstd: bool = False
-    topology: Topology = "auto"
-    """How the reduce-scatter travels; see ring.py. "auto" takes the ring up to 3 members."""
-    connections: int = 1
-    """Parallel TCP connections (lanes) to each peer; chunks take them in turn. More than one
-    helps on long fat links, where one TCP connection's window cannot fill the pipe."""
-    clip: float = 0.0
-    """Robust aggregation (> 0): see ring.py; it takes the butterfly."""
-    bits: int = 8
-    """Code width on the wire: 8, or 4 (two codes a byte; quant.py)."""
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.connections <= MAX_LANES:
-            raise ValueError(f"connections must be within 1..{MAX_LANES}, got {self.connections}")
-        if self.bits not in (4, 8) or (self.bits == 4 and self.block % 2):
-            raise ValueError(f"bits must be 8, or 4 with an even block: {self.bits} bits, block {self.block}")
-
-
 class DataPlaneServer:
     """A node's listening socket; hands each incoming ring connection to the step that expects it.
     `credentials`: a closed run's tickets, shown and checked in every handshake. `relay_admit`: a
@@ -101,13 +70,20 @@ class DataPlaneServer:
 
     def __init__(
         self,
+        *,
         identity: NodeIdentity,
-        settings: RingSettings,
+        comm: CommConfig,
+        setup_timeout: float = 30.0,
         relay_mbps: float = 100.0,
         relay_admit: RelayAdmit | None = None,
         credentials: Credentials | None = None,
     ):
-        self.identity, self.credentials, self.settings = identity, credentials, settings
+        """`comm`: the run's data-plane settings; `setup_timeout`: how long members may take to
+        arrive at a step and connect (a node sets it from the heartbeat timeout)."""
+        self.identity = identity
+        self.credentials = credentials
+        self.comm = comm
+        self.setup_timeout = setup_timeout
         self.relay_only = relay_admit is not None
         self._server: asyncio.Server | None = None
         self._expected: dict[int, Registration] = {}
@@ -125,7 +101,15 @@ class DataPlaneServer:
         self.address: tuple[str, int] = ("", 0)
         self.reach = ReachService()
         """Dial-back probes (reach.py): answered here, and our own proofs collected here."""
-        self.relay = RelayService(identity, relay_mbps, settings, self._wake, relay_admit)
+        self.relay = RelayService(
+            identity=identity,
+            mbps=relay_mbps,
+            lanes=comm.connections,
+            setup_timeout=setup_timeout,
+            failure_timeout=comm.failure_timeout,
+            wake=self._wake,
+            admit=relay_admit,
+        )
         """Edges between members behind NAT that this node splices (relay.py)."""
         self._dialed = asyncio.Event()
         self._woken_for = -1
@@ -175,7 +159,7 @@ class DataPlaneServer:
 
     async def close(self) -> None:
         # the edges it relays may still carry a step's last frames; a node stops within seconds
-        await self.relay.drained(min(self.settings.failure_timeout, RELAY_DRAIN_S))
+        await self.relay.drained(min(self.comm.failure_timeout, RELAY_DRAIN_S))
         self.relay.abort()
         if self._server is not None:
             self._server.close()
@@ -207,14 +191,14 @@ class DataPlaneServer:
         peers: Collection[bytes],
         digest: bytes,
         lanes: Collection[LaneKey] | None = None,
-        members: Sequence[RingMember] = (),
+        members: Sequence[Member] = (),
     ) -> Registration:
         """Register an attempt of step `step`: one future per expected (peer, lane) — by default
         every lane of every peer in `peers` — resolved with its authenticated connection. Lanes
         count up to twice comm.connections: the upper half are reversed (connect.LanePlan).
         `members` (all of the attempt's): the edges between those behind NAT this node relays."""
         loop = asyncio.get_running_loop()
-        count = self.settings.connections
+        count = self.comm.connections
         if lanes is None:
             lanes = [(key, lane) for key in peers for lane in range(count)]
         futures = {lane: loop.create_future() for lane in lanes}
@@ -273,7 +257,7 @@ class DataPlaneServer:
         self.waiting.waiting_strangers += stranger
         self._wake(step)
         try:
-            deadline = time.monotonic() + self.settings.setup_timeout
+            deadline = time.monotonic() + self.setup_timeout
             if not await wait_until(lambda: step in self._expected, lambda: self._changed, deadline):
                 return None
         finally:
@@ -363,15 +347,15 @@ class DataPlaneServer:
             return await self._admission(step, key)
 
         try:
-            first = await read_frame(reader, self.settings.failure_timeout, MAX_HANDSHAKE_FRAME)
+            first = await read_frame(reader, self.comm.failure_timeout, MAX_HANDSHAKE_FRAME)
             if relayed and first.kind in REACH_KINDS | RELAY_KINDS | {RECORD_KIND}:
                 raise WireError(f"a {first.kind!r} frame through a relay (only a handshake comes that way)")
             if first.kind == RECORD_KIND:
                 # a pushed record holds its pending slot until it is read: the budget bounds them
-                record = await receive_record(reader, self.settings.failure_timeout)
+                record = await receive_record(reader, self.comm.failure_timeout)
                 held = self.on_record is not None and self.on_record(record, source)
                 await write_frame(
-                    writer, {"kind": HELD if held else NOT_HELD}, timeout=self.settings.failure_timeout
+                    writer, {"kind": HELD if held else NOT_HELD}, timeout=self.comm.failure_timeout
                 )
                 writer.close()
                 return
@@ -385,7 +369,7 @@ class DataPlaneServer:
                 writer,
                 self.identity,
                 resolve,
-                self.settings.failure_timeout,
+                self.comm.failure_timeout,
                 self._claim,
                 lambda reason: self._refusals.warning("refused data-plane connection: %s", reason),
                 first,

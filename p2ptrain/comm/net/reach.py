@@ -31,7 +31,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from p2ptrain.comm.wire import Frame, WireError, read_frame, write_frame
+from p2ptrain.comm.transport.wire import Frame, WireError, read_frame, write_frame
 from p2ptrain.deadline import within
 from p2ptrain.untrusted import ThrottledLog
 

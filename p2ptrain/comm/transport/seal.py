@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from p2ptrain.comm.wire import FrameError
+from p2ptrain.comm.transport.wire import FrameError
 
 TAG_BYTES = 16
 EPHEMERAL_BYTES = 32

@@ -26,8 +26,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from p2ptrain.comm.seal import TAG_BYTES, FrameSeal
-from p2ptrain.comm.wire import (
+from p2ptrain.comm.transport.seal import TAG_BYTES, FrameSeal
+from p2ptrain.comm.transport.wire import (
     PREFIX,
     Frame,
     FrameError,

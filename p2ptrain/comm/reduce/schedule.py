@@ -1,4 +1,4 @@
-"""Who talks to whom in one all-reduce, and which frames travel on each connection (see ring.py).
+"""Who talks to whom in one all-reduce, and which frames travel on each connection (allreduce.py).
 
 Member i owns segment i+1 mod n; every segment is cut into chunks on block boundaries. A stream is
 what one member sends another, in order; its frames are the chunks of the stream's segments, and
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from p2ptrain.comm.dataplane import RingSettings
+from p2ptrain.config import CommConfig
 
 Stream = list[tuple[str, int, int]]
 """What travels from one member to another, in order: (phase, round, segment) for every chunk of
@@ -41,13 +41,13 @@ CLAIMS, BUNDLE = "cl", "bd"
 """Robust aggregation's frames: a member's signed norm claims, an owner's bundle of them (claims.py)."""
 
 
-def choose_topology(settings: RingSettings, members: int, behind_nat: int = 0) -> str:
+def choose_topology(comm: CommConfig, members: int, behind_nat: int = 0) -> str:
     """`behind_nat`: members nobody can dial. Two of them connect through a relay (relay.py), and
     the butterfly connects every pair: "auto" then takes the ring, whose order keeps them apart."""
-    if settings.clip > 0:
+    if comm.clip > 0:
         return "butterfly"  # the ring re-encodes partial sums: no member's share is seen alone
-    if settings.topology != "auto":
-        return settings.topology
+    if comm.topology != "auto":
+        return comm.topology
     if behind_nat >= 2:
         return "ring"
     return "ring" if members <= AUTO_RING_MAX_MEMBERS else "butterfly"
@@ -55,7 +55,7 @@ def choose_topology(settings: RingSettings, members: int, behind_nat: int = 0) -
 
 @dataclass(frozen=True)
 class Schedule:
-    """One member's view of the all-reduce's traffic: the same function of (n, length, settings) on
+    """One member's view of the all-reduce's traffic: the same function of (n, length, comm) on
     every member, so what one sends is exactly what its peer expects."""
 
     index: int
@@ -70,12 +70,21 @@ class Schedule:
     frames `chunk` is the segment and (start, stop) is empty."""
 
     @classmethod
-    def of(cls, index: int, n: int, length: int, settings: RingSettings, behind_nat: int = 0) -> Schedule:
-        bounds = segment_bounds(length, n, settings.block)
-        chunk = max(settings.block, (settings.chunk_bytes // 4 // settings.block) * settings.block)
+    def of(cls, *, index: int, n: int, length: int, comm: CommConfig, behind_nat: int = 0) -> Schedule:
+        """Member `index` of `n` reducing `length` values; `behind_nat`: members nobody can dial."""
+        block = comm.quant_block
+        bounds = segment_bounds(length, n, block)
+        chunk = max(block, (comm.chunk_bytes // 4 // block) * block)
         chunks = [chunk_bounds(bounds[s], bounds[s + 1], chunk) for s in range(n)]
-        topology = choose_topology(settings, n, behind_nat)
-        return cls(index, n, topology, chunks, settings.connections, settings.clip > 0)
+        topology = choose_topology(comm, n, behind_nat)
+        return cls(
+            index=index,
+            n=n,
+            topology=topology,
+            chunks=chunks,
+            lanes=comm.connections,
+            robust=comm.clip > 0,
+        )
 
     @property
     def successor(self) -> int:

@@ -1,6 +1,6 @@
 """Dialing the members of an attempt: every lane out, every lane in, authenticated (handshake.py).
 
-The listening side is dataplane.py's server; ring.py runs the transfer over what this returns.
+The listening side is net/server.py; allreduce.py runs the transfer over what this returns.
 """
 
 from __future__ import annotations
@@ -11,13 +11,27 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from p2ptrain.comm.attempt import AllReduceError, Connection, LaneKey, Registration
-from p2ptrain.comm.dataplane import DataPlaneServer, RingSettings
-from p2ptrain.comm.handshake import AttemptBehind, Credentials, HandshakeError, PeerBusy, ViewsDiffer, dial
-from p2ptrain.comm.members import RingMember
-from p2ptrain.comm.relay import RelayRefused, Role, Route, needs_relay, open_relayed, route
-from p2ptrain.comm.schedule import Schedule
-from p2ptrain.comm.wire import PeerTimeout, WireError, expect, read_frame, stream_transport, write_frame
+from p2ptrain.comm.net.attempt import AllReduceError, Connection, LaneKey, Registration
+from p2ptrain.comm.net.members import Member
+from p2ptrain.comm.net.relay import RelayRefused, Role, Route, needs_relay, open_relayed, route
+from p2ptrain.comm.net.server import DataPlaneServer
+from p2ptrain.comm.reduce.schedule import Schedule
+from p2ptrain.comm.transport.handshake import (
+    AttemptBehind,
+    Credentials,
+    HandshakeError,
+    PeerBusy,
+    ViewsDiffer,
+    dial,
+)
+from p2ptrain.comm.transport.wire import (
+    PeerTimeout,
+    WireError,
+    expect,
+    read_frame,
+    stream_transport,
+    write_frame,
+)
 from p2ptrain.deadline import within
 from p2ptrain.identity import NodeIdentity, short_id
 
@@ -49,14 +63,14 @@ async def refuses_connections(host: str, port: int, timeout: float = 1.0) -> boo
 
 
 async def _open(
-    identity: NodeIdentity, member: RingMember, settings: RingSettings, via: Route | None
+    identity: NodeIdentity, member: Member, *, setup_timeout: float, failure_timeout: float, via: Route | None
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """A TCP stream to `member`: direct, or through the relay of `via` (relay.py)."""
     if via is None:
-        return await within(asyncio.open_connection(member.host, member.port), settings.failure_timeout)
+        return await within(asyncio.open_connection(member.host, member.port), failure_timeout)
     relay, request = via
     try:
-        return await open_relayed(identity, relay, request, settings.setup_timeout)
+        return await open_relayed(identity, relay, request, setup_timeout)
     except RelayRefused as exc:
         if exc.attempt is not None:
             raise AttemptBehind(str(exc), exc.attempt) from None
@@ -65,7 +79,7 @@ async def _open(
         raise _relay_failed(exc, relay) from None
 
 
-def _relay_failed(exc: WireError, relay: RingMember) -> AllReduceError:
+def _relay_failed(exc: WireError, relay: Member) -> AllReduceError:
     """What an end makes of a relay that would not pair it. A refusal names no one: "absent" is the
     relay's word alone (a partner that really died goes by its heartbeat), and "views differ"
     blames no one anyway; a relay that cannot be reached or does not answer is named."""
@@ -76,10 +90,12 @@ def _relay_failed(exc: WireError, relay: RingMember) -> AllReduceError:
 
 async def dial_member(
     identity: NodeIdentity,
-    member: RingMember,
+    member: Member,
+    *,
     step: int,
     digest: bytes,
-    settings: RingSettings,
+    setup_timeout: float,
+    failure_timeout: float,
     lane: int = 0,
     attempt: int = 0,
     via: Route | None = None,
@@ -91,14 +107,17 @@ async def dial_member(
     A member publishes its address only once its server listens, so a refused connection means
     it is gone: that is retried only briefly (REFUSED_GRACE), not for the whole setup deadline. A
     member still in an earlier attempt of the step (PeerBusy) is dialed again until setup_timeout.
+    A silent peer costs failure_timeout.
     """
     started = time.monotonic()
-    refused_deadline = started + min(settings.setup_timeout, REFUSED_GRACE)
-    busy_deadline = started + settings.setup_timeout
+    refused_deadline = started + min(setup_timeout, REFUSED_GRACE)
+    busy_deadline = started + setup_timeout
     refused_delay, busy_delay = 0.05, 0.02
     while True:
         try:
-            reader, writer = await _open(identity, member, settings, via)
+            reader, writer = await _open(
+                identity, member, setup_timeout=setup_timeout, failure_timeout=failure_timeout, via=via
+            )
         except (OSError, asyncio.TimeoutError) as exc:
             if time.monotonic() + refused_delay > refused_deadline:
                 raise AllReduceError(
@@ -116,11 +135,11 @@ async def dial_member(
                 member.key,
                 step,
                 digest,
-                settings.setup_timeout,
+                setup_timeout,
                 lane,
                 attempt,
                 credentials,
-                answer_timeout=settings.failure_timeout,  # a silent peer costs failure_timeout
+                answer_timeout=failure_timeout,
             )
         except PeerTimeout as exc:
             writer.close()
@@ -135,7 +154,7 @@ async def dial_member(
         except PeerBusy as exc:
             writer.close()
             if time.monotonic() + busy_delay > busy_deadline:
-                raise AllReduceError(f"step {step}: {exc} for {settings.setup_timeout:.0f} s") from None
+                raise AllReduceError(f"step {step}: {exc} for {setup_timeout:.0f} s") from None
             await asyncio.sleep(busy_delay)
             busy_delay = min(busy_delay * 2, BUSY_RETRY_MAX)
             continue
@@ -145,7 +164,7 @@ async def dial_member(
         return reader, writer, session
 
 
-def sender_dials(sender: RingMember, receiver: RingMember) -> bool:
+def sender_dials(sender: Member, receiver: Member) -> bool:
     """Who dials the connection that carries `sender`'s frames to `receiver`: the sender, unless
     only the sender can be dialed (the receiver is behind NAT: connection reversal). Both ends
     derive this from the same member list, so they agree without talking."""
@@ -167,7 +186,7 @@ class LanePlan:
     await_to_receive: list[Slot]
 
     @classmethod
-    def of(cls, members: Sequence[RingMember], schedule: Schedule) -> LanePlan:
+    def of(cls, members: Sequence[Member], schedule: Schedule) -> LanePlan:
         plan, me = cls([], [], [], []), members[schedule.index]
         for peer in schedule.out_peers():
             target = plan.dial_to_send if sender_dials(me, members[peer]) else plan.await_to_send
@@ -177,7 +196,7 @@ class LanePlan:
             target.extend((peer, lane) for lane in range(schedule.lanes))
         return plan
 
-    def incoming_lanes(self, members: Sequence[RingMember], lanes: int) -> list[LaneKey]:
+    def incoming_lanes(self, members: Sequence[Member], lanes: int) -> list[LaneKey]:
         """(peer key, handshake lane) of every connection that peers dial to us."""
         return [(members[peer].key, lane) for peer, lane in self.await_to_receive] + [
             (members[peer].key, lanes + lane) for peer, lane in self.await_to_send
@@ -186,24 +205,25 @@ class LanePlan:
 
 async def connect_lanes(
     server: DataPlaneServer,
-    members: Sequence[RingMember],
+    *,
+    members: Sequence[Member],
     plan: LanePlan,
     registration: Registration,
     step: int,
     digest: bytes,
     connections: list[Connection],
-    standby: Sequence[RingMember] = (),
+    standby: Sequence[Member] = (),
 ) -> tuple[dict[Slot, Connection], dict[Slot, Connection]]:
     """Dial the lanes `plan` says we dial and wait for the others; every connection lands in
     `connections`. Returns the ones we send on and the ones we receive on, by (peer, lane).
     `standby`: relays for edges between members behind NAT where no member can relay."""
-    settings = server.settings
-    lanes = settings.connections
+    setup_timeout, failure_timeout = server.setup_timeout, server.comm.failure_timeout
+    lanes = server.comm.connections
     me = next(member for member in members if member.key == server.identity.public_key)
     paired: dict[LaneKey, bytes] = {}
     """Relayed lanes into us that the relay paired: a hello that never came then names the relay."""
 
-    def relayed(sender: RingMember, receiver: RingMember, lane: int, role: Role) -> Route | None:
+    def relayed(sender: Member, receiver: Member, lane: int, role: Role) -> Route | None:
         """The relay of an edge neither end of which can be dialed; None for every other edge."""
         if not needs_relay(sender, receiver):
             return None
@@ -220,13 +240,14 @@ async def connect_lanes(
             connection = await dial_member(
                 server.identity,
                 members[peer],
-                step,
-                digest,
-                settings,
-                lane,
-                registration.attempt,
-                via,
-                server.credentials,
+                step=step,
+                digest=digest,
+                setup_timeout=setup_timeout,
+                failure_timeout=failure_timeout,
+                lane=lane,
+                attempt=registration.attempt,
+                via=via,
+                credentials=server.credentials,
             )
         except AttemptBehind as exc:
             server.learn_attempt(step, exc.attempt)
@@ -236,7 +257,7 @@ async def connect_lanes(
             raise AllReduceError(f"step {step}: {short_id(peer_key)}: {exc}", refuser=peer_key) from None
         connections.append(connection)
         if lane >= lanes:
-            await _send_go(connection, settings.failure_timeout)
+            await _send_go(connection, failure_timeout)
         return (peer, lane % lanes), connection
 
     async def incoming(peer: int, lane: int, deadline: float) -> tuple[Slot, Connection]:
@@ -261,7 +282,7 @@ async def connect_lanes(
         if needs_relay(member, me):  # the relay paired us (it had the peer's request) or said why not
             blamed = paired.get((member.key, lane))
         raise AllReduceError(
-            f"{short_id(member.key)} did not connect within {settings.setup_timeout:.0f} s",
+            f"{short_id(member.key)} did not connect within {setup_timeout:.0f} s",
             blamed,
             views_differ=heard,
         )
@@ -273,7 +294,7 @@ async def connect_lanes(
         pause = 0.05
         while not future.done():
             try:
-                reader, writer = await open_relayed(server.identity, *via, settings.setup_timeout)
+                reader, writer = await open_relayed(server.identity, *via, setup_timeout)
             except WireError as exc:
                 if isinstance(exc, RelayRefused) and exc.attempt is not None:
                     server.learn_attempt(step, exc.attempt)
@@ -291,13 +312,13 @@ async def connect_lanes(
         dialed = await asyncio.gather(*sending_dials, *receiving_dials)
         sending = dict(dialed[: len(sending_dials)])
         receiving = dict(dialed[len(sending_dials) :])
-        deadline = time.monotonic() + settings.setup_timeout
+        deadline = time.monotonic() + setup_timeout
         for peer, lane in plan.await_to_receive:
             slot, connection = await incoming(peer, lane, deadline)
             receiving[slot] = connection
         for peer, lane in plan.await_to_send:
             slot, connection = await incoming(peer, lanes + lane, deadline)
-            await _await_go(connection, settings.failure_timeout)
+            await _await_go(connection, failure_timeout)
             sending[slot] = connection
         return sending, receiving
 

@@ -7,7 +7,7 @@ member that processed more tokens is not held against the others), and scales ev
 normalised norm is above its limit down to that limit before summing. The limits come from the
 members' signed norm claims (claims.py): min(claim × slack, `clip` × the median claim), so every
 member can check the owner's sum against them. With one poisoner among three or more members the
-median is an honest norm. The owner counts whose shares it clipped (RingStats.clipped); the node
+median is an honest norm. The owner counts whose shares it clipped (ReduceStats.clipped); the node
 logs it, so poisoning is never silent.
 """
 

@@ -23,7 +23,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Collection, Iterable
 
-from p2ptrain.comm.wire import WireError, read_frame, write_frame
+from p2ptrain.comm.transport.wire import WireError, read_frame, write_frame
 from p2ptrain.deadline import within
 
 log = logging.getLogger(__name__)

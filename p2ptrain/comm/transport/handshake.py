@@ -41,14 +41,22 @@ import secrets
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, replace
 
-from p2ptrain.comm.seal import EPHEMERAL_BYTES, Ephemeral, SessionKeys, derive_keys
-from p2ptrain.comm.wire import Frame, FrameError, WireError, expect, read_frame, stream_transport, write_frame
+from p2ptrain.comm.transport.seal import EPHEMERAL_BYTES, Ephemeral, SessionKeys, derive_keys
+from p2ptrain.comm.transport.wire import (
+    Frame,
+    FrameError,
+    WireError,
+    expect,
+    read_frame,
+    stream_transport,
+    write_frame,
+)
+from p2ptrain.config import MAX_CONNECTIONS
 from p2ptrain.identity import PUBLIC_KEY_BYTES, NodeIdentity, short_id, verify
 
 log = logging.getLogger(__name__)
 
 _DOMAIN = b"p2ptrain/ring-handshake/v4\0"
-MAX_LANES = 16
 NONCE_BYTES = 32
 DIGEST_BYTES = 32
 MAX_HANDSHAKE_FRAME = 1024
@@ -296,7 +304,7 @@ async def accept_any(
         peer_nonce = _bytes_field(hello.header, "nonce", NONCE_BYTES)
         peer_ephemeral = _bytes_field(hello.header, "ephemeral", EPHEMERAL_BYTES)
         step = _int_field(hello.header, "step", 1 << 63)
-        lane = _int_field(hello.header, "lane", 2 * MAX_LANES)  # reversed lanes above
+        lane = _int_field(hello.header, "lane", 2 * MAX_CONNECTIONS)  # reversed lanes above
         attempt = _int_field(hello.header, "attempt", MAX_ATTEMPT + 1)
         digest = _bytes_field(hello.header, "digest", DIGEST_BYTES)
         known = peek(step) if peek is not None else None

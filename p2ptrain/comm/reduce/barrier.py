@@ -58,8 +58,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from p2ptrain.comm import lanes
-from p2ptrain.comm.wire import FrameError, WireError
+from p2ptrain.comm.transport import lanes
+from p2ptrain.comm.transport.wire import FrameError, WireError
 from p2ptrain.identity import SIGNATURE_BYTES, NodeIdentity, short_id, verify
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,7 @@ def holders_in(header: dict, step: int, n: int, sender: int, before: int) -> tup
 async def on_own_thread(work: Callable[[], None], name: str) -> None:
     """`work()` on a thread of its own, as the transfer's (the default executor may be busy with a
     checkpoint's copy or hash). Cancelled, it leaves the thread to end when the caller shuts the
-    connections it blocks on (ring_all_reduce does, in any case)."""
+    connections it blocks on (all_reduce does, in any case)."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
 

@@ -12,19 +12,15 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from p2ptrain.comm.budget import wait_until
-from p2ptrain.comm.members import RingMember
-from p2ptrain.comm.relay import RelayRequest, Stream, needs_relay, relay_for
-from p2ptrain.comm.wire import Frame, WireError, write_frame
+from p2ptrain.comm.net.budget import wait_until
+from p2ptrain.comm.net.members import Member
+from p2ptrain.comm.net.relay import RelayRequest, Stream, needs_relay, relay_for
+from p2ptrain.comm.transport.wire import Frame, WireError, write_frame
 from p2ptrain.deadline import within
 from p2ptrain.identity import NodeIdentity, short_id
 from p2ptrain.rate import RateCap
 from p2ptrain.untrusted import ThrottledLog
-
-if TYPE_CHECKING:  # dataplane.py imports this module
-    from p2ptrain.comm.dataplane import RingSettings
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +32,6 @@ MAX_PER_SIGNER = 32
 VIEWS_DIFFER = "views differ: "
 MAX_EARLY_STRANGERS = 8
 """Requests of nodes we know nothing of waiting for this node's attempt (anyone can sign one)."""
-EARLY_LIMIT = (MAX_WAITING, MAX_EARLY_STRANGERS)
 ABSENT = "did not ask for this edge in time"
 MAX_SPLICES = 256
 """Edges relayed at once."""
@@ -46,6 +41,14 @@ RelayAdmit = Callable[[RelayRequest, float], Awaitable[str | None]]
 KEPT_MEMBERSHIPS = 8
 """Memberships (step, digest) remembered for requests that arrive after this node's own attempt
 ended: a fast relay may be done with the step while its edges still carry the last frames."""
+
+
+@dataclass
+class _Slots:
+    """A count of waiting requests and its bound."""
+
+    limit: int
+    taken: int = 0
 
 
 @dataclass(frozen=True)
@@ -75,27 +78,34 @@ class RelayService:
 
     def __init__(
         self,
+        *,
         identity: NodeIdentity,
         mbps: float,
-        settings: RingSettings,
+        lanes: int,
+        setup_timeout: float,
+        failure_timeout: float,
         wake: Callable[[int], None] = lambda step: None,
         admit: RelayAdmit | None = None,
     ):
+        """`lanes`: comm.connections (a member's parallel connections per edge); `setup_timeout`:
+        how long an end waits for its partner; `wake`, `admit`: see the attributes below."""
         self.identity = identity
         self.admit = admit
-        self.lanes = settings.connections
-        self.idle_timeout = settings.setup_timeout + 2 * settings.failure_timeout
+        self.lanes = lanes
+        self.idle_timeout = setup_timeout + 2 * failure_timeout
         """A splice that carried no byte either way this long is closed: both ends gave up long ago."""
         self._streams: set[Stream] = set()
         self.known: Collection[bytes] = frozenset()
         """The live nodes of the run this node knows of (set by its sync at every read of the records)."""
         self.wake = wake
         """Called with the step of an early request from a known node: our election should look again."""
-        self._early = [0, 0]
-        """Requests waiting for this node's attempt: [known nodes', strangers']."""
+        self._early_known = _Slots(MAX_WAITING)
+        """Requests of known nodes waiting for this node's attempt."""
+        self._early_strangers = _Slots(MAX_EARLY_STRANGERS)
+        """Requests of nodes we know nothing of waiting for this node's attempt."""
         self.cap = RateCap(mbps * 1e6 / 8)
-        self.partner_timeout = settings.setup_timeout
-        self._memberships: OrderedDict[tuple[int, bytes], tuple[RingMember, ...]] = OrderedDict()
+        self.partner_timeout = setup_timeout
+        self._memberships: OrderedDict[tuple[int, bytes], tuple[Member, ...]] = OrderedDict()
         self._changed = asyncio.Event()
         self._waiting: dict[tuple, tuple[RelayRequest, Stream, asyncio.Future[RelayRefusal | None]]] = {}
         self._splices = 0
@@ -127,7 +137,7 @@ class RelayService:
         for _, writer in [*self._streams, *(mine for _, mine, _ in self._waiting.values())]:
             writer.transport.abort()
 
-    def allow(self, step: int, digest: bytes, members: Sequence[RingMember]) -> None:
+    def allow(self, step: int, digest: bytes, members: Sequence[Member]) -> None:
         """This node takes part in `step` under `digest`: relay its NAT'd members' edges."""
         self._memberships[(step, digest)] = tuple(members)
         self._memberships.move_to_end((step, digest))
@@ -136,7 +146,7 @@ class RelayService:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    async def _membership(self, request: RelayRequest, deadline: float) -> tuple[RingMember, ...] | None:
+    async def _membership(self, request: RelayRequest, deadline: float) -> tuple[Member, ...] | None:
         """The members of the request's (step, digest). An end may ask before this node registered
         that attempt: it waits (bounded), the live nodes we know of (`known`) up to MAX_WAITING in
         all, anyone else in MAX_EARLY_STRANGERS slots of its own, so a flood of such requests holds
@@ -146,20 +156,21 @@ class RelayService:
         if key in self._memberships:
             return self._memberships[key]
         newest = max((step for step, _ in self._memberships), default=request.step)
-        stranger = request.signer not in self.known
-        if not newest <= request.step <= newest + 1 or self._early[stranger] >= EARLY_LIMIT[stranger]:
+        known = request.signer in self.known
+        slots = self._early_known if known else self._early_strangers
+        if not newest <= request.step <= newest + 1 or slots.taken >= slots.limit:
             return None
-        if not stranger:
+        if known:
             self.wake(request.step)
-        self._early[stranger] += 1
+        slots.taken += 1
         try:
             if not await wait_until(lambda: key in self._memberships, lambda: self._changed, deadline):
                 return None
         finally:
-            self._early[stranger] -= 1
+            slots.taken -= 1
         return self._memberships.get(key)
 
-    def _check(self, request: RelayRequest, members: Sequence[RingMember] | None) -> str | None:
+    def _check(self, request: RelayRequest, members: Sequence[Member] | None) -> str | None:
         """Why this node will not relay `request`, or None."""
         if members is None:
             return VIEWS_DIFFER + f"this node is in no attempt of step {request.step} with that membership"

@@ -1,6 +1,7 @@
 """The int8 (or int4: `bits`) all-reduce of one outer step, over authenticated TCP between members.
 
-Every member of step N calls `ring_all_reduce` with the same ordered member list. The flat fp32
+Every member of step N calls `all_reduce` with the same ordered member list; it runs the ring or
+the butterfly (`comm.topology`). The flat fp32
 vector is cut into one segment per member (member i owns segment i+1 mod n) and each segment into
 chunks (`chunk_bytes`). Two reduce-scatter topologies share one all-gather:
 
@@ -14,9 +15,9 @@ chunks (`chunk_bytes`). Two reduce-scatter topologies share one all-gather:
 - all-gather (both): each owner encodes its reduced segment once; the bytes travel around the ring
   unchanged, and every member, the owner included, decodes the same bytes: bit-identical results.
 
-`RingSettings.topology = "auto"` takes the ring up to 3 members (where it meets the 1 % error
-budget), the butterfly above and whenever `clip` > 0: its owners clip the shares they sum to limits
-every member can check (robust_reduce.py). Each member scales its values by its share of the weights.
+`comm.topology = "auto"` takes the ring up to 3 members (where it meets the 1 % error budget), the
+butterfly above and whenever `comm.clip` > 0: its owners clip the shares they sum to limits every
+member can check (robust/aggregator.py). Each member scales its values by its share of the weights.
 
 Who sends which frames to whom is schedule.py. Connections are set up and authenticated on the
 event loop; the transfer itself runs on threads (transfer.py), one per connection and direction,
@@ -37,26 +38,32 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import os
 import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import zstandard
 
-from p2ptrain.comm import claims, lanes, quant
-from p2ptrain.comm.barrier import Holding, ToSuccessor, await_every_holder, on_own_thread
-from p2ptrain.comm.connect import LanePlan, connect_lanes
-from p2ptrain.comm.dataplane import AllReduceError, Connection, DataPlaneServer, RingSettings
-from p2ptrain.comm.handshake import HandshakeError, ViewsDiffer
-from p2ptrain.comm.members import RingMember, RingStats, link_rates, membership_digest, shares
-from p2ptrain.comm.quant import Buffer
-from p2ptrain.comm.robust_reduce import RobustReduce
-from p2ptrain.comm.schedule import BUNDLE, CLAIMS, FrameSpec, Schedule, choose_topology, segment_bounds
-from p2ptrain.comm.transfer import Slots, Transfer
-from p2ptrain.comm.wire import FrameError, PeerClosed, WireError
+from p2ptrain.comm.codec import quant
+from p2ptrain.comm.codec.quant import Buffer
+from p2ptrain.comm.net.attempt import AllReduceError, Connection
+from p2ptrain.comm.net.members import Member, membership_digest, shares
+from p2ptrain.comm.net.server import DataPlaneServer
+from p2ptrain.comm.reduce.barrier import Holding, ToSuccessor, await_every_holder, on_own_thread
+from p2ptrain.comm.reduce.connect import LanePlan, connect_lanes
+from p2ptrain.comm.reduce.schedule import BUNDLE, CLAIMS, FrameSpec, Schedule
+from p2ptrain.comm.reduce.transfer import Slots, Transfer
+from p2ptrain.comm.robust import claims
+from p2ptrain.comm.robust.aggregator import RobustAggregator
+from p2ptrain.comm.transport import lanes
+from p2ptrain.comm.transport.handshake import HandshakeError, ViewsDiffer
+from p2ptrain.comm.transport.wire import FrameError, PeerClosed, WireError
+from p2ptrain.config import CommConfig
 from p2ptrain.identity import NodeIdentity, short_id
 
 log = logging.getLogger(__name__)
@@ -66,56 +73,94 @@ Progress = Callable[[str, int, int], None]
 HELD_UP_S = 0.002
 """A frame whose send waited this long waited for the link: its time and bytes measure the link.
 Frames that go out at once only show that the link kept up (the socket buffers absorb bursts)."""
+MIN_MEASURED_BYTES = 1 << 20
+"""Fewer bytes held up by a link than this say too little to measure its rate."""
 
-__all__ = ["AllReduceError", "DataPlaneServer", "RingMember", "RingSettings", "RingStats",
-           "choose_topology", "ring_all_reduce", "segment_bounds", "shares"]  # fmt: skip
+
+def link_rates(held_up: dict[bytes, list[float]]) -> dict[bytes, float]:
+    """Bytes/s to each peer, from the [bytes, seconds] of the sends to it that waited for its link;
+    inf where too few waited to tell (the link kept up)."""
+    return {
+        key: sent / seconds if sent >= MIN_MEASURED_BYTES and seconds > 0 else math.inf
+        for key, (sent, seconds) in held_up.items()
+    }
 
 
-class _AllReduce(RobustReduce):
+@dataclass
+class ReduceStats:
+    """What one member's part in one all-reduce yields besides the result in its buffer."""
+
+    seconds: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    frames: int = 0
+    result: list[tuple[int, int, Buffer]] = field(default_factory=list)
+    """The encoded chunks (start, stop, payload) every member decoded: an exact record of the step."""
+    link_rates: dict[bytes, float] = field(default_factory=dict)
+    """Bytes/s to each peer we sent to, measured over the frames whose send it held up; inf for a
+    peer that took our frames as fast as we produced them (its link was not our bottleneck)."""
+    clipped: dict[bytes, int] = field(default_factory=dict)
+    """Robust aggregation: member → chunks of ours (we own them) in which its share was clipped."""
+
+
+class _AllReduce:
     """One member's part in one all-reduce; see the module docstring for the schedule."""
 
     def __init__(
         self,
+        *,
         index: int,
-        members: Sequence[RingMember],
+        members: Sequence[Member],
         own: np.ndarray,
-        settings: RingSettings,
+        comm: CommConfig,
         step: int,
         progress: Progress | None,
         identity: NodeIdentity,
         digest: bytes,
     ):
+        """Member `index` of `members` reduces `own` (read only, never written before success) in
+        attempt `digest` of `step`."""
         self.n = len(members)
         self.index = index
         self.keys = [member.key for member in members]
-        self.own = own  # the caller's buffer: read only, never written before success
+        self.own = own
         self.fractions = [float(np.float32(share)) for share in shares(members)]
         self.share = self.fractions[index]
-        self.settings = settings
-        self.block, self.bits = settings.block, settings.bits
+        self.comm = comm
+        self.block = comm.quant_block
+        self.bits = comm.bits
         self.step = step
         self.progress = progress
         behind_nat = sum(not member.reachable for member in members)
-        self.schedule = Schedule.of(index, self.n, own.shape[0], settings, behind_nat)
+        self.schedule = Schedule.of(
+            index=index, n=self.n, length=own.shape[0], comm=comm, behind_nat=behind_nat
+        )
         largest = max(stop - start for chunks in self.schedule.chunks for start, stop in chunks)
         self.largest_payload = self._size(largest)
         self.max_payload = self.largest_payload + 64  # zstd may grow a payload a little
-        self.robust = self.schedule.robust
-        self.ledger: claims.Ledger | None = None
-        """Robust aggregation's signed claims and results (claims.py), with `clip` > 0."""
-        if self.robust:
+        workers = (len(self.schedule.out_peers()) + len(self.schedule.in_peers())) * comm.connections
+        self.threads = max(1, (os.cpu_count() or 1) // workers)
+        """OpenMP threads per kernel call: the transfer threads already run kernels side by side,
+        and more threads than cores make OpenMP spin (measured: twice the CPU time on 2 cores)."""
+        self.aggregator: RobustAggregator | None = None
+        """Robust aggregation (`comm.clip` > 0): clips and signs our segment, checks the others'."""
+        if self.schedule.robust:
             most = max(len(chunks) for chunks in self.schedule.chunks)
             self.max_payload = max(self.max_payload, self.n * claims.claim_bytes(most))
-            scheme = (settings.clip, settings.bits)
-            self.ledger = claims.Ledger(
-                identity, step, digest, self.keys, self.fractions, scheme, self.schedule.chunks, own
+            self.aggregator = RobustAggregator(
+                identity=identity,
+                step=step,
+                digest=digest,
+                keys=self.keys,
+                fractions=self.fractions,
+                comm=comm,
+                chunks=self.schedule.chunks,
+                own=own,
+                threads=self.threads,
+                sink=self,
             )
-        self.limits: list[np.ndarray] | None = None
-        """Robust: per chunk of our segment, each member's limit, once every claim is in."""
-        self.to_successor = ToSuccessor(step, settings.failure_timeout)
+        self.to_successor = ToSuccessor(step, comm.failure_timeout)
         """Keepalives and the barrier's sets, from our last data frame to the successor on."""
-        self.waiting: list[int] = []
-        """Robust: chunks of ours whose shares are all in, waiting for the last claims."""
         self.result = np.empty(self._size(own.shape[0]), np.uint8)
         """The encoded result, each chunk at its place: received or encoded straight into it, so
         the bulk of the data is never copied and lands in one allocation (huge pages where the
@@ -129,16 +174,11 @@ class _AllReduce(RobustReduce):
         owned = len(self.schedule.chunks[self.schedule.successor])
         self.chunk_locks = [threading.Lock() for _ in range(owned)]
         self.partial: dict[int, np.ndarray] = {}  # butterfly: chunk index -> fp32 sum so far
-        self.contributions: dict[int, dict[int, np.ndarray]] = {}  # clipped butterfly: chunk -> shares
         self.arrived: dict[int, int] = {}
         self.frames_queued = dict.fromkeys(self.schedule.out_peers(), 0)
         self.held_up = {peer: [0, 0.0] for peer in self.schedule.out_peers()}
         """peer → [bytes, seconds] of the frames whose send waited for the peer's link."""
-        self.stats = RingStats()
-        workers = (len(self.schedule.out_peers()) + len(self.schedule.in_peers())) * settings.connections
-        self.threads = max(1, (os.cpu_count() or 1) // workers)
-        """OpenMP threads per kernel call: the transfer threads already run kernels side by side,
-        and more threads than cores make OpenMP spin (measured: twice the CPU time on 2 cores)."""
+        self.stats = ReduceStats()
         self.failure: BaseException | None = None
         self.sockets: list[socket.socket] = []
 
@@ -156,14 +196,14 @@ class _AllReduce(RobustReduce):
     # ---- sending (one thread per outgoing lane) -----------------------------------------------
 
     def send_lane(self, peer: int, lane: int, channel: lanes.Channel) -> None:
-        compressor = zstandard.ZstdCompressor(level=1) if self.settings.zstd else None
+        compressor = zstandard.ZstdCompressor(level=1) if self.comm.zstd else None
         scratch = bytearray(self.largest_payload)  # our own encoded chunks, one at a time
         for phase, rnd, chunk, start, stop in self.schedule.send_frames(peer, lane):
             payload: Buffer
             spare = None
             if phase == CLAIMS:  # `chunk` is the segment
-                assert self.ledger is not None
-                payload = self.ledger.own_claims(chunk)
+                assert self.aggregator is not None
+                payload = self.aggregator.own_claims(chunk)
             elif phase == "rs" and (rnd == 0 or self.schedule.topology == "butterfly"):
                 out = memoryview(scratch)[: self._size(stop - start)]
                 payload = quant.encode_payload(
@@ -172,15 +212,15 @@ class _AllReduce(RobustReduce):
             else:
                 payload, spare = self.slots.take((phase, rnd, chunk))
             header = {"kind": phase, "step": self.step, "round": rnd, "chunk": chunk, "n": stop - start}
-            if phase == "ag" and self.ledger is not None:
-                header["sig"] = self.ledger.signature(self.schedule.sent_segment(rnd), chunk)
+            if phase == "ag" and self.aggregator is not None:
+                header["sig"] = self.aggregator.signature(self.schedule.sent_segment(rnd), chunk)
             if compressor is not None and phase not in (CLAIMS, BUNDLE):
                 payload = compressor.compress(payload)
                 header["zstd"] = True
             with self.lock:  # counted before the send: the peer may hang up as soon as it has all
                 self.frames_queued[peer] += 1
             sent_at = time.monotonic()
-            lanes.send_frame(channel, header, payload, self.settings.failure_timeout)
+            lanes.send_frame(channel, header, payload, self.comm.failure_timeout)
             waited = time.monotonic() - sent_at
             with self.lock:
                 if spare is not None:  # in the kernel now: the buffer can take the next partial sum
@@ -203,12 +243,12 @@ class _AllReduce(RobustReduce):
     # ---- receiving (one thread per incoming lane) ---------------------------------------------
 
     def receive_lane(self, peer: int, lane: int, channel: lanes.Channel) -> None:
-        decompressor = zstandard.ZstdDecompressor() if self.settings.zstd else None
+        decompressor = zstandard.ZstdDecompressor() if self.comm.zstd else None
         scratch = memoryview(bytearray(self.largest_payload))  # reduce-scatter frames, used at once
         for spec in self.schedule.receive_frames(peer, lane):
             phase, rnd, chunk, start, stop = spec
             place = functools.partial(self._place, spec, scratch)
-            frame = lanes.recv_frame(channel, self.settings.failure_timeout, self.max_payload, place)
+            frame = lanes.recv_frame(channel, self.comm.failure_timeout, self.max_payload, place)
             expected, got = self._expected(spec), _identity(frame.header)
             if got != expected:
                 raise FrameError(f"expected frame {expected}, got {got}")
@@ -224,9 +264,16 @@ class _AllReduce(RobustReduce):
                 encoded = quant.decode_payload(payload, stop - start, self.block, self.bits)
             except quant.PayloadError as exc:
                 raise FrameError(str(exc)) from None
-            if phase == "ag" and self.ledger is not None:
-                self._check_signed(peer, rnd, chunk, frame.header.get("sig"), payload, encoded)
-            self._absorb(peer, phase, rnd, chunk, start, stop, encoded, payload)
+            if phase == "ag" and self.aggregator is not None:
+                self.aggregator.result_arrived(
+                    peer=peer,
+                    segment=self.schedule.received_segment(rnd),
+                    chunk=chunk,
+                    signature=frame.header.get("sig"),
+                    payload=payload,
+                    encoded=encoded,
+                )
+            self._absorb(peer=peer, spec=spec, encoded=encoded, payload=payload)
             with self.lock:
                 self.stats.frames += 1
             if self.progress is not None:
@@ -246,17 +293,24 @@ class _AllReduce(RobustReduce):
             return None  # a fresh buffer; the checks after the read refuse what is wrong
         return self.placed(start, stop) if phase == "ag" else scratch[:size]
 
-    def _absorb(
-        self,
-        peer: int,
-        phase: str,
-        rnd: int,
-        chunk: int,
-        start: int,
-        stop: int,
-        encoded: quant.Encoded,
-        payload: Buffer,
-    ) -> None:
+    def _absorb_claims(self, peer: int, phase: str, rnd: int, segment: int, blob: bytes) -> None:
+        """Robust aggregation's frames: a member's claims for our segment, or an owner's bundle
+        passed on round the all-gather ahead of its segment."""
+        assert self.aggregator is not None
+        if phase == CLAIMS:
+            self.aggregator.claims_arrived(peer, blob)
+            return
+        self.aggregator.bundle_arrived(peer, segment, blob)
+        if rnd < self.n - 2:
+            self.slots.put((BUNDLE, rnd + 1, segment), blob)
+
+    def send_bundle(self, bundle: bytes) -> None:
+        assert self.aggregator is not None
+        self.slots.put((BUNDLE, 0, self.aggregator.ledger.own_segment), bundle)
+
+    def _absorb(self, *, peer: int, spec: FrameSpec, encoded: quant.Encoded, payload: Buffer) -> None:
+        """A data frame from `peer`, decoded (`encoded`) and raw (`payload`)."""
+        phase, rnd, chunk, start, stop = spec
         if phase == "ag":
             with self.lock:
                 self.finals.append((start, stop, payload))
@@ -273,9 +327,9 @@ class _AllReduce(RobustReduce):
                 final = quant.add_encode_payload(
                     own, self.share, encoded, self.threads, self.placed(start, stop)
                 )
-                self._finish_chunk(chunk, start, stop, final)
-        elif self.settings.clip > 0:
-            self._absorb_clipped(peer, chunk, start, stop, encoded)
+                self.finish_chunk(chunk, start, stop, final)
+        elif self.aggregator is not None:
+            self.aggregator.share_arrived(peer, chunk, encoded)
         else:
             with self.chunk_locks[chunk]:  # contributions to one chunk arrive from every peer at once
                 if chunk not in self.partial:
@@ -285,7 +339,7 @@ class _AllReduce(RobustReduce):
                 if self.arrived[chunk] == self.n - 1:
                     summed, placed = self.partial.pop(chunk), self.placed(start, stop)
                     final = quant.encode_payload(summed, self.block, 1.0, self.threads, placed, self.bits)
-                    self._finish_chunk(chunk, start, stop, final)
+                    self.finish_chunk(chunk, start, stop, final)
 
     def placed(self, start: int, stop: int) -> memoryview:
         """Where the encoded chunk [start, stop) lies in `result` (chunks start on a block boundary)."""
@@ -301,7 +355,7 @@ class _AllReduce(RobustReduce):
     def _size(self, length: int) -> int:
         return quant.payload_size(length, self.block, self.bits)
 
-    def _finish_chunk(self, chunk: int, start: int, stop: int, payload: Buffer) -> None:
+    def finish_chunk(self, chunk: int, start: int, stop: int, payload: Buffer) -> None:
         with self.lock:
             self.finals.append((start, stop, payload))
         self.slots.put(("ag", 0, chunk), payload)
@@ -315,6 +369,11 @@ class _AllReduce(RobustReduce):
             return decompressor.decompress(payload, max_output_size=self._size(length))
         except zstandard.ZstdError as exc:
             raise FrameError(f"bad zstd payload: {exc}") from None
+
+    def check_results(self) -> None:
+        """Once every frame is in: robust aggregation's bound on every owner's result."""
+        if self.aggregator is not None:
+            self.aggregator.check_results()
 
     def write_result(self, buffer: np.ndarray) -> None:
         """Decode every final chunk into `buffer`: the same bytes on every member, so the same floats."""
@@ -330,20 +389,21 @@ def _identity(header: dict) -> tuple:
     return tuple(header.get(key) for key in ("kind", "step", "round", "chunk", "n"))
 
 
-async def ring_all_reduce(
+async def all_reduce(
     server: DataPlaneServer,
+    *,
     step: int,
-    members: Sequence[RingMember],
+    members: Sequence[Member],
     buffer: np.ndarray,
     progress: Progress | None = None,
-    relays: Sequence[RingMember] = (),
-) -> RingStats:
+    relays: Sequence[Member] = (),
+) -> ReduceStats:
     """Replace `buffer` (1-D fp32) with the weighted average over `members`, identical on all of them.
     `relays`: the standby relays the election listed (relay.relay_for), part of the digest.
 
     Raises AllReduceError (buffer unchanged) when any member fails; see the module docstring.
     """
-    identity, settings = server.identity, server.settings
+    identity, comm = server.identity, server.comm
     if buffer.dtype != np.float32 or buffer.ndim != 1 or not buffer.flags.c_contiguous:
         raise TypeError("the all-reduce buffer must be a contiguous 1-D float32 array")
     keys = [member.key for member in members]
@@ -353,17 +413,24 @@ async def ring_all_reduce(
     if len(members) == 1:
         if not quant.all_finite(buffer):
             raise AllReduceError(f"step {step}: this node's contribution holds NaN or Inf")
-        return RingStats(seconds=time.monotonic() - started)
+        return ReduceStats(seconds=time.monotonic() - started)
     # NaN/Inf of ours are caught where a chunk is encoded, before anything is sent; the error then
     # shuts every connection, so the others fail at once instead of waiting for a timeout.
     loop = asyncio.get_running_loop()
     digest = membership_digest(step, members, relays)
     plan = _AllReduce(
-        keys.index(identity.public_key), members, buffer, settings, step, progress, identity, digest
+        index=keys.index(identity.public_key),
+        members=members,
+        own=buffer,
+        comm=comm,
+        step=step,
+        progress=progress,
+        identity=identity,
+        digest=digest,
     )
-    lanes = LanePlan.of(members, plan.schedule)
+    lane_plan = LanePlan.of(members, plan.schedule)
     registration = server.expect(
-        step, (), digest, lanes.incoming_lanes(members, settings.connections), members
+        step, (), digest, lane_plan.incoming_lanes(members, comm.connections), members
     )
     incoming = registration.incoming
     connections: list[Connection] = []
@@ -371,7 +438,14 @@ async def ring_all_reduce(
     cancelled = False
     try:
         sending, receiving = await connect_lanes(
-            server, members, lanes, registration, step, digest, connections, relays
+            server,
+            members=members,
+            plan=lane_plan,
+            registration=registration,
+            step=step,
+            digest=digest,
+            connections=connections,
+            standby=relays,
         )
         outgoing = {slot: transfer.adopt(connection, sending=True) for slot, connection in sending.items()}
         into = {slot: transfer.adopt(connection, sending=False) for slot, connection in receiving.items()}
@@ -380,7 +454,7 @@ async def ring_all_reduce(
         if plan.failure is not None:
             raise plan.failure
         plan.check_results()
-        bound = settings.failure_timeout * (plan.schedule.frames_in() + plan.n)  # as the data allow
+        bound = comm.failure_timeout * (plan.schedule.frames_in() + plan.n)  # as the data allow
         holding = Holding.signed(identity, step, keys, digest, registration.attempt)
         ends = (plan.to_successor, into[plan.schedule.predecessor, 0], bound)
         barrier = functools.partial(await_every_holder, holding, *ends)
@@ -412,7 +486,7 @@ async def ring_all_reduce(
             writer.close()
         server.forget(step)
         if not cancelled:
-            await asyncio.to_thread(transfer.join, settings.failure_timeout)
+            await asyncio.to_thread(transfer.join, comm.failure_timeout)
     await loop.run_in_executor(None, plan.write_result, buffer)
     plan.stats.result = plan.finals
     plan.stats.link_rates = link_rates({plan.keys[peer]: held for peer, held in plan.held_up.items()})

@@ -9,8 +9,8 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from p2ptrain.comm.handshake import Admission, Session
-from p2ptrain.comm.wire import WireError
+from p2ptrain.comm.transport.handshake import Admission, Session
+from p2ptrain.comm.transport.wire import WireError
 
 T = TypeVar("T")
 
@@ -43,7 +43,7 @@ class AllReduceError(WireError):
         names it then)."""
         self.connected: frozenset[bytes] = frozenset()
         """Members whose handshake with this node completed in the failed attempt (either way): they
-        did not refuse it (set by ring_all_reduce)."""
+        did not refuse it (set by all_reduce)."""
 
 
 @dataclass

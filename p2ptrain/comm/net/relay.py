@@ -37,8 +37,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from p2ptrain.comm.members import RingMember
-from p2ptrain.comm.wire import WireError, expect, read_frame, write_frame
+from p2ptrain.comm.net.members import Member
+from p2ptrain.comm.transport.wire import WireError, expect, read_frame, write_frame
 from p2ptrain.deadline import within
 from p2ptrain.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, NodeIdentity, short_id, verify
 
@@ -54,11 +54,11 @@ Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 def relay_for(
     step: int,
-    members: Sequence[RingMember],
+    members: Sequence[Member],
     sender: bytes,
     receiver: bytes,
-    standby: Sequence[RingMember] = (),
-) -> RingMember | None:
+    standby: Sequence[Member] = (),
+) -> Member | None:
     """The node that relays `sender` → `receiver` at `step`: the reachable member with the smallest
     hash of (step, pair, member), so every member computes the same one and edges spread over the
     reachable members; where no member can be reached, the standby relay (`p2ptrain bootstrap
@@ -69,13 +69,13 @@ def relay_for(
     if not candidates:
         return None
 
-    def rank(member: RingMember) -> bytes:
+    def rank(member: Member) -> bytes:
         return hashlib.sha256(_DOMAIN + step.to_bytes(8, "big") + sender + receiver + member.key).digest()
 
     return min(candidates, key=rank)
 
 
-def needs_relay(sender: RingMember, receiver: RingMember) -> bool:
+def needs_relay(sender: Member, receiver: Member) -> bool:
     """Neither end of the edge can be dialed (connect.sender_dials covers every other case)."""
     return not sender.reachable and not receiver.reachable
 
@@ -161,7 +161,7 @@ class RelayRequest:
         return request
 
 
-Route = tuple[RingMember, RelayRequest]
+Route = tuple[Member, RelayRequest]
 """The relay of an edge and the request one end presents to it."""
 
 
@@ -169,12 +169,12 @@ def route(
     step: int,
     attempt: int,
     digest: bytes,
-    members: Sequence[RingMember],
+    members: Sequence[Member],
     sender: bytes,
     receiver: bytes,
     lane: int,
     role: Role,
-    standby: Sequence[RingMember] = (),
+    standby: Sequence[Member] = (),
 ) -> Route:
     """How one end reaches the other end of a relayed edge; WireError when nobody can relay."""
     relay = relay_for(step, members, sender, receiver, standby)
@@ -204,7 +204,7 @@ class RelayRefused(WireError):
 
 
 async def open_relayed(
-    identity: NodeIdentity, relay: RingMember, request: RelayRequest, timeout: float
+    identity: NodeIdentity, relay: Member, request: RelayRequest, timeout: float
 ) -> Stream:
     """Our end of a relayed edge: dial the relay, ask, and return the stream once it has paired us
     (the end-to-end handshake comes next). RelayRefused with the relay's reason when it refuses;

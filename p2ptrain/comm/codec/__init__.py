@@ -1,0 +1,5 @@
+"""What a data frame's payload holds.
+
+quant.py   blockwise 8- or 4-bit codes for fp32 vectors: the compiled kernels and the NumPy
+           reference they are tested against
+"""

@@ -1,0 +1,8 @@
+"""One all-reduce of one outer step.
+
+allreduce.py  the entry point `all_reduce`: the ring or the butterfly, all-or-nothing
+schedule.py   who sends which frames to whom, a pure function of (n, length, comm)
+connect.py    dialing and awaiting every lane of an attempt
+transfer.py   the threads that move the frames, and how the event loop waits for them
+barrier.py    the completion barrier: a result is taken only once every member holds it
+"""

@@ -1,0 +1,7 @@
+"""Frames on one data-plane connection.
+
+wire.py       a frame: fixed prefix, small msgpack header, raw payload; bounded reads
+seal.py       every frame after the handshake encrypted and authenticated (AEAD)
+handshake.py  mutual authentication of two members of one step, and the session keys
+lanes.py      blocking frame I/O on the raw sockets the all-reduce's threads use
+"""
