@@ -24,7 +24,7 @@ bf16 autocast as the config says). It reads every node's metrics.jsonl and repor
 Ends within 5 minutes on one H100/H200 (one run took under a minute on an H200; --timeout bounds
 each run: it stops every process it started and reports what it has). On a machine without a GPU it
 runs the same on the CPU (use `--config debug` there: it checks the script, its figures mean
-nothing). The README's results table holds the figures of its runs on a GPU.
+nothing). docs/results/2026-12-gpu.md holds the figures of its runs on a GPU.
 """
 
 from __future__ import annotations

@@ -98,7 +98,9 @@ class NodeConfig(Section):
     data_port: int = Field(0, ge=0, lt=65536)
     """TCP port of the data plane; 0 picks a free one."""
     data_announce: str = ""
-    """host:port others dial for the data plane; default: data_host (127.0.0.1 for 0.0.0.0) and the port."""
+    """host:port others dial for the data plane; default: data_host and the port, where data_host is
+    a wildcard the address of the interface that reaches the bootstrap peers (later corrected by
+    the address the peers observe)."""
     ckpt_port: int = Field(0, ge=0, lt=65536)
     """TCP port of the checkpoint sidecar (HTTP, on data_host); 0 picks a free one."""
     ckpt_announce: str = ""
@@ -138,11 +140,12 @@ class SwarmConfig(Section):
     connect_backoff: float = Field(1.0, gt=0, le=60)
     """First retry delay in seconds; it doubles after each failed attempt."""
     shutdown_timeout: float = Field(5.0, gt=0, le=60)
-    """Seconds a stopping node gives its DHT and ranks to end before it kills them."""
+    """Seconds a stopping node gives its DHT process (and p2pd) to end before it kills them."""
     straggler_deadline: float = Field(10.0, ge=0, le=3600)
     """Seconds after a node first sees a ready(N) record before step N goes on without the late ones."""
     election_timeout: float = Field(120.0, gt=0, le=86400)
-    """Seconds one outer step's elections may take before the node gives the step up."""
+    """Bound on each wait for the swarm: one outer step's elections (then the step is given up),
+    the start quorum (`wait_nodes`), a majority's view of the checkpoint to recover."""
     wait_nodes: int = Field(1, ge=1, le=10000)
     """A node starts training once this many live nodes (itself included) are in the swarm table."""
     sync_retries: int = Field(20, ge=1, le=1000)
@@ -150,7 +153,7 @@ class SwarmConfig(Section):
     push_records: bool = True
     """Push this node's ready records straight to the data ports of the step's nodes as well as
     storing them (comm/net/record_push.py), so elections decide without waiting for DHT round
-    trips (docs/results: control plane). Off: the DHT alone carries them."""
+    trips (docs/results/2026-12-control-plane.md). Off: the DHT alone carries them."""
     finish_grace: float = Field(60.0, ge=0, le=86400)
     """Seconds a node that finished the run stays in the swarm (state `finished`, still serving its
     checkpoint and recent all-reduce results) for nodes behind it to catch up; it leaves sooner
@@ -281,6 +284,8 @@ class DataConfig(Section):
     text_field: str = "text"
     """Field holding the text in .jsonl records and .parquet columns."""
     num_shards: int = Field(64, ge=1, le=1 << 20)
+    """Shards the corpus's files fall into by the hash of their names; a node reads its own shard
+    first, then the others in turn."""
     shard: int | None = Field(None, ge=0)
     """This node's first shard; default: derived from the node key (stable across restarts)."""
     eos_id: int | None = Field(None, ge=0)
@@ -332,7 +337,7 @@ class OverlapConfig(Section):
     """c: with the result taken at the phase's end, Δ − c·(y − θ_S) is handed over and is the next
     phase's estimate (y: where the phase started, θ_S: S's params once S took its step); taken τ
     steps in, the working weights keep 1 − c·τ/H of their shift onto S. 0: Δ as measured from y;
-    1 diverged (docs/results: overlap quality)."""
+    1 diverged (docs/results/2026-12-quality.md)."""
     steps: Annotated[int, SHARED] = Field(0, ge=0, le=1_000_000)
     """Apply step N's result after this many inner steps of phase N + 1 (the time the sync has to
     hide in), moving the working weights by what the estimate missed; 0: at the end of that phase.

@@ -2,10 +2,13 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from p2ptrain.config import CONFIG_DIR, Config, load_config
+from p2ptrain import config_reference
+from p2ptrain.config import CONFIG_DIR, Config, config_differences, load_config
+from p2ptrain.config_reference import undocumented
 from p2ptrain.errors import ConfigError
 from tests.helpers import assert_one_line_error, cli
 
@@ -98,7 +101,9 @@ def test_digest_covers_the_model_but_not_local_settings() -> None:
 
 
 def test_config_show_prints_resolved_values() -> None:
-    result = cli("config", "show", "--config", "debug", "--set", "train.lr=0.125")
+    result = cli(
+        "config", "show", "--config", "debug", "--set", "train.lr=0.125", "--set", "outer.overlap.steps=3"
+    )
     assert result.returncode == 0, result.stderr
     assert "lr = 0.125" in result.stdout and "[model]" in result.stdout
     reparsed = result.stdout
@@ -107,7 +112,8 @@ def test_config_show_prints_resolved_values() -> None:
     else:
         import tomli as tomllib
 
-    assert Config.model_validate(tomllib.loads(reparsed.replace("# identity is unset", ""))).train.lr == 0.125
+    shown = Config.model_validate(tomllib.loads(reparsed))
+    assert shown == load_config("debug", overrides=["train.lr=0.125", "outer.overlap.steps=3"], environ={})
 
 
 def test_config_show_reports_errors_in_one_line(tmp_path: Path) -> None:
@@ -118,3 +124,45 @@ def test_config_show_reports_errors_in_one_line(tmp_path: Path) -> None:
         cli("config", "show", env={"P2PTRAIN_SWARM__HEARTBEAT_TIMEOUT": "-1"}),
         "P2PTRAIN_SWARM__HEARTBEAT_TIMEOUT",
     )
+
+
+def test_the_shared_fields_are_those_marked_and_no_others() -> None:
+    """What every node of a run must share is read from the SHARED marks on the fields; a field
+    gained or lost there changes who may train together, so the set is spelled out here."""
+    shared = Config().shared()
+    dotted = {f"{section}.{key}" for section, keys in shared.items() for key in keys}
+    assert dotted == {
+        *(f"run.{key}" for key in ("id", "authority")),
+        *(f"model.{key}" for key in Config().model.model_dump()),
+        *(f"train.{key}" for key in ("inner_steps", "max_batch_size", "lr", "weight_decay")),
+        *(f"train.{key}" for key in ("warmup_steps", "max_steps", "grad_clip", "seed")),
+        *(f"outer.{key}" for key in ("lr", "momentum", "nesterov", "overlap")),
+        *(f"comm.{key}" for key in ("quant_block", "bits", "chunk_bytes", "connections", "zstd")),
+        *(f"comm.{key}" for key in ("topology", "clip")),
+    }
+    assert set(shared["outer"]["overlap"]) == set(Config().outer.overlap.model_dump())
+
+
+def test_a_setting_that_differs_is_named_by_its_dotted_key() -> None:
+    mine = load_config("debug", overrides=["outer.overlap.steps=3"], environ={})
+    theirs = load_config("debug", environ={})
+    differences = config_differences(mine.shared(), theirs.shared())
+    assert differences == ["outer.overlap.steps is 3 here, 0 in the swarm"]
+    assert mine.digest() != theirs.digest()
+    junk: dict[str, Any] = {"outer": {"overlap": [1, {"x": 2}]}, "comm": 5}  # a peer's, any shape
+    assert len(config_differences(mine.shared(), junk)) > 10
+
+
+def test_a_moved_key_says_where_it_went() -> None:
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'outer.overlap_steps' \(it is outer.overlap.steps now\)"
+    ):
+        load_config("debug", overrides=["outer.overlap_steps=3"], environ={})
+    assert load_config("debug", overrides=["outer.overlap=true"], environ={}).outer.overlap.enabled
+
+
+def test_the_configuration_reference_is_generated_and_up_to_date() -> None:
+    """docs/configuration.md is rendered from the fields' docstrings: no field without one, and
+    the file as committed is what the models render now."""
+    assert undocumented() == []
+    assert config_reference.main(["--check"]) == 0, "run: python -m p2ptrain.config_reference"

@@ -132,17 +132,24 @@ def run_until_signal(
 
 
 def to_toml(config: Config) -> str:
-    """Render the resolved config as TOML (flat sections of scalars and lists only)."""
+    """Render the resolved config as TOML: a table per section and sub-section, of scalars and lists."""
     lines: list[str] = []
     for section, values in config.model_dump().items():
-        lines.append(f"[{section}]")
-        for key, value in values.items():
-            if value is None:
-                lines.append(f"# {key} is unset")
-                continue
-            lines.append(f"{key} = {_toml_value(value)}")
-        lines.append("")
+        _toml_table(section, values, lines)
     return "\n".join(lines)
+
+
+def _toml_table(name: str, values: dict[str, Any], lines: list[str]) -> None:
+    lines.append(f"[{name}]")
+    tables = {key: value for key, value in values.items() if isinstance(value, dict)}
+    for key, value in values.items():
+        if value is None:
+            lines.append(f"# {key} is unset")
+        elif key not in tables:
+            lines.append(f"{key} = {_toml_value(value)}")
+    lines.append("")
+    for key, value in tables.items():
+        _toml_table(f"{name}.{key}", value, lines)
 
 
 def _toml_value(value: Any) -> str:

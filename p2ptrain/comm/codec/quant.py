@@ -7,7 +7,7 @@ calls the Cython kernels (p2ptrain._kernels); `reference_*` are the same arithme
 kept for tests.
 
 Why int4 with (min, step) and not FP4 (E2M1 or E3M0, one scale a block): measured relative L2
-error at blocks of 256 (`benchmarks.kernels`'s figures in the README), int4 0.109 against E2M1
+error at blocks of 256 (`benchmarks.quant`; docs/results/2026-12-kernels.md), int4 0.109 against E2M1
 0.111 and E3M0 0.195 on Gaussian values, and 0.069 against 0.111 and 0.203 on a real pseudo-gradient
 (AdamW's updates are spread evenly over their range, which suits evenly spaced levels); and the
 int8 kernels' scan, rounding and fused hop serve both widths.
