@@ -61,21 +61,22 @@ def start_bootstrap(children: ChildProcesses, root: Path, benchmark: str) -> str
     address = root / "bootstrap.addr"
     children.spawn(
         "bootstrap",
-        [sys.executable, "-m", "p2ptrain", "bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0",
-         "--identity", str(root / "bootstrap"), "--address-file", str(address)],
+        [
+            *(sys.executable, "-m", "p2ptrain", "bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0"),
+            *("--identity", str(root / "bootstrap"), "--address-file", str(address)),
+        ],
         root / "bootstrap.log",
-    )  # fmt: skip
+    )
     return wait_for_file(address, 60, benchmark)
 
 
 def drill_command(
-    root: Path, name: str, peer: str, steps: int, nodes: int, size: int, extra: list[str]
+    root: Path, name: str, *, peer: str, steps: int, nodes: int, size: int, extra: list[str]
 ) -> list[str]:
-    """`p2ptrain join --drill` for a node on 127.0.0.1 that waits for `nodes` nodes, inner phases
-    of up to 0.3 s, vectors of `size` values."""
-    return [
-        sys.executable, "-m", "p2ptrain", "join", "--peer", peer, "--config", "debug",
-        "--work-dir", str(root / name), "--listen", "/ip4/127.0.0.1/tcp/0", "--table-every", "0",
-        "--drill", str(steps), "--drill-nodes", str(nodes), "--drill-inner", "0.3",
-        "--drill-size", str(size), "--set", 'node.data_host="127.0.0.1"', *extra,
-    ]  # fmt: skip
+    """`p2ptrain drill` for a node on 127.0.0.1 that waits for `nodes` nodes, inner phases of up
+    to 0.3 s, vectors of `size` values."""
+    where = ["--work-dir", str(root / name), "--listen", "/ip4/127.0.0.1/tcp/0"]
+    drill = ["--steps", str(steps), "--nodes", str(nodes), "--inner", "0.3", "--size", str(size)]
+    peer_and_config = ["--peer", peer, "--config", "debug"]
+    loopback = ["--set", "node.data_host=127.0.0.1"]
+    return [sys.executable, "-m", "p2ptrain", "drill", *peer_and_config, *where, *drill, *loopback, *extra]

@@ -60,10 +60,8 @@ def node_command(root: Path, name: str, peer: str, args: Any, shard: int, overla
         "checkpoint.interval=0",
         *args.set,
     ]
-    command = [
-        sys.executable, "-m", "p2ptrain", "join", "--peer", peer, "--config", args.config,
-        "--work-dir", str(root / name), "--listen", "/ip4/127.0.0.1/tcp/0", "--table-every", "0",
-    ]  # fmt: skip
+    command = [sys.executable, "-m", "p2ptrain", "join", "--peer", peer, "--config", args.config]
+    command += ["--work-dir", str(root / name), "--listen", "/ip4/127.0.0.1/tcp/0"]
     if args.nproc:
         command += ["--nproc", str(args.nproc)]
     for setting in settings:

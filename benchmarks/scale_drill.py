@@ -1,6 +1,6 @@
 """Drill swarms of n nodes on 127.0.0.1 and what each node spends per outer step (benchmarks.scale).
 
-Per n: a bootstrap peer and n drill nodes (`p2ptrain join --drill STEPS`, small vectors, inner
+Per n: a bootstrap peer and n drill nodes (`p2ptrain drill --steps STEPS`, small vectors, inner
 phases of up to 0.3 s) that wait for each other, then take STEPS outer steps. From each node's
 drill.jsonl and its process tree, per n (medians over nodes and steps):
 
@@ -63,7 +63,9 @@ def run_swarm(n: int, steps: int, settings: list[str], keep: Path | None = None)
             names = [f"node{index}" for index in range(n)]
             for name in names:
                 children.spawn(
-                    name, drill_command(root, name, peer, steps, n, 1 << 16, settings), root / f"{name}.log"
+                    name,
+                    drill_command(root, name, peer=peer, steps=steps, nodes=n, size=1 << 16, extra=settings),
+                    root / f"{name}.log",
                 )
             deadline = time.monotonic() + 120 + 30 * steps
             while any(children.children[name].poll() is None for name in names):

@@ -2,7 +2,7 @@
 
     python -m benchmarks.strangers --json [--steps 30] [--set KEY=VALUE ...]
 
-Runs a bootstrap peer and 3 drill nodes (`p2ptrain join --drill`, 1 MiB vectors, inner phases of
+Runs a bootstrap peer and 3 drill nodes (`p2ptrain drill`, 1 MiB vectors, inner phases of
 up to 0.3 s) for --steps outer steps, once per case:
 
 - `honest`: nobody else;
@@ -41,7 +41,7 @@ CASES = ("honest", "stranger_refused", "stranger_silent", "stranger_differs", "n
 
 
 def join(root: Path, name: str, peer: str, steps: int, extra: list[str]) -> list[str]:
-    return drill_command(root, name, peer, steps, NODES, 1 << 18, extra)
+    return drill_command(root, name, peer=peer, steps=steps, nodes=NODES, size=1 << 18, extra=extra)
 
 
 def run_case(case: str, steps: int, settings: list[str], keep: Path | None) -> dict[str, Any]:

@@ -453,8 +453,11 @@ def load_config(
     *,
     overrides: Sequence[str] = (),
     environ: Mapping[str, str] | None = None,
+    options: Sequence[tuple[str, Any, str]] = (),
 ) -> Config:
-    """Build the resolved Config; every problem raises ConfigError naming the key and its source."""
+    """Build the resolved Config; every problem raises ConfigError naming the key and its source.
+    `options`: (dotted key, value, source) from a command's own flags (`--work-dir` and the like),
+    applied last, already typed."""
     tree: dict[str, Any] = {}
     file_label = "defaults"
     if path is not None:
@@ -465,7 +468,7 @@ def load_config(
     _validate(tree, file_label)
     layered = copy.deepcopy(tree)
     environ = os.environ if environ is None else environ
-    for dotted, value, source in env_overrides(environ) + flag_overrides(list(overrides)):
+    for dotted, value, source in [*env_overrides(environ), *flag_overrides(list(overrides)), *options]:
         set_dotted(layered, dotted, value, source)
         _validate(layered, source)
     return _validate(layered, file_label)

@@ -163,7 +163,7 @@ class _Demo:
             name,
             [*host.prefix, *p2ptrain_command(
                 "join", "--peer", self.peer, "--config", "debug", "--work-dir", str(self.work_dir / name),
-                "--listen", host.listen, "--table-every", "0",
+                "--listen", host.listen,
                 "--set", f'node.data_host="{host.ip}"',
                 "--set", f"train.inner_steps={self.inner_steps}",
                 "--set", f"train.max_steps={self.steps * self.inner_steps}",

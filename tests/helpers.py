@@ -11,8 +11,9 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
-from p2ptrain.procs import ChildProcesses, free_port  # noqa: F401 - the tests' port helper
+from p2ptrain.procs import ChildProcesses
 from p2ptrain.train.metrics import read_metrics
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -143,18 +144,18 @@ class LocalSwarm:
         name: str,
         peer: str | None = None,
         *extra: str,
-        train: bool = False,
+        command: Literal["watch", "drill", "join"] = "watch",
         env: dict[str, str] | None = None,
         prefix: tuple[str, ...] = (),
         listen: str = LOOPBACK,
     ) -> Path:
-        """A node agent; heartbeat-only (`--observe`) unless `train` (or a `--drill` in `extra`);
-        `prefix` runs it under a wrapper command (`prlimit --nofile=…`, `ip netns exec`, which
-        exec it)."""
+        """A node agent: `p2ptrain watch` (heartbeat only), `drill` or `join` (training, on light
+        batches); `prefix` runs it under a wrapper command (`prlimit --nofile=…`, `ip netns exec`,
+        which exec it)."""
         address_file = self.root / f"{name}.addr"
-        if not train:
-            extra = ("--observe", *extra)
-        elif "--drill" not in extra:
+        if command == "watch":
+            extra = ("--table-every", "0", *extra)
+        elif command == "join":
             extra = (*LIGHT, *extra)
         self.children.spawn(
             name,
@@ -163,7 +164,7 @@ class LocalSwarm:
                 sys.executable,
                 "-m",
                 "p2ptrain",
-                "join",
+                command,
                 "--peer",
                 peer or self.bootstrap_addr,
                 "--config",
@@ -174,8 +175,6 @@ class LocalSwarm:
                 listen,
                 "--address-file",
                 str(address_file),
-                "--table-every",
-                "0",
                 *extra,
             ],
             self.root / f"{name}.log",

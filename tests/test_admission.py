@@ -158,7 +158,7 @@ def test_a_closed_run_takes_its_ticketed_nodes_and_refuses_everyone_else(swarm: 
     steps = 6
     for name in names:
         ticket = ["--set", f'node.ticket="{tickets[name]}"']
-        swarm.start_node(name, None, *drill_args(steps, 3), *closed, *ticket, *DRILL)
+        swarm.start_node(name, None, *drill_args(steps, 3), *closed, *ticket, *DRILL, command="drill")
     key_file = swarm.root / "stranger.key"
     stranger_args = ["--closed-by", authority, "--ticket", "copied", "--address-file", str(key_file)]
     swarm.children.spawn(

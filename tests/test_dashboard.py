@@ -128,7 +128,7 @@ def test_status_page_in_a_real_browser(swarm: LocalSwarm, tmp_path: Path) -> Non
     swarm.bootstrap_addr = (tmp_path / "boot.addr").read_text().split()[0]
     for name in ("a", "b"):
         swarm.start_node(
-            name, None, "--set", "train.max_steps=400", "--set", "swarm.wait_nodes=2", train=True
+            name, None, "--set", "train.max_steps=400", "--set", "swarm.wait_nodes=2", command="join"
         )
 
     def steps(name: str) -> list[dict]:

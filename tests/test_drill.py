@@ -1,4 +1,4 @@
-"""Election and all-reduce together: real node agents (`p2ptrain join --drill`) on 127.0.0.1."""
+"""Election and all-reduce together: real node agents (`p2ptrain drill`) on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tests.helpers import LocalSwarm, wait_until
 
-DRILL = ["--set", 'node.data_host="127.0.0.1"', "--drill-size", "50000"]
+DRILL = ["--set", 'node.data_host="127.0.0.1"', "--size", "50000"]
 BEHIND, AHEAD = {"P2PTRAIN_INJECT_CLOCK_OFFSET": "-5"}, {"P2PTRAIN_INJECT_CLOCK_OFFSET": "5"}
 """Wall clocks 5 s off. Against the 6 s heartbeat_timeout, DHT expiration alone would make the records
 of a clock behind expire after 1 s everywhere, and a clock ahead see everyone else's that way."""
@@ -23,8 +23,8 @@ def drill_log(swarm: LocalSwarm, name: str) -> list[dict]:
 
 
 def drill_args(steps: int, nodes: int, inner: float = 0.3) -> list[str]:
-    """`join` flags of a drill of `steps` outer steps among `nodes` nodes."""
-    return ["--drill", str(steps), "--drill-nodes", str(nodes), "--drill-inner", str(inner)]
+    """`p2ptrain drill` flags of a drill of `steps` outer steps among `nodes` nodes."""
+    return ["--steps", str(steps), "--nodes", str(nodes), "--inner", str(inner)]
 
 
 def start_drill(
@@ -45,7 +45,7 @@ def start_drill(
     names = [f"node{i}" for i in range(nodes)]
     for name in names:
         flags = [*drill_args(steps, nodes), *extra, *(extra_for or {}).get(name, []), *DRILL]
-        swarm.start_node(name, None, *flags, env=(env or {}).get(name))
+        swarm.start_node(name, None, *flags, command="drill", env=(env or {}).get(name))
         if name == "node0" and after_node0 is not None:
             after_node0()
     wait_until(lambda: len(drill_log(swarm, "node0")) >= 3, timeout=120, what="three drill steps")
@@ -76,16 +76,16 @@ def test_four_nodes_two_with_clocks_5s_off_agree_on_members_order_and_result_for
     clocks = {"node1": BEHIND, "node2": AHEAD}
     for name in names:
         drill = [
-            "--drill",
+            "--steps",
             "20",
-            "--drill-nodes",
+            "--nodes",
             "4",
-            "--drill-inner",
+            "--inner",
             "0.5",
             "--set",
             "swarm.push_records=true",
         ]
-        swarm.start_node(name, None, *drill, *DRILL, env=clocks.get(name))
+        swarm.start_node(name, None, *drill, *DRILL, command="drill", env=clocks.get(name))
     for name in names:
         assert swarm.children.wait(name, timeout=180) == 0, swarm.log(name)
     logs = {name: drill_log(swarm, name) for name in names}
@@ -136,7 +136,10 @@ def test_a_crashed_member_is_left_out_at_once_not_at_the_heartbeat_timeout(swarm
 def test_drill_rejects_bad_arguments(tmp_path: Path) -> None:
     from tests.helpers import assert_one_line_error, cli
 
-    assert_one_line_error(cli("join", "--work-dir", str(tmp_path), "--drill", "-1"), "--drill")
+    assert_one_line_error(cli("drill", "--work-dir", str(tmp_path), "--steps", "-1"), "--steps")
+    # the flags `join` took before drills and watching were commands: one line saying where they went
+    assert_one_line_error(cli("join", "--work-dir", str(tmp_path), "--drill", "5"), "p2ptrain drill --steps")
+    assert_one_line_error(cli("join", "--work-dir", str(tmp_path), "--observe"), "p2ptrain watch")
 
 
 def test_elections_go_on_after_the_bootstrap_peer_dies(swarm: LocalSwarm) -> None:

@@ -67,7 +67,7 @@ def test_training_survives_bootstrap_loss_sigterm_and_a_kill_mid_all_reduce(
     swarm.start_bootstrap()
     for name in ("a", "b", "c", "d"):
         env = {"P2PTRAIN_INJECT_DIE_IN_SYNC": "2"} if name == "c" else None
-        swarm.start_node(name, None, *RUN, *overlap_flags(overlap), train=True, env=env)
+        swarm.start_node(name, None, *RUN, *overlap_flags(overlap), command="join", env=env)
     wait_until(lambda: len(metrics(swarm.root / "a", "outer")) >= 1, 240, what="outer step 0")
     swarm.children.signal("bootstrap", signal.SIGKILL)
     swarm.children.signal("d", signal.SIGTERM)
@@ -130,7 +130,7 @@ def test_a_straggler_past_the_deadline_is_left_out_then_replays_the_step_and_rej
         "c": {"P2PTRAIN_INJECT_LATE": "1:8"},  # ready(1) 8 s after the others
     }
     for name in ("a", "b", "c"):
-        swarm.start_node(name, None, *run, train=True, env=faults.get(name))
+        swarm.start_node(name, None, *run, command="join", env=faults.get(name))
     for name in ("a", "b", "c"):
         assert swarm.children.wait(name, 300) == 0, swarm.log(name)
     records = {name: metrics(swarm.root / name, "outer") for name in ("a", "b", "c")}
@@ -156,7 +156,7 @@ def test_a_node_that_cannot_catch_up_says_it_diverged_and_its_checkpoint_is_not_
     for name in ("a", "b", "c"):
         # c is ready for the last step 15 s after the others, who finish without it and leave at once
         env = {"P2PTRAIN_INJECT_LATE": "2:15"} if name == "c" else None
-        swarm.start_node(name, None, *run, train=True, env=env)
+        swarm.start_node(name, None, *run, command="join", env=env)
     for name in ("a", "b"):
         assert swarm.children.wait(name, 300) == 0, swarm.log(name)
     assert swarm.children.wait("c", 120) == 1, swarm.log("c")

@@ -47,11 +47,11 @@ def start_drill_swarm(
 
 def start_drill_nodes(lab: NetLab, swarm: LocalSwarm, steps: int, homes: int, public: int) -> list[str]:
     nodes = public + homes
-    drill = [*drill_args(steps, nodes), "--drill-size", "50000"]
+    drill = [*drill_args(steps, nodes), "--size", "50000"]
     placed = [(f"node{index}", lab.public) for index in range(public)]
     placed += [(f"home{index}", lab.homes[index]) for index in range(homes)]
     for name, namespace in placed:
-        swarm.start_node(name, None, *drill, prefix=lab.run_in(namespace), listen=ANYWHERE)
+        swarm.start_node(name, None, *drill, command="drill", prefix=lab.run_in(namespace), listen=ANYWHERE)
     return [name for name, _ in placed]
 
 
@@ -173,7 +173,9 @@ def test_a_training_node_behind_nat_contributes_to_every_outer_step(lab: NetLab,
     placed = {"a": lab.public, "b": lab.public, "home": lab.homes[0]}
     for shard, (name, namespace) in enumerate(placed.items()):
         pinned = ["--set", f"data.shard={shard}"]
-        swarm.start_node(name, None, *run, *pinned, train=True, prefix=lab.run_in(namespace), listen=ANYWHERE)
+        swarm.start_node(
+            name, None, *run, *pinned, command="join", prefix=lab.run_in(namespace), listen=ANYWHERE
+        )
     for name in placed:
         assert swarm.children.wait(name, 240) == 0, swarm.log(name)
     records = {name: outer_records(swarm.root / name) for name in placed}

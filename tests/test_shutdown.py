@@ -62,8 +62,8 @@ def test_status_shows_killed_nodes_as_gone_or_silent_at_once(swarm: LocalSwarm) 
     """One DHT read still holds a SIGKILLed node's last record (for up to 36 s): status probes the
     data ports (a refusal: the process is gone) and reads again to see whose heartbeat stopped."""
     swarm.start_bootstrap()
-    drill = ["--drill", "1000", "--drill-nodes", "1", "--set", 'node.data_host="127.0.0.1"']
-    read_address(swarm.start_node("trainer", None, *drill), timeout=60)
+    drill = ["--steps", "1000", "--nodes", "1", "--set", 'node.data_host="127.0.0.1"']
+    read_address(swarm.start_node("trainer", None, *drill, command="drill"), timeout=60)
     read_address(swarm.start_node("watcher"), timeout=60)
     ids: dict[str, dict] = {}
 
@@ -88,9 +88,9 @@ def test_a_drill_node_stops_within_five_seconds_in_the_middle_of_a_sync(swarm: L
     wait, and every drill.jsonl line written so far is complete."""
     swarm.start_bootstrap()
     patient = ["--set", "swarm.heartbeat_timeout=60", "--set", "swarm.straggler_deadline=60"]
-    drill = ["--drill", "100", "--drill-nodes", "2", "--drill-inner", "0.2", *patient]
+    drill = ["--steps", "100", "--nodes", "2", "--inner", "0.2", *patient]
     for name in ("node0", "node1"):
-        swarm.start_node(name, None, *drill, "--set", 'node.data_host="127.0.0.1"')
+        swarm.start_node(name, None, *drill, "--set", 'node.data_host="127.0.0.1"', command="drill")
     log_path = swarm.root / "node0" / "drill.jsonl"
     wait_until(lambda: log_path.exists() and len(log_path.read_text().splitlines()) >= 2, 120, what="steps")
     swarm.children.signal("node1", signal.SIGSTOP)
@@ -115,7 +115,7 @@ def test_a_benchmark_stopped_by_sigterm_stops_the_nodes_it_started(swarm: LocalS
     argv += ["--steps", "100"]
     bench = swarm.children.spawn("bench", argv, tmp_path / "bench.log")
     wait_until(
-        lambda: sum("--drill" in procs.command_line(pid) for pid in procs.descendants(bench.pid)) >= 2,
+        lambda: sum("drill" in procs.command_line(pid) for pid in procs.descendants(bench.pid)) >= 2,
         timeout=60,
         what="the benchmark's two drill nodes",
     )

@@ -64,9 +64,7 @@ def test_a_stranger_ready_at_every_step_with_a_dead_address_does_not_stall_the_s
     # its signed record counts as a live node, as a newcomer's would: step 0 waits for four. Waiting
     # for three, the first two honest nodes and the stranger made three and began step 0 while the
     # third was still starting (it then gave step 0 up: seen once on a busy machine)
-    names = start_drill(
-        swarm, STEPS, "--set", "comm.failure_timeout=3", "--drill-nodes", "4", bootstrap=False
-    )
+    names = start_drill(swarm, STEPS, "--set", "comm.failure_timeout=3", "--nodes", "4", bootstrap=False)
     logs = finish(swarm, names)
     assert all(len(log) == STEPS for log in logs.values()), logs
     assert_agreement(logs, range(STEPS))
@@ -172,7 +170,7 @@ def test_two_thousand_slow_http_connections_leave_the_sidecar_up_and_serving(swa
     settings = ["train.max_steps=100000", 'node.data_host="127.0.0.1"']
     settings.append("swarm.straggler_deadline=1")  # alone: a step every second, not every ten
     run = [item for setting in settings for item in ("--set", setting)]
-    swarm.start_node("a", None, *run, train=True, prefix=("prlimit", "--nofile=1024:1024"))
+    swarm.start_node("a", None, *run, command="join", prefix=("prlimit", "--nofile=1024:1024"))
     served = re.compile(r"checkpoints served on port (\d+)")
     wait_until(lambda: served.search(swarm.log("a")) is not None, timeout=120, what="the sidecar's port")
     found = served.search(swarm.log("a"))
@@ -221,7 +219,7 @@ def test_hellos_forged_in_a_members_name_hold_no_slots_of_the_node_they_flood(sw
         limit = ("prlimit", "--nofile=1024:1024") if name == "node0" else ()
         # 1 s inner phases: a forged hello for the next step would wait that long (and hold its file)
         drill = [*drill_args(STEPS, 3, inner=1.0), "--set", "comm.failure_timeout=3", *DRILL]
-        swarm.start_node(name, None, *drill, prefix=limit)
+        swarm.start_node(name, None, *drill, command="drill", prefix=limit)
     # the flood starts with the run (it learns node0's step as soon as node0 has one), so it lasts
     # the whole drill however fast this machine is
     target = f"127.0.0.1:{data_port(swarm, 'node0', timeout=60)}"

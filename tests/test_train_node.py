@@ -73,7 +73,7 @@ def test_two_nodes_of_two_ranks_hold_the_same_params_after_every_outer_step(
     for shard, name in enumerate(("a", "b")):  # pinned: two random node keys share a shard 1 time in 64
         pinned = ["--set", f"data.shard={shard}"]
         swarm.start_node(
-            name, None, "--nproc", "2", *SHORT, *pinned, *mode, "--set", "swarm.wait_nodes=2", train=True
+            name, None, "--nproc", "2", *SHORT, *pinned, *mode, "--set", "swarm.wait_nodes=2", command="join"
         )
     for name in ("a", "b"):
         assert swarm.children.wait(name, 240) == 0, swarm.log(name)
@@ -98,10 +98,10 @@ def test_a_nan_contribution_is_left_out_and_another_config_is_refused(swarm: Loc
     swarm.start_bootstrap()
     # 6 outer steps: a and b must still be training when c reaches its first outer step
     run = ["--set", "train.max_steps=60", "--set", "swarm.wait_nodes=2"]
-    swarm.start_node("a", None, *run, train=True)
-    swarm.start_node("b", None, *run, train=True, env={"P2PTRAIN_INJECT_NAN_STEP": "1"})
+    swarm.start_node("a", None, *run, command="join")
+    swarm.start_node("b", None, *run, command="join", env={"P2PTRAIN_INJECT_NAN_STEP": "1"})
     wait_until(lambda: len(outer_records(swarm.root / "a")) >= 1, 180, what="the first outer step")
-    refused = swarm.start_node("c", None, "--set", "model.n_layers=2", train=True)
+    refused = swarm.start_node("c", None, "--set", "model.n_layers=2", command="join")
     assert refused is not None
     assert swarm.children.wait("c", 60) == 2
     assert (
@@ -125,10 +125,10 @@ def test_a_node_that_comes_after_every_node_finished_and_left_is_told_the_run_is
     swarm.start_bootstrap()
     run = ["--set", "train.max_steps=20", "--set", "swarm.wait_nodes=2"]  # 2 outer steps
     for name in ("a", "b"):
-        swarm.start_node(name, None, *run, train=True)
+        swarm.start_node(name, None, *run, command="join")
     for name in ("a", "b"):
         assert swarm.children.wait(name, 240) == 0, swarm.log(name)
-    swarm.start_node("late", None, "--set", "train.max_steps=20", train=True)
+    swarm.start_node("late", None, "--set", "train.max_steps=20", command="join")
     assert swarm.children.wait("late", 120) == 1, swarm.log("late")
     errors = [line for line in swarm.log("late").splitlines() if line.startswith("p2ptrain: error:")]
     assert len(errors) == 1, errors
@@ -139,7 +139,7 @@ def test_a_node_that_comes_after_every_node_finished_and_left_is_told_the_run_is
     assert "Traceback" not in swarm.log("late")
     # one that waits for nodes to start a run says so when its wait runs out
     waits = ["--set", "swarm.wait_nodes=2", "--set", "swarm.election_timeout=3"]
-    swarm.start_node("waiting", None, "--set", "train.max_steps=20", *waits, train=True)
+    swarm.start_node("waiting", None, "--set", "train.max_steps=20", *waits, command="join")
     assert swarm.children.wait("waiting", 120) == 2, swarm.log("waiting")
     assert (
         "p2ptrain: error: fewer than 2 nodes joined within 3 s: run 'p2ptrain-debug' is over: 2 node(s) "
@@ -198,7 +198,7 @@ def test_alone_then_export_to_hugging_face(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_dead_rank_sends_the_deathrattle_and_stops_the_node(swarm: LocalSwarm) -> None:
     swarm.start_bootstrap()
-    swarm.start_node("a", None, "--nproc", "2", train=True)
+    swarm.start_node("a", None, "--nproc", "2", command="join")
     node = swarm.children.children["a"]
     wait_until(lambda: any(r["kind"] == "inner" for r in read_metrics(swarm.root / "a" / "metrics.jsonl")),
                120, what="the first inner step")  # fmt: skip

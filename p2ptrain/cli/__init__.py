@@ -30,7 +30,11 @@ def run() -> NoReturn:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except UserError as exc:  # a flag that moved (parser.Moved)
+        print(f"p2ptrain: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

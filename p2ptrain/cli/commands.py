@@ -173,7 +173,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from p2ptrain.swarm.records import Heartbeat
     from p2ptrain.swarm.status import format_table, status_json
 
-    config = resolve_config(args, **{"run.id": args.run_id})
+    config = resolve_config(args, {"run.id": ("--run-id", args.run_id)})
     peers = peers_of(args, config)
     if not peers:
         raise UserError("status needs a bootstrap peer: give --peer MADDR or set PEER")

@@ -17,14 +17,13 @@ from p2ptrain.config import Config, load_config
 from p2ptrain.errors import UserError
 
 
-def resolve_config(args: argparse.Namespace, **extra: Any) -> Config:
-    overrides = list(getattr(args, "overrides", []))
-    config = load_config(args.config, overrides=overrides)
-    updates = {key: value for key, value in extra.items() if value}
-    if updates:
-        flags = [f"{key}={json.dumps(value)}" for key, value in updates.items()]
-        config = load_config(args.config, overrides=overrides + flags)
-    return config
+def resolve_config(args: argparse.Namespace, options: dict[str, tuple[str, Any]] | None = None) -> Config:
+    """The config `--config`, `--set` and the environment make, then `options`: config key →
+    (flag, value) of a command's own flags, for those given (not None, not empty)."""
+    given = [
+        (key, value, flag) for key, (flag, value) in (options or {}).items() if value not in (None, [], "")
+    ]
+    return load_config(args.config, overrides=list(getattr(args, "overrides", [])), options=given)
 
 
 def peers_of(args: argparse.Namespace, config: Config) -> list[str]:

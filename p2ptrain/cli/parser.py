@@ -15,7 +15,8 @@ from p2ptrain.cli.commands import (
     cmd_identity,
     cmd_status,
 )
-from p2ptrain.cli.join import cmd_join
+from p2ptrain.cli.join import cmd_drill, cmd_join, cmd_watch
+from p2ptrain.errors import UserError
 
 DEFAULT_BOOTSTRAP_IDENTITY = "~/.local/share/p2ptrain/bootstrap"
 
@@ -42,6 +43,56 @@ def _add_peer_arg(parser: argparse.ArgumentParser, required_help: str) -> None:
         metavar="MADDR[,MADDR…]",
         help=f"bootstrap peer multiaddress (repeatable, or comma-separated; default: $PEER). {required_help}",
     )
+
+
+def _add_node_args(parser: argparse.ArgumentParser, peers_help: str) -> None:
+    """What every command that runs a node in a swarm takes (join, drill, watch)."""
+    _add_peer_arg(parser, peers_help)
+    _add_config_args(parser)
+    parser.add_argument(
+        "--identity", metavar="DIR", help="directory of node.key and p2p.key (default: the work directory)"
+    )
+    parser.add_argument(
+        "--work-dir", metavar="DIR", help="node work directory (default from config node.work_dir)"
+    )
+    parser.add_argument(
+        "--listen", action="append", default=[], metavar="MADDR", help="DHT listen multiaddress"
+    )
+    parser.add_argument(
+        "--announce", action="append", default=[], metavar="MADDR", help="DHT multiaddress to announce"
+    )
+    parser.add_argument(
+        "--address-file", metavar="FILE", help="write this node's DHT multiaddresses to FILE once up"
+    )
+    parser.add_argument("--dashboard", metavar="[HOST:]PORT", help="serve the swarm's status page here")
+
+
+MOVED_JOIN_FLAGS = {
+    "--drill": "p2ptrain drill --steps N",
+    "--drill-nodes": "p2ptrain drill --nodes K",
+    "--drill-size": "p2ptrain drill --size VALUES",
+    "--drill-inner": "p2ptrain drill --inner S",
+    "--observe": "p2ptrain watch",
+    "--table-every": "p2ptrain watch --table-every S",
+}
+"""Flags `join` took before drills and watching became commands of their own."""
+
+
+class Moved(argparse.Action):
+    """A flag that moved to another command: refused with one line saying where it went."""
+
+    def __init__(self, option_strings: list[str], dest: str, *, instead: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, **kwargs)  # type: ignore[arg-type]
+        self.instead = instead
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        raise UserError(f"{option_string} is no longer a flag of join: use {self.instead}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,38 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     boot.set_defaults(handler=cmd_bootstrap)
 
-    join = commands.add_parser("join", help="join a swarm as a node")
-    _add_peer_arg(join, "Without any, the node runs alone.")
-    _add_config_args(join)
-    join.add_argument(
-        "--identity", metavar="DIR", help="directory of node.key and p2p.key (default: the work directory)"
-    )
-    join.add_argument(
-        "--work-dir", metavar="DIR", help="node work directory (default from config node.work_dir)"
-    )
-    join.add_argument(
-        "--listen", action="append", default=[], metavar="MADDR", help="DHT listen multiaddress"
-    )
-    join.add_argument(
-        "--announce", action="append", default=[], metavar="MADDR", help="DHT multiaddress to announce"
-    )
-    join.add_argument(
-        "--address-file", metavar="FILE", help="write this node's DHT multiaddresses to FILE once up"
-    )
-    join.add_argument(
-        "--drill",
-        type=int,
-        default=0,
-        metavar="N",
-        help="instead of training, run N outer steps with synthetic pseudo-gradients (tests the plumbing)",
-    )
-    join.add_argument(
-        "--drill-nodes", type=int, default=1, metavar="K", help="drill: wait for K live nodes before step 0"
-    )
-    join.add_argument("--drill-size", type=int, default=1 << 20, metavar="VALUES", help="drill vector length")
-    join.add_argument(
-        "--drill-inner", type=float, default=2.0, metavar="S", help="drill inner phase: up to S s"
-    )
+    join = commands.add_parser("join", help="join a swarm as a training node")
+    _add_node_args(join, "Without any, the node trains alone.")
     join.add_argument(
         "--nproc",
         type=int,
@@ -144,25 +165,48 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="trainer ranks on this node (default: one per visible GPU, one on a CPU-only machine)",
     )
-    join.add_argument("--dashboard", metavar="[HOST:]PORT", help="serve the swarm's status page here")
     join.add_argument(
         "--resume",
         metavar="PATH|latest",
         help="continue exactly from a checkpoint folder, or the newest one in the checkpoint dir",
     )
-    join.add_argument(
-        "--observe",
-        action="store_true",
-        help="train nothing: keep a heartbeat and print the swarm table (an extra DHT peer, a watcher)",
+    for flag, instead in MOVED_JOIN_FLAGS.items():
+        join.add_argument(flag, nargs="?", action=Moved, instead=instead, help=argparse.SUPPRESS)
+    join.set_defaults(handler=cmd_join)
+
+    drill = commands.add_parser(
+        "drill",
+        help="check a swarm's plumbing: outer steps with synthetic pseudo-gradients instead of a model",
     )
-    join.add_argument(
+    _add_node_args(drill, "Without any, the node drills alone.")
+    drill.add_argument("--steps", type=int, default=10, metavar="N", help="outer steps (default %(default)s)")
+    drill.add_argument(
+        "--nodes", type=int, default=1, metavar="K", help="wait for K live nodes before step 0 (default 1)"
+    )
+    drill.add_argument(
+        "--size", type=int, default=1 << 20, metavar="VALUES", help="vector length (default %(default)s)"
+    )
+    drill.add_argument(
+        "--inner",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="inner phase: a random wait of up to S seconds (default %(default)s)",
+    )
+    drill.set_defaults(handler=cmd_drill)
+
+    watch = commands.add_parser(
+        "watch", help="train nothing: keep a heartbeat in the run and print the swarm table (a watcher)"
+    )
+    _add_node_args(watch, "Required to see anyone.")
+    watch.add_argument(
         "--table-every",
         type=float,
         default=10.0,
         metavar="S",
         help="print the swarm table every S seconds (0: never)",
     )
-    join.set_defaults(handler=cmd_join)
+    watch.set_defaults(handler=cmd_watch)
 
     status = commands.add_parser("status", help="print the nodes of a run, read from the DHT")
     _add_peer_arg(status, "Required (or $PEER).")
@@ -225,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp.set_defaults(handler=cmd_export)
 
     demo = commands.add_parser(
-        "demo", help="train a local swarm on 127.0.0.1: kill a node, take in a new one (about 2 minutes)"
+        "demo", help="train a local swarm on 127.0.0.1: kill a node, take in a new one (about 75 s)"
     )
     demo.add_argument("--nodes", type=int, default=3, help="number of nodes (default %(default)s)")
     demo.add_argument(

@@ -1,9 +1,9 @@
-"""`p2ptrain join --drill N`: N outer steps with synthetic pseudo-gradients instead of a model.
+"""`p2ptrain drill`: outer steps with synthetic pseudo-gradients instead of a model.
 
 It exercises everything between two nodes' trainers — heartbeats, election, the int8 all-reduce,
 retries — so an operator can check a swarm's plumbing and bandwidth before training, and the tests
 can check that every member ends every step with the same bytes. Each step waits a random "inner
-phase" (`--drill-inner S`, uniform in [0, S]) and writes one JSON line to the node's log file.
+phase" (`--inner S`, uniform in [0, S]) and writes one JSON line to the node's log file.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import hashlib
 import json
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
@@ -32,17 +33,26 @@ from p2ptrain.swarm.records import NodeState
 from p2ptrain.swarm.start_quorum import wait_for_nodes
 
 
+@dataclass(frozen=True, kw_only=True)
+class DrillPlan:
+    """What a drill does: `steps` outer steps of `size` values, each after a random inner phase of
+    up to `inner_seconds`, once `min_nodes` live nodes are in the swarm table."""
+
+    steps: int
+    size: int
+    inner_seconds: float
+    min_nodes: int = 1
+
+
 async def run_drill(
     config: Config,
     identity: NodeIdentity,
     dht: SwarmDHT,
     stop: asyncio.Event,
+    *,
     out: TextIO,
-    steps: int,
-    size: int,
-    inner_seconds: float,
+    plan: DrillPlan,
     log_path: Path,
-    min_nodes: int = 1,
 ) -> None:
     server = node_server(config, identity)
     _, port = await server.start(config.node.data_host, config.node.data_port)
@@ -52,27 +62,31 @@ async def run_drill(
     keeper = asyncio.create_task(keep_alive(publisher, config.swarm.heartbeat_interval, stop))
     rng = random.Random(identity.public_key)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    print(f"drill: {steps} outer steps of {size} values, data plane on port {port}", file=out, flush=True)
+    print(
+        f"drill: {plan.steps} outer steps of {plan.size} values, data plane on port {port}",
+        file=out,
+        flush=True,
+    )
     reachability = Reachability(config, server, publisher, sync.view, dht, sync.standby)
     rechecks: asyncio.Task[None] | None = None
     try:
-        await wait_for_nodes(config, sync.view, stop, out, min_nodes)
+        await wait_for_nodes(config, sync.view, stop, out, plan.min_nodes)
         with contextlib.suppress(Interrupted):
             await unless(reachability.first_probe(), stop.wait())
         rechecks = asyncio.create_task(reachability.run(stop))
         with log_path.open("a") as log_file:
-            for step in range(steps):
+            for step in range(plan.steps):
                 if stop.is_set():
                     break
                 await publisher.publish(state=NodeState.TRAINING, outer_step=step)
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await within(stop.wait(), rng.uniform(0, inner_seconds))
+                    await within(stop.wait(), rng.uniform(0, plan.inner_seconds))
                 if stop.is_set():
                     break
                 seed = int.from_bytes(
                     hashlib.sha256(identity.public_key + step.to_bytes(8, "big")).digest()[:8], "big"
                 )
-                vector = np.random.default_rng(seed).standard_normal(size).astype(np.float32)
+                vector = np.random.default_rng(seed).standard_normal(plan.size).astype(np.float32)
                 started = time.monotonic()
                 try:
                     result = await unless(sync.sync(step, vector, tokens=rng.randint(1, 1000)), stop.wait())

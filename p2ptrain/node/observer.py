@@ -1,4 +1,4 @@
-"""The observer agent (`p2ptrain join --observe`): a node that trains nothing.
+"""The watcher (`p2ptrain watch`): a node that trains nothing.
 
 It joins the DHT (one more peer to keep records), publishes its signed heartbeat every
 `heartbeat_interval`, prints the swarm table from time to time, can serve the status page, and
@@ -29,6 +29,7 @@ async def run_node(
     identity: NodeIdentity,
     dht: SwarmDHT,
     stop: asyncio.Event,
+    *,
     out: TextIO,
     table_every: float = 10.0,
 ) -> None:

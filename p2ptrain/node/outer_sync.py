@@ -1,6 +1,6 @@
 """The sync of one outer step for one node: ready → election → all-reduce, retried with survivors.
 
-The trainer (and `p2ptrain join --drill`) hands over the flat fp32 pseudo-gradient of step N and its
+The trainer (and `p2ptrain drill`) hands over the flat fp32 pseudo-gradient of step N and its
 weight; `OuterSync.sync` publishes ready(N), elects the members from the signed heartbeats, runs
 the int8 all-reduce, and on failure re-elects among the live ready nodes and tries again. The
 vector is averaged in place only when an all-reduce completed.
