@@ -60,7 +60,7 @@ def main() -> None:
     )
     disk_root = Path(args.disk).resolve()
     with tempfile.TemporaryDirectory() as work, tempfile.TemporaryDirectory(dir=shm) as ram:
-        trainer = Trainer(config, b"bench" * 6 + b"xx", Path(work), RankContext())
+        trainer = Trainer(config, node_key=b"bench" * 6 + b"xx", work_dir=Path(work), ctx=RankContext())
         trainer.inner_step_once()
         staged = CheckpointPlaces(disk_root / "copies", Path(ram))
         direct = CheckpointPlaces(disk_root / "direct", None)

@@ -49,7 +49,7 @@ def measure(
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda" if on_gpu else "cpu")
     with tempfile.TemporaryDirectory() as work:
-        trainer = Trainer(config, b"m" * 32, Path(work), RankContext(device=device))
+        trainer = Trainer(config, node_key=b"m" * 32, work_dir=Path(work), ctx=RankContext(device=device))
         started = time.monotonic()
         trainer.inner_step_once()
         seconds = time.monotonic() - started

@@ -13,12 +13,14 @@ from p2ptrain.ckpt.format import INNER_FILE, CheckpointError, checkpoint_places,
 from p2ptrain.config import load_config
 from p2ptrain.node.checkpoint_copies import flush_leftovers
 from p2ptrain.train import checkpoint as checkpoint_module
+from p2ptrain.train import trainer as trainer_module
 from p2ptrain.train.checkpoint import load_state
+from p2ptrain.train.optim import InnerAdamW, TorchAdamW
 from p2ptrain.train.trainer import RankContext, Trainer
-from tests.helpers import LIGHT_SETTINGS
+from tests.support.helpers import LIGHT_SETTINGS
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 @pytest.mark.parametrize(
     ("overlap", "merge_after", "on_arrival"),
     [(False, 0, False), (True, 0, False), (True, 3, False), (True, 0, True)],
@@ -43,14 +45,20 @@ def test_n_steps_straight_equal_half_then_resume_then_half(
             f"outer.overlap.take_on_arrival={str(on_arrival).lower()}",
         ],
     )
-    straight = Trainer(config, b"k" * 32, tmp_path / "straight", RankContext())
+    straight = Trainer(config, node_key=b"k" * 32, work_dir=tmp_path / "straight", ctx=RankContext())
     straight.run()
     folder = tmp_path / "straight" / "checkpoints"
     # every outer step saved, the newest 3 kept, nothing half-written left behind
     assert sorted(p.name for p in folder.iterdir()) == ["step-00000002", "step-00000003", "step-00000004"]
     assert latest_checkpoint(folder) == folder / "step-00000004"
 
-    resumed = Trainer(config, b"k" * 32, tmp_path / "resumed", RankContext(), resume=folder / "step-00000002")
+    resumed = Trainer(
+        config,
+        node_key=b"k" * 32,
+        work_dir=tmp_path / "resumed",
+        ctx=RankContext(),
+        resume=folder / "step-00000002",
+    )
     # with overlap, S of step 2 is taken at the end of phase 2 (its Δ pending), one phase later
     assert (resumed.outer_step, resumed.inner_step) == (2, 30 if overlap else 20)
     if overlap:
@@ -64,16 +72,60 @@ def test_n_steps_straight_equal_half_then_resume_then_half(
     assert meta["data_position"]["streams"][0]["files_done"] >= 0
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_gpu_optimizer_path_saves_and_restores_its_moments(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fused: bool
+) -> None:
+    """The GPU ranks' torch.optim.AdamW (fused; foreach too), run here on CPU: its moments and step
+    count go into the checkpoint and come back, so a node resumed from one goes on exactly as one
+    that ran straight; and a CPU node's plain AdamW loads the same moments from it."""
+    torch.set_num_threads(1)
+    monkeypatch.setattr(
+        trainer_module,
+        "inner_optimizer",
+        lambda model, config, device: TorchAdamW(model, config, fused=fused),
+    )
+    overrides = [*LIGHT_SETTINGS, "train.max_steps=8", "train.inner_steps=2", "checkpoint.keep=4"]
+    config = load_config("debug", overrides=[*overrides, 'checkpoint.staging=""'])
+    straight = Trainer(config, node_key=b"k" * 32, work_dir=tmp_path / "straight", ctx=RankContext())
+    straight.run()
+    assert isinstance(straight.optimizer, TorchAdamW)
+    saved = tmp_path / "straight" / "checkpoints" / "step-00000002"
+    _, state, _ = load_state(saved, straight.layout)
+    resumed = Trainer(
+        config, node_key=b"k" * 32, work_dir=tmp_path / "resumed", ctx=RankContext(), resume=saved
+    )
+    assert isinstance(resumed.optimizer, TorchAdamW) and resumed.optimizer.steps_taken == 4
+    _assert_moments_are(resumed, state)
+    resumed.run()
+    assert resumed.outer.params_hash() == straight.outer.params_hash()
+    monkeypatch.undo()
+    plain = Trainer(config, node_key=b"k" * 32, work_dir=tmp_path / "plain", ctx=RankContext(), resume=saved)
+    assert isinstance(plain.optimizer, InnerAdamW) and plain.optimizer.steps_taken == 4
+    _assert_moments_are(plain, state)
+
+
+def _assert_moments_are(trainer: Trainer, state: dict[str, torch.Tensor]) -> None:
+    """The trainer's AdamW moments are the checkpoint's (`state`: its state vectors)."""
+    for key, tensors in trainer.adam_moments().items():
+        gathered = trainer.layout.new_flat()
+        trainer.layout.gather_tensors(tensors, gathered)
+        assert torch.equal(gathered, state[f"adam_{key}"]), key
+
+
 def test_unusable_checkpoints_are_refused(tmp_path: Path) -> None:
     config = load_config(
         "debug", overrides=["train.max_steps=1", "train.inner_steps=1", 'checkpoint.staging=""']
     )
-    trainer = Trainer(config, b"k" * 32, tmp_path / "node", RankContext())
+    trainer = Trainer(config, node_key=b"k" * 32, work_dir=tmp_path / "node", ctx=RankContext())
     trainer.run()
     saved = latest_checkpoint(tmp_path / "node" / "checkpoints")
     assert saved is not None
     other = Trainer(
-        load_config("debug", overrides=["model.n_layers=2"]), b"k" * 32, tmp_path / "o", RankContext()
+        load_config("debug", overrides=["model.n_layers=2"]),
+        node_key=b"k" * 32,
+        work_dir=tmp_path / "o",
+        ctx=RankContext(),
     )
     with pytest.raises(CheckpointError, match="another model"):
         load_state(saved, other.layout)
@@ -91,7 +143,7 @@ def test_staged_checkpoints_stay_in_ram_until_flushed_to_disk(tmp_path: Path) ->
     ram = tmp_path / "ram" / "checkpoints"
     overrides = ["train.max_steps=3", "train.inner_steps=1", f'checkpoint.staging="{ram}"']
     config = load_config("debug", overrides=[*overrides, f'checkpoint.dir="{tmp_path / "disk"}"'])
-    Trainer(config, b"s" * 32, tmp_path / "node", RankContext()).run()
+    Trainer(config, node_key=b"s" * 32, work_dir=tmp_path / "node", ctx=RankContext()).run()
     places = checkpoint_places(config, "node")
     assert places.staging == ram
     assert sorted(p.name for p in ram.iterdir()) == ["step-00000002", "step-00000003"]  # newest two
@@ -117,7 +169,7 @@ def test_a_failed_write_never_becomes_the_latest(tmp_path: Path, monkeypatch: py
         real_save(tensors, path, metadata)
 
     monkeypatch.setattr(checkpoint_module, "save_file", crash_in_step_2)
-    trainer = Trainer(config, b"f" * 32, tmp_path, RankContext())
+    trainer = Trainer(config, node_key=b"f" * 32, work_dir=tmp_path, ctx=RankContext())
     with pytest.raises(OSError, match="disk full"):
         trainer.run()  # the writer thread's error surfaces on the training thread
     folder = tmp_path / "checkpoints"

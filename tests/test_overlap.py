@@ -14,7 +14,7 @@ from p2ptrain.channel import Averaged
 from p2ptrain.config import load_config
 from p2ptrain.train.agent_link import SoloLink
 from p2ptrain.train.metrics import read_metrics
-from p2ptrain.train.overlap import OverlappedOuter
+from p2ptrain.train.overlap import Outcome, OverlappedOuter
 from p2ptrain.train.trainer import RankContext, Trainer
 
 
@@ -51,22 +51,24 @@ def test_the_pending_step_is_taken_tau_steps_into_the_next_phase(
     ]
     config = load_config("debug", overrides=overrides)
     link = RecordingLink(given_up)
-    trainer = Trainer(config, b"m" * 32, tmp_path / "node", RankContext(), link=link)
+    trainer = Trainer(config, node_key=b"m" * 32, work_dir=tmp_path / "node", ctx=RankContext(), link=link)
     link.trainer = trainer
     merge = OverlappedOuter.merge
     shifts: list[tuple[torch.Tensor, ...]] = []
 
-    def watched(overlapped: OverlappedOuter, steps_done: int) -> bool:
+    def watched(overlapped: OverlappedOuter, steps_done: int) -> Outcome:
         state = overlapped.state
         assert state is not None
-        before, start = torch.empty_like(trainer.flat), state.start.clone()
+        before = torch.empty_like(trainer.flat)
+        start = state.start.clone()
         params = trainer.outer.params.clone()
         trainer.layout.gather(trainer.model, before)
-        assert merge(overlapped, steps_done)
+        outcome = merge(overlapped, steps_done)
+        assert outcome.goes_on and outcome.stepped
         after = torch.empty_like(trainer.flat)
         trainer.layout.gather(trainer.model, after)
         shifts.append((before, start, params, trainer.outer.params.clone(), after, state.start.clone()))
-        return True
+        return outcome
 
     monkeypatch.setattr(OverlappedOuter, "merge", watched)
     trainer.run()
@@ -105,7 +107,7 @@ def test_on_arrival_the_pending_step_is_taken_after_the_first_step_that_ends_wit
     overrides += ["checkpoint.interval=0", "outer.overlap.enabled=true", "outer.overlap.take_on_arrival=true"]
     config = load_config("debug", overrides=[*overrides, f"outer.overlap.steps={tau}"])
     link = LateLink(late)
-    trainer = Trainer(config, b"m" * 32, tmp_path / "node", RankContext(), link=link)
+    trainer = Trainer(config, node_key=b"m" * 32, work_dir=tmp_path / "node", ctx=RankContext(), link=link)
     link.trainer = trainer
     trainer.run()
     assert link.collected == [(0, 4 + taken_after), (1, 8 + taken_after), (2, 12)]
@@ -141,24 +143,26 @@ def test_the_handed_over_delta_is_corrected_by_a_share_of_where_the_phase_starte
     overrides += [f"outer.overlap.start_correction={correction}"]
     config = load_config("debug", overrides=overrides)
     link = HalvingLink()
-    trainer = Trainer(config, b"m" * 32, tmp_path / "node", RankContext(), link=link)
+    trainer = Trainer(config, node_key=b"m" * 32, work_dir=tmp_path / "node", ctx=RankContext(), link=link)
     link.trainer = trainer
     end_of_phase = OverlappedOuter.end_of_phase
     handed: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def watched(overlapped: OverlappedOuter, tokens: int, loss: float) -> bool:
+    def watched(overlapped: OverlappedOuter, *, phase: int, tokens: int, loss: float) -> Outcome:
         state = overlapped.state
         assert state is not None
-        start, weights = state.start.clone(), torch.empty_like(trainer.flat)
+        start = state.start.clone()
+        weights = torch.empty_like(trainer.flat)
         trainer.layout.gather(trainer.model, weights)
-        assert end_of_phase(overlapped, tokens, loss)
+        outcome = end_of_phase(overlapped, phase=phase, tokens=tokens, loss=loss)
+        assert outcome.goes_on
         expected = torch.sub(start, weights)
         if correction:
             expected.add_(torch.sub(trainer.outer.params, start), alpha=correction)
         handed.append((expected, state.delta.clone()))
         if len(handed) > 1:
             assert not torch.equal(start, trainer.outer.params)  # the phase started off S
-        return True
+        return outcome
 
     monkeypatch.setattr(OverlappedOuter, "end_of_phase", watched)
     trainer.run()

@@ -19,6 +19,7 @@ def accumulate_gradients(
     model: torch.nn.Module,
     inputs: torch.Tensor,
     targets: torch.Tensor,
+    *,
     micro_batch: int,
     autocast: Callable[[], AbstractContextManager[object]],
 ) -> torch.Tensor:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from p2ptrain.channel import (
     Averaged,
@@ -39,6 +40,16 @@ class AgentLink(Protocol):
     def step_done(self, done: StepDone) -> None: ...
     def checkpoint_written(self, written: CheckpointWritten) -> None: ...
     def finished(self, outer_step: int) -> None: ...
+
+
+def shared_instruction(averaged: Averaged | None, group: dist.ProcessGroup | None) -> tuple[str, bool]:
+    """What every local rank must act on in rank 0's answer (`averaged`, None on the others): a
+    checkpoint to reload instead (its path, or ""), and whether the step was replayed from the
+    swarm's result. A collective over the node's ranks (`group`; None with one rank)."""
+    box = [averaged.reload, averaged.replayed] if averaged else ["", False]
+    if group is not None:
+        dist.broadcast_object_list(box, src=0, group=group)
+    return str(box[0]), bool(box[1])
 
 
 class SoloLink:

@@ -30,6 +30,7 @@ from p2ptrain.train.layout import CanonicalLayout
 
 def save_checkpoint(
     directory: Path,
+    *,
     layout: CanonicalLayout,
     flat: torch.Tensor,
     model: ModelConfig,

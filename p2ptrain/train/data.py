@@ -43,6 +43,8 @@ class DataError(UserError):
 
 
 class Tokenizer(Protocol):
+    """What the data pipeline needs of a tokenizer: bytes or text in, token ids out."""
+
     vocab_size: int
     eos_id: int
 
@@ -271,7 +273,7 @@ class Batches:
     turn (one sequence each), and rank r keeps slice r."""
 
     def __init__(
-        self, streams: list[TokenStream], batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1
+        self, streams: list[TokenStream], *, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1
     ):
         if batch_size % world_size:
             raise DataError(
@@ -316,6 +318,7 @@ class Batches:
 
 def node_batches(
     config: DataConfig,
+    *,
     vocab_size: int,
     node_key: bytes,
     batch_size: int,
@@ -331,4 +334,4 @@ def node_batches(
     files = node_file_order(list_files(config), config.num_shards, first)
     count = min(config.interleave, len(files))
     streams = [TokenStream(files[j::count], tokenizer, config.text_field) for j in range(count)]
-    return Batches(streams, batch_size, seq_len, rank, world_size)
+    return Batches(streams, batch_size=batch_size, seq_len=seq_len, rank=rank, world_size=world_size)

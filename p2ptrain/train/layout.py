@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Entry:
+    """One parameter's place in the canonical vector."""
+
     name: str
     shape: tuple[int, ...]
     offset: int
@@ -36,6 +38,9 @@ class Entry:
 
 
 class CanonicalLayout:
+    """The (name, shape, offset) list of a model's parameters: what makes vectors of nodes with
+    different local world sizes comparable (see the module docstring)."""
+
     def __init__(self, entries: list[Entry]):
         self.entries = entries
         self.numel = sum(entry.numel for entry in entries)
@@ -43,7 +48,8 @@ class CanonicalLayout:
     @classmethod
     def of(cls, model: nn.Module) -> CanonicalLayout:
         """The layout of `model`, sharded or not (FSDP2 keeps names and global shapes)."""
-        entries, offset = [], 0
+        entries = []
+        offset = 0
         for name, param in model.named_parameters():
             entry = Entry(name, tuple(param.shape), offset)
             entries.append(entry)
@@ -102,6 +108,34 @@ def is_dtensor(tensor: torch.Tensor) -> TypeGuard[DTensor]:
     then no tensor can be one."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(tensor, module.DTensor)
+
+
+class LocalWeights:
+    """The model's weights in the two forms the trainer moves between: as this rank holds them (its
+    FSDP2 shards, or the whole model on a node of one rank), which the inner steps train, and as
+    rank 0's canonical vector `flat`, which the outer step works on.
+
+    `gather` and `load` are collectives over the node's local ranks: every rank calls them, in the
+    same order, or the node hangs."""
+
+    def __init__(self, model: nn.Module, *, group: dist.ProcessGroup | None, rank0: bool):
+        self.model = model
+        self.layout = CanonicalLayout.of(model)
+        self.group = group
+        """A gloo group over the local ranks (None with one rank)."""
+        self.rank0 = rank0
+        self.flat = self.layout.new_flat()
+        """Rank 0: the weights gathered, or to load. Other ranks: where rank 0's arrive in `load`
+        (between a `gather` and a `load` it holds nothing of use there)."""
+
+    def gather(self) -> None:
+        """The weights into rank 0's `flat`."""
+        self.layout.gather(self.model, self.flat if self.rank0 else None)
+
+    def load(self) -> None:
+        """Rank 0's `flat` into every rank's weights."""
+        broadcast_flat(self.flat, self.group)
+        self.layout.scatter(self.model, self.flat)
 
 
 def broadcast_flat(flat: torch.Tensor, group: dist.ProcessGroup | None) -> None:

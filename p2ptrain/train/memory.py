@@ -61,7 +61,7 @@ def saved_per_token_layer(model: ModelConfig, half: bool) -> int:
     return 2 * norm + attention + feed_forward
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MemoryEstimate:
     """Bytes one rank needs at its peak (an inner step after the first), by part."""
 
@@ -106,7 +106,9 @@ class MemoryEstimate:
         return rows
 
 
-def estimate(config: Config, micro_batch: int, world_size: int = 1, on_gpu: bool = False) -> MemoryEstimate:
+def estimate(
+    config: Config, micro_batch: int, *, world_size: int = 1, on_gpu: bool = False
+) -> MemoryEstimate:
     """The peak memory of rank 0 of a node with `world_size` local ranks, at `micro_batch`."""
     model = config.model
     total = parameter_count(model)
@@ -150,7 +152,7 @@ def balanced_micro_batch(sequences: int, largest: int) -> int:
     return -(-sequences // passes)
 
 
-def choose_micro_batch(config: Config, available: int, world_size: int = 1, on_gpu: bool = False) -> int:
+def choose_micro_batch(config: Config, available: int, *, world_size: int = 1, on_gpu: bool = False) -> int:
     """`train.micro_batch` resolved: the number given (at most the rank's share of the batch), or
     for "auto" the largest whose estimate fits SAFETY × `available` bytes (1 if none does)."""
     sequences = sequences_per_rank(config, world_size)
@@ -158,7 +160,11 @@ def choose_micro_batch(config: Config, available: int, world_size: int = 1, on_g
     if chosen != "auto":
         return min(int(chosen), sequences)
     budget = SAFETY * available
-    fits = [m for m in range(1, sequences + 1) if estimate(config, m, world_size, on_gpu).device <= budget]
+    fits = [
+        m
+        for m in range(1, sequences + 1)
+        if estimate(config, m, world_size=world_size, on_gpu=on_gpu).device <= budget
+    ]
     return balanced_micro_batch(sequences, max(fits) if fits else 1)
 
 
@@ -179,8 +185,8 @@ def resolve_micro_batch(config: Config, world_size: int, device_type: str) -> tu
     rank's log when the estimate does not fit."""
     on_gpu = device_type == "cuda"
     available = available_memory(device_type, world_size)
-    micro = choose_micro_batch(config, available, world_size, on_gpu)
-    found = estimate(config, micro, world_size, on_gpu)
+    micro = choose_micro_batch(config, available, world_size=world_size, on_gpu=on_gpu)
+    found = estimate(config, micro, world_size=world_size, on_gpu=on_gpu)
     if found.device > available:
         log.warning(
             "memory: micro-batch %d needs about %s per rank, %s is available: it may run out",
@@ -191,19 +197,23 @@ def resolve_micro_batch(config: Config, world_size: int, device_type: str) -> tu
     return micro, found, available
 
 
-def memory_report(config: Config, world_size: int, device_type: str, available: int | None) -> list[str]:
+def memory_report(config: Config, world_size: int, *, device_type: str, available: int | None) -> list[str]:
     """`config show --memory`: the estimate per rank at the micro-batch this machine would use (the
     run's batch where `available` is None: another machine's device), the total at other
     micro-batches, and with activation checkpointing switched the other way."""
     on_gpu = device_type == "cuda"
     sequences = sequences_per_rank(config, world_size)
     if available is None:
-        micro = sequences if config.train.micro_batch == "auto" else choose_micro_batch(config, 0, world_size)
+        micro = (
+            sequences
+            if config.train.micro_batch == "auto"
+            else choose_micro_batch(config, 0, world_size=world_size)
+        )
         where = f"no {device_type} device here"
     else:
-        micro = choose_micro_batch(config, available, world_size, on_gpu)
+        micro = choose_micro_batch(config, available, world_size=world_size, on_gpu=on_gpu)
         where = f"{gib(available)} available per rank"
-    chosen = estimate(config, micro, world_size, on_gpu)
+    chosen = estimate(config, micro, world_size=world_size, on_gpu=on_gpu)
     how = "auto" if config.train.micro_batch == "auto" else "set"
     lines = [
         f"memory per rank ({world_size} {'GPU' if on_gpu else 'CPU'} rank(s), {where}): "
@@ -215,7 +225,10 @@ def memory_report(config: Config, world_size: int, device_type: str, available: 
     )
     lines.append(
         "  total by micro-batch: "
-        + ", ".join(f"{size}: {gib(estimate(config, size, world_size, on_gpu).device)}" for size in sizes)
+        + ", ".join(
+            f"{size}: {gib(estimate(config, size, world_size=world_size, on_gpu=on_gpu).device)}"
+            for size in sizes
+        )
     )
     switched = not config.train.activation_checkpointing
     other = config.model_copy(
@@ -223,7 +236,7 @@ def memory_report(config: Config, world_size: int, device_type: str, available: 
     )
     lines.append(
         f"  with train.activation_checkpointing = {str(switched).lower()}: "
-        f"{gib(estimate(other, micro, world_size, on_gpu).device)} at micro-batch {micro}"
+        f"{gib(estimate(other, micro, world_size=world_size, on_gpu=on_gpu).device)} at micro-batch {micro}"
     )
     if available is not None and chosen.device > SAFETY * available:
         lines.append(f"  does not fit in the {gib(available)} available: expect to run out of memory")

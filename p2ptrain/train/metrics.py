@@ -17,11 +17,14 @@ log = logging.getLogger(__name__)
 
 
 class MetricsWriter:
-    """Appends {"kind": "inner"|"outer", "time": …, …} lines to `path`; flushes every line."""
+    """Appends {"kind": "inner"|"outer", "time": …, …} lines to `path`, flushed at every line so that
+    the agent, the dashboard and the tests read a node's progress while it trains; and the same
+    numbers to TensorBoard or Weights & Biases where configured."""
 
     def __init__(
         self,
         path: Path,
+        *,
         config: MetricsConfig | None = None,
         tensorboard_dir: Path | None = None,
         run_name: str = "",

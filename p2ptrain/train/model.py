@@ -68,7 +68,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
         repeats = self.n_heads // self.n_kv_heads
         k = k.repeat_interleave(repeats, dim=1)
         v = v.repeat_interleave(repeats, dim=1)
@@ -105,6 +106,9 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
+    """The whole decoder: embeddings, the blocks, the final norm and the output layer (tied to the
+    embeddings where the config says), computing the training loss itself (`forward`)."""
+
     def __init__(self, config: ModelConfig, activation_checkpointing: bool = False, loss_chunk: int = 0):
         super().__init__()
         validate_shape(config)
@@ -160,19 +164,20 @@ class Transformer(nn.Module):
         x = self.hidden(tokens)
         if targets is None:
             return F.linear(x, self.output_weight)
-        summed = summed_cross_entropy(x, self.output_weight, targets, self.loss_chunk)
+        summed = summed_cross_entropy(x, self.output_weight, targets, chunk=self.loss_chunk)
         return summed if reduction == "sum" else summed / targets.numel()
 
 
 def summed_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, chunk: int
 ) -> torch.Tensor:
     """Σ over tokens of −log softmax(hidden · weightᵀ)[target], `chunk` tokens at a time.
 
     Each chunk's logits are recomputed in the backward pass instead of kept, so at most one chunk's
     logits (and their gradient) exist at once: with a 32k vocabulary, 8 × 1024 tokens' logits are
     1 GiB in fp32, a 512-token chunk's 64 MiB. The sum is the same up to float summation order."""
-    flat_hidden, flat_targets = hidden.flatten(0, 1), targets.flatten()
+    flat_hidden = hidden.flatten(0, 1)
+    flat_targets = targets.flatten()
     if chunk <= 0 or chunk >= flat_targets.numel():
         return _token_losses(flat_hidden, weight, flat_targets)
     total = hidden.new_zeros((), dtype=torch.float32)

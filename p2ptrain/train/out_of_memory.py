@@ -29,7 +29,7 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 def raised_out_of_memory_line(
-    rank: int, error: BaseException, config: Config, micro_batch: int, on_gpu: bool
+    rank: int, error: BaseException, *, config: Config, micro_batch: int, on_gpu: bool
 ) -> str:
     """What a rank prints before it exits with OUT_OF_MEMORY_EXIT."""
     if on_gpu:

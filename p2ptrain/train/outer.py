@@ -16,7 +16,13 @@ import torch
 
 
 class OuterNesterov:
-    def __init__(self, params: torch.Tensor, lr: float, momentum: float, nesterov: bool = True):
+    """θ_outer and its momentum, the shared state S that every member of a step keeps bit-identical
+    (see the module docstring), and the update that alone changes them.
+
+    Caveat: `step` changes `params` and `momentum_buffer` in place, and the checkpoint writer's
+    thread reads them: wait for the writer before a step."""
+
+    def __init__(self, params: torch.Tensor, *, lr: float, momentum: float, nesterov: bool = True):
         self.params = params.detach().to(torch.float32, copy=True)
         self.momentum_buffer = torch.zeros_like(self.params)
         self.lr = lr

@@ -32,7 +32,7 @@ unchanged to first order; what changes is where each node's phases start. Measur
 model with the result at the phase's end, c = ½ took the cost from 4.2 % of held-out loss to
 0.24 % (10 % to 1.0 % with mixed batches, 5.1 % to 2.3 % at twice the batch); c = 1 diverged. Why
 is not settled: the linear model it came from (inner steps undo a share of the offset, which comes
-back amplified) predicts smaller offsets, and they came out larger (docs/architecture.md).
+back amplified) predicts smaller offsets, and they came out larger (docs/01-architecture.md).
 
 With `outer.overlap.steps = τ` > 0 the result is taken τ inner steps into phase N + 1 instead (the
 sync has those steps to hide in; Streaming DiLoCo's overlap, Douillard et al. 2025): S takes its step
@@ -50,29 +50,42 @@ result); the agent's answer to a node off track (reload a checkpoint) drops the 
 
 Rank 0 holds S (2 vectors), the shared buffer, and here Δ of the pending step and w (and, delayed,
 the last average): 2 (3) vectors more than without overlap, all in host memory.
+
+A checkpoint of S taken with step N pending also holds N (meta.json's `pending`) and its Δ and w
+(the inner state file), and counts phase N's inner steps. A node resuming its own checkpoint
+restores the pipeline from them and hands Δ over again; a node loading a peer's takes S alone, and
+its first phase, which goes without inner steps, does not count them again.
+
+In code: `OverlappedOuter` runs on every local rank and owns the pipeline; it is given what it works
+on (the node's weights and their collectives, rank 0's S, shared buffer and agent link, the
+checkpoint writer) and hands back to the trainer, as an `Outcome`, what the trainer does about a
+step taken: count it, skip the next inner steps, or load the checkpoint the agent answered with.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from p2ptrain.channel import Averaged, Ready, StepDone
-from p2ptrain.train.layout import rank0_decides
-from p2ptrain.train.outer import OuterNesterov
+from p2ptrain.ckpt.format import CheckpointMeta
+from p2ptrain.config import OverlapConfig
+from p2ptrain.train.agent_link import shared_instruction
+from p2ptrain.train.layout import LocalWeights, rank0_decides
+from p2ptrain.train.leader import Leader
+from p2ptrain.train.writer import CheckpointWriter
 
-if TYPE_CHECKING:  # trainer.py imports this module
-    from p2ptrain.train.trainer import Trainer
+OVERLAP_DELTA = "overlap_delta"
+"""The pending step's Δ in a checkpoint's inner state file."""
+OVERLAP_START = "overlap_start"
+"""The working start w of the phase after it, in the same file."""
 
-OVERLAP_DELTA, OVERLAP_START = "overlap_delta", "overlap_start"
-"""Names of the pending step's Δ and of the working start in a checkpoint's inner state file."""
 
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Pending:
     """The step whose Δ the agent is syncing now."""
 
@@ -87,23 +100,48 @@ class Pending:
         return {"step": self.step, "tokens": self.tokens, "finite": self.finite, "loss": loss}
 
     @classmethod
-    def from_dict(cls, data: dict) -> Pending:
+    def from_dict(cls, data: Mapping[str, Any]) -> Pending:
         loss = data.get("loss")
         return cls(
-            int(data["step"]),
-            int(data["tokens"]),
-            bool(data.get("finite", True)),
-            float(loss) if isinstance(loss, (int, float)) else math.nan,
+            step=int(data["step"]),
+            tokens=int(data["tokens"]),
+            finite=bool(data.get("finite", True)),
+            loss=float(loss) if isinstance(loss, (int, float)) else math.nan,
         )
 
 
-class OverlapState:
-    """Rank 0's local part of the overlapped outer step (S itself stays in OuterNesterov)."""
+@dataclass(frozen=True, kw_only=True)
+class Outcome:
+    """What came of an answer to the pending step, for the trainer to act on: the overlap neither
+    counts the trainer's steps nor loads checkpoints itself."""
 
-    def __init__(self, numel: int, eager: bool):
+    stepped: bool = False
+    """S took the pending step: the node's count of outer steps moves on by one."""
+    replayed: bool = False
+    """With `stepped`: the node was a step behind the swarm, which replayed the step from its
+    result; the next phase goes without inner steps, so its Δ is handed over in time to be a member
+    of the next step."""
+    reload: str = ""
+    """The agent answered with a checkpoint to reload instead (every rank loads it; the next phase
+    goes without inner steps). Nothing else was done: the pipeline starts over from it."""
+    void: bool = False
+    """The phase just ended is void: a merge in it was answered with a checkpoint, loaded by then."""
+
+    @property
+    def goes_on(self) -> bool:
+        """The pipeline goes on (neither a reload now nor a phase voided by an earlier one)."""
+        return not self.reload and not self.void
+
+
+class OverlapState:
+    """Rank 0's part of the overlap: the pipeline's vectors beside S, which stays in `leader`."""
+
+    def __init__(self, leader: Leader, *, eager: bool):
+        self.leader = leader
+        numel = leader.outer.params.numel()
         self.delta = torch.zeros(numel)
         """Δ of the pending step (its copy in the shared buffer becomes the average)."""
-        self.start = torch.zeros(numel)
+        self.start = leader.outer.params.clone()
         """w: where the current inner phase started."""
         self.last_average = None if eager else torch.zeros(numel)
         """Delayed (not eager): the last average S took, the estimate of the pending one."""
@@ -114,195 +152,238 @@ class OverlapState:
         """No average to build on (first step, a step given up, a reloaded checkpoint): R̂ = Δ."""
         self.known = False
 
-    def absorb(self, outer: OuterNesterov, buffer: torch.Tensor, averaged: Averaged) -> bool:
-        """Take the pending step's answer: with an average (the swarm's, or replayed from it) S takes
-        its step; True when S moved."""
+    def start_at_s(self) -> None:
+        """Nothing known but S (a checkpoint of S alone was loaded): the next phase starts at S."""
+        self.forget_average()
+        self.start.copy_(self.leader.outer.params)
+
+    def absorb(self, averaged: Averaged) -> bool:
+        """Take the pending step's answer, in the shared buffer: with an average (the swarm's, or
+        replayed from it) S takes its step; True when S moved."""
         if averaged.members <= 0 and not averaged.replayed:
-            self.forget_average()  # given up: nothing is applied (the swarm's result, if any, is
-            return False  # replayed or reloaded by the agent at the next step)
-        outer.step(buffer)
+            # given up: nothing is applied (the swarm's result, if any, is replayed or reloaded by
+            # the agent at the next step)
+            self.forget_average()
+            return False
+        self.leader.outer.step(self.leader.buffer)
         if self.last_average is not None:
-            self.last_average.copy_(buffer)
+            self.last_average.copy_(self.leader.buffer)
             self.known = True
         return True
 
-    def add_offset(
-        self, outer: OuterNesterov, into: torch.Tensor, share: float, scratch: torch.Tensor
-    ) -> None:
+    def add_offset(self, into: torch.Tensor, *, share: float) -> None:
         """into += share·(θ_S − start): a share of the way from where the phase started onto S's
-        params, computed in `scratch` (the shared buffer: S has taken its average from it)."""
-        torch.sub(outer.params, self.start, out=scratch)
+        params."""
+        # The shared buffer serves as scratch: only once S has taken its average from it and before
+        # the next Δ is copied in (the agent does not touch it between `collect` and `submit`).
+        scratch = self.leader.buffer
+        torch.sub(self.leader.outer.params, self.start, out=scratch)
         into.add_(scratch, alpha=share)
 
-    def next_start(self, outer: OuterNesterov, delta: torch.Tensor) -> torch.Tensor:
+    def hand_over(self, delta: torch.Tensor, ready: Ready) -> None:
+        """Keep `delta` as the pending Δ and hand it to the agent (the buffer is the agent's until
+        the answer is collected)."""
+        self.delta.copy_(delta)
+        self.leader.buffer.copy_(delta)
+        self.leader.link.submit(ready)
+
+    def next_start(self) -> torch.Tensor:
         """w of the next phase into `start`: the step the estimate R̂ would take from S."""
-        estimate = self.last_average if self.last_average is not None and self.known else delta
-        return outer.lookahead(estimate, out=self.start)
+        estimate = self.last_average if self.last_average is not None and self.known else self.delta
+        return self.leader.outer.lookahead(estimate, out=self.start)
 
 
 class OverlappedOuter:
-    """The trainer's outer step with overlap, on every local rank (the vectors on rank 0 only)."""
+    """The outer step with overlap, on every local rank; the vectors on rank 0 only (`state`).
 
-    def __init__(self, trainer: Trainer):
-        self.trainer = trainer
+    Given what it works on, not the trainer: `weights`, the node's weights and the collectives over
+    its local ranks; `leader`, rank 0's S, shared buffer, agent link and metrics (None on the other
+    ranks); `writer`, the checkpoint writer, whose thread may read S and the pipeline's vectors
+    until it is waited for. Every local rank calls the same methods in the same order (they all
+    count the same steps); what the trainer must do after each comes back as an `Outcome`."""
+
+    def __init__(
+        self,
+        *,
+        settings: OverlapConfig,
+        inner_steps: int,
+        tokens_per_step: int,
+        weights: LocalWeights,
+        leader: Leader | None,
+        writer: CheckpointWriter,
+    ):
+        self.settings = settings
+        """outer.overlap: τ (`steps`), on arrival, the start correction c, eager or delayed."""
+        self.inner_steps = inner_steps
+        """H, for the share c·τ/H of a merge."""
+        self.tokens_per_step = tokens_per_step
+        self.weights = weights
+        self.writer = writer
+        self.state = OverlapState(leader, eager=settings.eager) if leader is not None else None
         self.pending: Pending | None = None
         """The step being synced now (every rank knows it: they all count the same steps)."""
         self.phase_counted = False
-        self.merge_after = trainer.config.outer.overlap.steps
-        """τ: inner steps into a phase after which the pending step is taken (0: at its end)."""
-        self.on_arrival = trainer.config.outer.overlap.take_on_arrival
-        """Take it after the first step, from τ on, at whose end it has arrived."""
+        """The phase about to be skipped has its inner steps counted already (`take_counted_phase`)."""
         self._reloaded = False
-        """A merge mid-phase reloaded a checkpoint: the phase under way is void."""
-        leader = trainer.leader
-        self.state = (
-            OverlapState(trainer.layout.numel, trainer.config.outer.overlap.eager) if leader else None
-        )
-        if self.state is not None:
-            self.state.start.copy_(trainer.outer.params)
-
-    @property
-    def phase(self) -> int:
-        """The outer step of the inner phase under way (S has taken the steps before the pending one)."""
-        return self.trainer.outer_step + (self.pending is not None)
+        """A merge mid-phase was answered with a checkpoint: the phase under way is void."""
 
     def merge_due(self, steps_done: int) -> bool:
         """Whether the pending step is to be taken now, `steps_done` inner steps into the phase
         (the same answer on every local rank: rank 0's, whose link the answer comes by)."""
-        trainer = self.trainer
         if self.pending is None:
             return False
-        if not self.on_arrival:
-            return 0 < self.merge_after == steps_done
-        if not max(1, self.merge_after) <= steps_done < trainer.config.train.inner_steps:
+        merge_after = self.settings.steps
+        if not self.settings.take_on_arrival:
+            return 0 < merge_after == steps_done
+        if not max(1, merge_after) <= steps_done < self.inner_steps:
             return False  # the phase's last step: end_of_phase takes it
-        here = trainer.leader is not None and trainer.link.arrived(self.pending.step)
-        return rank0_decides(here, trainer.ctx.cpu_group)
+        here = self.state is not None and self.state.leader.link.arrived(self.pending.step)
+        return rank0_decides(here, self.weights.group)
 
-    def merge(self, steps_done: int) -> bool:
+    def merge(self, steps_done: int) -> Outcome:
         """Take the pending step τ steps into the phase: S takes its step, and the working weights
         move by the difference between S's params and the estimate the phase started from, less
         the share of it the τ steps are taken to have undone (c·τ/H; a step given up moves S by
-        nothing, the weights towards it). False when the agent answered with a checkpoint to
-        reload instead: the phase under way is void."""
-        trainer, leader, state = self.trainer, self.trainer.leader, self.state
-        if not self._take(self._collect(), steps_done):
+        nothing, the weights towards it). Answered with a checkpoint instead, the phase under way
+        is void (`end_of_phase` says so)."""
+        outcome = self._take(self._collect(), steps_in=steps_done)
+        if outcome.reload:
             self._reloaded = True
-            return False
-        trainer.layout.gather(trainer.model, trainer.flat if leader is not None else None)
-        if leader is not None and state is not None:  # w + (1 − c·τ/H)·(θ_S − y)
-            undone = (
-                trainer.config.outer.overlap.start_correction * steps_done / trainer.config.train.inner_steps
-            )
-            state.add_offset(leader.outer, trainer.flat, 1 - undone, scratch=leader.buffer)
-            state.start.copy_(leader.outer.params)
-        trainer.load_flat()
-        return True
+            return outcome
+        weights, state = self.weights, self.state
+        weights.gather()
+        if state is not None:  # w + (1 − c·τ/H)·(θ_S − y)
+            undone = self.settings.start_correction * steps_done / self.inner_steps
+            state.add_offset(weights.flat, share=1 - undone)
+            state.start.copy_(state.leader.outer.params)
+        weights.load()
+        return outcome
 
-    def end_of_phase(self, tokens: int, loss: float) -> bool:
-        """Hand this phase's Δ over and start the next phase from the estimate; first apply the
-        pending step's result to S (StepDone), unless a merge took it already. False when the agent
-        answered with a checkpoint to reload instead, now or at the merge (the pipeline starts
-        over, the next phase without inner steps)."""
+    def end_of_phase(self, *, phase: int, tokens: int, loss: float) -> Outcome:
+        """Hand the Δ of inner phase `phase` (just ended: `tokens`, mean `loss`) over and start the
+        next phase from the estimate; first apply the pending step's result to S (StepDone), unless
+        a merge took it already. Answered with a checkpoint instead, now or at the merge, the
+        pipeline starts over (the next phase without inner steps)."""
         if self._reloaded:
             self._reloaded = False
-            return False
-        trainer, leader, state = self.trainer, self.trainer.leader, self.state
-        phase = self.phase
-        trainer.layout.gather(trainer.model, trainer.flat if leader is not None else None)
-        ready, averaged = None, None
-        if leader is not None and state is not None:
-            torch.sub(state.start, trainer.flat, out=trainer.flat)  # Δ = w − y: this phase's progress
-            ready = trainer.checked_ready(phase, tokens, trainer.flat)
+            return Outcome(void=True)
+        weights, state = self.weights, self.state
+        weights.gather()
+        ready: Ready | None = None
+        averaged: Averaged | None = None
+        if state is not None:
+            torch.sub(state.start, weights.flat, out=weights.flat)  # Δ = w − y: this phase's progress
+            ready = state.leader.checked_ready(phase, tokens, weights.flat)
             averaged = self._collect()
-        if not self._take(averaged, tokens // trainer.tokens_per_step):
-            return False
-        if leader is not None and state is not None and ready is not None:
-            trainer.writer.wait()  # a checkpoint's thread may still read the pending Δ and w
-            correction = trainer.config.outer.overlap.start_correction
+        outcome = self._take(averaged, steps_in=tokens // self.tokens_per_step)
+        if outcome.reload:
+            return outcome
+        if state is not None and ready is not None:
+            self.writer.wait()  # a checkpoint's thread may still read the pending Δ and w
+            correction = self.settings.start_correction
             if correction and ready.finite:  # Δ − c·(y − θ_S)
-                state.add_offset(leader.outer, trainer.flat, correction, scratch=leader.buffer)
-            state.delta.copy_(trainer.flat)
-            leader.buffer.copy_(trainer.flat)
-            trainer.link.submit(ready)
-            trainer.flat.copy_(state.next_start(leader.outer, state.delta))
-        self.pending = Pending(phase, tokens, ready.finite if ready is not None else True, loss)
-        trainer.load_flat()
-        return True
+                state.add_offset(weights.flat, share=correction)
+            state.hand_over(weights.flat, ready)
+            weights.flat.copy_(state.next_start())
+        finite = ready.finite if ready is not None else True
+        self.pending = Pending(step=phase, tokens=tokens, finite=finite, loss=loss)
+        weights.load()
+        return outcome
 
-    def drain(self) -> bool:
+    def drain(self) -> Outcome:
         """The last phase is over: wait for the pending step and take it, then every rank holds S's
-        params. False when a checkpoint was reloaded instead (training goes on from it)."""
-        trainer, leader = self.trainer, self.trainer.leader
-        if not self._take(self._collect()):
-            return False
-        if leader is not None:
-            trainer.flat.copy_(leader.outer.params)
-        trainer.load_flat()
-        return True
+        params (unless answered with a checkpoint: training goes on from it)."""
+        outcome = self._take(self._collect())
+        if outcome.reload:
+            return outcome
+        if self.state is not None:
+            self.weights.flat.copy_(self.state.leader.outer.params)
+        self.weights.load()
+        return outcome
 
     def _collect(self) -> Averaged | None:
         """Wait for the pending step's answer: on rank 0, where the agent link is (None elsewhere,
         and with nothing pending)."""
-        if self.trainer.leader is None or self.pending is None:
+        if self.state is None or self.pending is None:
             return None
-        return self.trainer.link.collect(self.pending.step)
+        return self.state.leader.link.collect(self.pending.step)
 
-    def _take(self, averaged: Averaged | None, steps_in: int | None = None) -> bool:
-        """Apply the pending step's answer (on rank 0 `averaged`): S's step and StepDone, or a reload;
-        `steps_in`: inner steps of the next phase the step is taken after (its metrics line says)."""
-        trainer, leader, state = self.trainer, self.trainer.leader, self.state
-        reload, replayed = trainer.shared_instruction(averaged)
+    def _take(self, averaged: Averaged | None, *, steps_in: int | None = None) -> Outcome:
+        """Apply the pending step's answer (on rank 0 `averaged`): S's step and StepDone, unless it
+        is a checkpoint to reload; `steps_in`: inner steps of the next phase the step is taken
+        after (its metrics line says)."""
+        reload, replayed = shared_instruction(averaged, self.weights.group)
         if reload:
-            trainer.resume(Path(reload), own_data=False)
-            trainer.skip_next_inner = True
-            return False
-        if self.pending is None:
-            return True
-        # replayed: the node was a step behind the swarm; the phase after the one just ended goes
-        # without inner steps, so its next step is handed over in time to be a member of it
-        trainer.skip_next_inner = replayed
-        if leader is not None and state is not None and averaged is not None:
-            trainer.writer.wait()  # it may still be reading S or the pipeline's vectors
-            state.absorb(leader.outer, leader.buffer, averaged)
+            return Outcome(reload=reload)
+        pending = self.pending
+        if pending is None:
+            return Outcome()
+        state = self.state
+        if state is not None and averaged is not None:
+            self.writer.wait()  # it may still be reading S or the pipeline's vectors
+            state.absorb(averaged)
+            leader = state.leader
             params_hash = leader.outer.params_hash()
-            pending = self.pending
             taken = {} if steps_in is None else {"taken_after_steps": steps_in}
-            trainer.record_outer(averaged, pending.finite, params_hash, loss=pending.loss, **taken)
-            trainer.link.step_done(StepDone(pending.step, params_hash, pending.loss))
-        trainer.outer_step += 1
+            leader.record_outer(
+                pending.step,
+                averaged,
+                loss=pending.loss,
+                finite=pending.finite,
+                params_hash=params_hash,
+                **taken,
+            )
+            leader.link.step_done(StepDone(pending.step, params_hash, pending.loss))
         self.pending = None
-        return True
+        return Outcome(stepped=True, replayed=replayed)
 
     def take_counted_phase(self) -> bool:
         """Whether the phase about to be skipped has its inner steps counted already: a peer's
         checkpoint taken with its step pending counts the steps of that step's phase, which the
         node loading it then takes without inner steps (weight 0). Once."""
-        counted, self.phase_counted = self.phase_counted, False
+        counted = self.phase_counted
+        self.phase_counted = False
         return counted
 
-    def reset(self, pending_in_checkpoint: bool = False) -> None:
-        """A checkpoint of S alone was loaded (`pending_in_checkpoint`: its holder's step N was in
-        flight, so the phase of N is over and counted): nothing pending, nothing known but S."""
-        self.phase_counted = pending_in_checkpoint
-        self.pending = None
-        if self.state is not None and self.trainer.leader is not None:
-            self.state.forget_average()
-            self.state.start.copy_(self.trainer.leader.outer.params)
+    def add_to_checkpoint(self, meta: CheckpointMeta, vectors: dict[str, torch.Tensor]) -> None:
+        """Rank 0, saving a checkpoint of S: with a step pending, that step goes into `meta` and its
+        Δ and the next phase's start w into `vectors` (the inner state file). They are the live
+        vectors, not copies: the writer's thread reads them until it is waited for."""
+        if self.pending is None or self.state is None:
+            return
+        meta["pending"] = self.pending.to_dict()  # this node's: a step it handed over
+        vectors[OVERLAP_DELTA] = self.state.delta
+        vectors[OVERLAP_START] = self.state.start
 
-    def restore(self, pending: Pending, delta: torch.Tensor, start: torch.Tensor) -> None:
-        """Resume this node's own checkpoint taken with a step pending: its Δ is handed over again
-        (the agent syncs it, or replays the swarm's result), and the phase after it starts again from
-        the same w."""
-        self.pending, self.phase_counted = pending, False
+    def load_checkpoint(
+        self, meta: Mapping[str, Any], vectors: Mapping[str, torch.Tensor], *, own: bool
+    ) -> torch.Tensor | None:
+        """A checkpoint of S was loaded (S itself already in the leader's OuterNesterov): nothing is
+        pending, nothing known but S, the next phase starts at S; a pending step in it means its
+        holder's phase of that step is over and counted. With `own` (the node's own checkpoint,
+        `add_to_checkpoint`'s) its pending step is restored: its Δ is handed over again
+        (`resubmit`: the agent syncs it, or replays the swarm's result) and the phase after it
+        starts again from the same w, which is returned (None: the weights start at S)."""
+        self.phase_counted = "pending" in meta
+        self.pending = None
         if self.state is not None:
-            self.state.delta.copy_(delta)
-            self.state.start.copy_(start)
+            self.state.start_at_s()
+        if not own or "pending" not in meta or OVERLAP_START not in vectors:
+            return None
+        self.pending = Pending.from_dict(meta["pending"])
+        self.phase_counted = False
+        if self.state is not None:
+            self.state.delta.copy_(vectors[OVERLAP_DELTA])
+            self.state.start.copy_(vectors[OVERLAP_START])
+        return vectors[OVERLAP_START]
 
     def resubmit(self) -> None:
-        """After `restore`: hand the pending Δ to the agent (rank 0)."""
-        leader, state, pending = self.trainer.leader, self.state, self.pending
-        if leader is None or state is None or pending is None:
+        """After an own checkpoint was loaded with its step pending: hand the pending Δ to the agent
+        again (rank 0)."""
+        state = self.state
+        pending = self.pending
+        if state is None or pending is None:
             return
-        leader.buffer.copy_(state.delta)
-        self.trainer.link.submit(Ready(pending.step, pending.tokens if pending.finite else 0, pending.finite))
+        state.leader.buffer.copy_(state.delta)
+        tokens = pending.tokens if pending.finite else 0
+        state.leader.link.submit(Ready(pending.step, tokens, pending.finite))

@@ -43,7 +43,7 @@ def _context(rank: int, world_size: int) -> RankContext:
     if world_size > 1:
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(minutes=10))
         cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
-    return RankContext(rank, world_size, device, cpu_group)
+    return RankContext(rank=rank, world_size=world_size, device=device, cpu_group=cpu_group)
 
 
 def main() -> int:
@@ -52,7 +52,8 @@ def main() -> int:
     if os.getppid() != int(os.environ.get("P2PTRAIN_AGENT_PID", os.getppid())):
         return 1  # the agent died before the death signal was armed
     spec = json.loads(Path(os.environ["P2PTRAIN_RANK_SPEC"]).read_text())
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(int(spec["threads"]))
     config = Config.model_validate(spec["config"])
     ctx = _context(rank, world_size)
@@ -66,11 +67,11 @@ def main() -> int:
         resume = Path(spec["resume"]) if spec.get("resume") else None
         trainer = Trainer(
             config,
-            bytes.fromhex(spec["node_key"]),
-            Path(spec["work_dir"]),
-            ctx,
-            link,
-            resume,
+            node_key=bytes.fromhex(spec["node_key"]),
+            work_dir=Path(spec["work_dir"]),
+            ctx=ctx,
+            link=link,
+            resume=resume,
             own_data=not spec.get("skip_first_inner"),
         )
         trainer.run(skip_first_inner=bool(spec.get("skip_first_inner")))
@@ -88,7 +89,10 @@ def main() -> int:
             raise
         chosen = config.train.micro_batch
         micro = trainer.micro_batch if trainer is not None else chosen if isinstance(chosen, int) else 0
-        print(raised_out_of_memory_line(rank, exc, config, micro, ctx.device.type == "cuda"), file=sys.stderr)
+        line = raised_out_of_memory_line(
+            rank, exc, config=config, micro_batch=micro, on_gpu=ctx.device.type == "cuda"
+        )
+        print(line, file=sys.stderr)
         return OUT_OF_MEMORY_EXIT
     finally:
         if not done and dist.is_initialized():

@@ -1,14 +1,22 @@
 """One local rank's training loop: H inner AdamW steps under FSDP2, then the DiLoCo outer step.
 
 Every rank of a node runs a Trainer; rank 0 also holds the outer parameters and momentum (host
-memory, canonical layout) and talks to the node agent through an `AgentLink` (agent_link.py):
+memory, canonical layout) and talks to the node agent through an `AgentLink` (both in its `Leader`,
+leader.py):
 
     inner phase   H steps (or `time_box` seconds) of AdamW on the node's own data shard
     outer step    gather θ (all ranks) → rank 0: Δ = θ_outer − θ → agent averages Δ with the swarm
                   → rank 0: Nesterov step on θ_outer → broadcast → every rank loads its shards
 
+With `outer.overlap` the outer step is overlap.py's instead, which runs the sync of step N during
+phase N + 1 and hands back what the trainer does about each step taken (`_follow`).
+
 AdamW's state is kept across outer steps (as in DiLoCo). All nodes start from the same θ: the
 model is initialised on the CPU from `train.seed` before it is sharded or moved.
+
+Checkpoints (format: ckpt/format.py; files: checkpoint.py; the writer thread: writer.py) are taken
+at an outer-step boundary: every rank gathers AdamW's moments into canonical vectors, and rank 0's
+writer saves them with S in a thread, so training waits for the snapshot only.
 """
 
 from __future__ import annotations
@@ -23,28 +31,31 @@ import torch
 import torch.distributed as dist
 
 from p2ptrain.channel import Averaged, CheckpointWritten, Hello, Progress, Ready, StepDone
-from p2ptrain.ckpt.format import STAGED_KEEP, checkpoint_places
+from p2ptrain.ckpt.format import STAGED_KEEP, CheckpointMeta, checkpoint_places
 from p2ptrain.config import Config, parameter_count
 from p2ptrain.faults import Faults
 from p2ptrain.identity import short_id
 from p2ptrain.train.accumulate import accumulate_gradients
-from p2ptrain.train.agent_link import AgentLink, SoloLink
-from p2ptrain.train.data import node_batches
-from p2ptrain.train.layout import CanonicalLayout, broadcast_flat, rank0_decides
+from p2ptrain.train.agent_link import AgentLink, SoloLink, shared_instruction
+from p2ptrain.train.checkpoint import load_state
+from p2ptrain.train.data import DataPosition, node_batches
+from p2ptrain.train.layout import CanonicalLayout, LocalWeights, rank0_decides
+from p2ptrain.train.leader import Leader
 from p2ptrain.train.memory import loss_chunk_tokens, resolve_micro_batch
 from p2ptrain.train.metrics import MetricsWriter, gpu_memory, peak_flops
 from p2ptrain.train.model import Transformer
-from p2ptrain.train.optim import InnerAdamW, adam_moments
-from p2ptrain.train.outer import OuterNesterov, all_finite
-from p2ptrain.train.overlap import OverlappedOuter
-from p2ptrain.train.trainer_state import resume_trainer, save_trainer_checkpoint
+from p2ptrain.train.optim import adam_moments, inner_optimizer
+from p2ptrain.train.outer import OuterNesterov
+from p2ptrain.train.overlap import Outcome, OverlappedOuter
 from p2ptrain.train.writer import CheckpointWriter
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RankContext:
+    """Where this rank runs: its place among the node's local ranks, its device, their CPU group."""
+
     rank: int = 0
     world_size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -75,20 +86,14 @@ def build_model(config: Config, ctx: RankContext) -> Transformer:
     return model
 
 
-@dataclass
-class LeaderState:
-    """What rank 0 alone holds: θ_outer and the outer momentum (host memory), the vector it shares
-    with the agent, and the metrics file."""
-
-    outer: OuterNesterov
-    buffer: torch.Tensor
-    metrics: MetricsWriter
-
-
 class Trainer:
+    """One rank's whole training run: the inner phases, the outer steps (blocking, or overlap.py's),
+    checkpoints and resuming (see the module docstring)."""
+
     def __init__(
         self,
         config: Config,
+        *,
         node_key: bytes,
         work_dir: Path,
         ctx: RankContext,
@@ -104,47 +109,76 @@ class Trainer:
             config, ctx.world_size, ctx.device.type
         )
         self.model = build_model(config, ctx)
-        self.layout = CanonicalLayout.of(self.model)
-        self.flat = self.layout.new_flat()
-        self.layout.gather(self.model, self.flat if ctx.rank == 0 else None)
-        self.leader: LeaderState | None = None
+        self.weights = LocalWeights(self.model, group=ctx.cpu_group, rank0=ctx.rank == 0)
+        self.layout: CanonicalLayout = self.weights.layout
+        self.weights.gather()
+        self.faults = Faults.from_env()  # tests and drills: a NaN in Δ
+        self.leader: Leader | None = None
+        """Rank 0's part of the outer step (S, the shared buffer, the agent link); None elsewhere."""
         if ctx.rank == 0:
-            self.leader = LeaderState(
-                OuterNesterov(self.flat, config.outer.lr, config.outer.momentum, config.outer.nesterov),
-                self.link.buffer(self.layout.numel),
-                MetricsWriter(
-                    work_dir / "metrics.jsonl", config.metrics, work_dir / "tensorboard", short_id(node_key)
-                ),
+            metrics = MetricsWriter(
+                work_dir / "metrics.jsonl",
+                config=config.metrics,
+                tensorboard_dir=work_dir / "tensorboard",
+                run_name=short_id(node_key),
             )
-        self.optimizer = InnerAdamW(self.model, config.train)
+            self.leader = Leader(
+                outer=OuterNesterov(
+                    self.flat,
+                    lr=config.outer.lr,
+                    momentum=config.outer.momentum,
+                    nesterov=config.outer.nesterov,
+                ),
+                buffer=self.link.buffer(self.layout.numel),
+                link=self.link,
+                metrics=metrics,
+                nan_step=self.faults.nan_step,
+            )
+        self.optimizer = inner_optimizer(self.model, config.train, ctx.device)
         self.batches = node_batches(
             config.data,
-            config.model.vocab_size,
-            node_key,
-            config.train.batch_size,
-            config.model.seq_len,
-            ctx.rank,
-            ctx.world_size,
+            vocab_size=config.model.vocab_size,
+            node_key=node_key,
+            batch_size=config.train.batch_size,
+            seq_len=config.model.seq_len,
+            rank=ctx.rank,
+            world_size=ctx.world_size,
         )
         self.inner_step = 0
         self.outer_step = 0
+        """The outer steps S has taken (with overlap, the phase under way may be one further)."""
         self.skip_next_inner = False
-        self.faults = Faults.from_env()  # tests and drills: a NaN in Δ
         self.last_loss = math.nan
         self.places = checkpoint_places(config, short_id(node_key), work_dir)
         keep: int | None = STAGED_KEEP if self.places.staging else config.checkpoint.keep
         if self.link.agent_prunes:
             keep = None  # the agent prunes, after its copies to disk
-        self.writer = CheckpointWriter(self.layout, config.model, keep, self._checkpoint_written)
+        self.writer = CheckpointWriter(
+            self.layout, model=config.model, keep=keep, on_written=self._checkpoint_written
+        )
         self.tokens_per_step = config.train.batch_size * config.model.seq_len
-        self.overlapped = OverlappedOuter(self) if config.outer.overlap.enabled else None
+        self.overlapped: OverlappedOuter | None = None
         """The outer step overlapped with the next inner phase (outer.overlap), else None."""
+        if config.outer.overlap.enabled:
+            self.overlapped = OverlappedOuter(
+                settings=config.outer.overlap,
+                inner_steps=config.train.inner_steps,
+                tokens_per_step=self.tokens_per_step,
+                weights=self.weights,
+                leader=self.leader,
+                writer=self.writer,
+            )
         if resume is not None:
-            self.resume(resume, own_data)
+            self.resume(resume, own_data=own_data)
         self.flops_per_token = (
             6 * parameter_count(config.model)
             + 12 * config.model.n_layers * config.model.dim * config.model.seq_len
         )
+
+    @property
+    def flat(self) -> torch.Tensor:
+        """Rank 0's canonical vector of the weights (`LocalWeights.flat`)."""
+        return self.weights.flat
 
     @property
     def is_leader(self) -> bool:
@@ -153,8 +187,10 @@ class Trainer:
 
     @property
     def phase(self) -> int:
-        """The outer step the inner phase under way belongs to (with overlap, S is one behind)."""
-        return self.overlapped.phase if self.overlapped is not None else self.outer_step
+        """The outer step the inner phase under way belongs to: with overlap, one past S's while a
+        step is pending (S has taken the steps before the pending one)."""
+        pending = self.overlapped is not None and self.overlapped.pending is not None
+        return self.outer_step + pending
 
     @property
     def outer(self) -> OuterNesterov:
@@ -171,8 +207,11 @@ class Trainer:
 
     def inner_step_once(self) -> float:
         inputs, targets = self.batches.next()
-        inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)
-        loss = accumulate_gradients(self.model, inputs, targets, self.micro_batch, self._autocast)
+        inputs = inputs.to(self.ctx.device)
+        targets = targets.to(self.ctx.device)
+        loss = accumulate_gradients(
+            self.model, inputs, targets, micro_batch=self.micro_batch, autocast=self._autocast
+        )
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.train.grad_clip)
         self.optimizer.step(self.inner_step)
         self.optimizer.zero_grad()
@@ -203,35 +242,40 @@ class Trainer:
             elapsed = time.monotonic() - step_started
             tokens_per_s = self.tokens_per_step / max(elapsed, 1e-9)
             if self.leader is not None:
-                mfu = self._mfu(tokens_per_s)
-                self.leader.metrics.write(
-                    "inner",
-                    self.inner_step,
-                    outer_step=self.phase,
-                    loss=round(loss, 5),
-                    lr=self.optimizer.lr_at(self.inner_step),
-                    tokens_per_s=round(tokens_per_s, 1),
-                    **({"mfu": round(mfu, 4)} if mfu is not None else {}),
-                    **gpu_memory(self.ctx.device),
-                )
-                self.link.progress(
-                    Progress(
-                        self.phase,
-                        self.inner_step,
-                        loss,
-                        self.inner_step * self.tokens_per_step,
-                        tokens_per_s,
-                    )
-                )
+                self._report_inner(loss, tokens_per_s)
             overlapped = self.overlapped
             if (
                 overlapped is not None
                 and overlapped.merge_due(len(losses))
-                and not overlapped.merge(len(losses))
+                and not self._follow(overlapped.merge(len(losses)))
             ):
                 break  # reloaded a checkpoint: the phase is void (end_of_phase says so)
         self.last_loss = sum(losses) / len(losses) if losses else math.nan
         return len(losses) * self.tokens_per_step, self.last_loss
+
+    def _report_inner(self, loss: float, tokens_per_s: float) -> None:
+        """Rank 0: the inner step's metrics line and progress message to the agent."""
+        assert self.leader is not None
+        mfu = self._mfu(tokens_per_s)
+        self.leader.metrics.write(
+            "inner",
+            self.inner_step,
+            outer_step=self.phase,
+            loss=round(loss, 5),
+            lr=self.optimizer.lr_at(self.inner_step),
+            tokens_per_s=round(tokens_per_s, 1),
+            **({"mfu": round(mfu, 4)} if mfu is not None else {}),
+            **gpu_memory(self.ctx.device),
+        )
+        self.link.progress(
+            Progress(
+                outer_step=self.phase,
+                inner_step=self.inner_step,
+                loss=loss,
+                tokens=self.inner_step * self.tokens_per_step,
+                tokens_per_s=tokens_per_s,
+            )
+        )
 
     def _mfu(self, tokens_per_s: float) -> float | None:
         if self.ctx.device.type != "cuda":
@@ -244,21 +288,11 @@ class Trainer:
     def prepare_outer(self, tokens: int) -> Ready | None:
         """Gather θ and, on rank 0, write Δ = θ_outer − θ into the buffer; returns rank 0's Ready."""
         leader = self.leader
-        self.layout.gather(self.model, self.flat if leader is not None else None)
+        self.weights.gather()
         if leader is None:
             return None
         leader.outer.pseudo_gradient(self.flat, out=leader.buffer)
-        return self.checked_ready(self.outer_step, tokens, leader.buffer)
-
-    def checked_ready(self, step: int, tokens: int, delta: torch.Tensor) -> Ready:
-        """Rank 0's Ready for `delta`: never send NaN/Inf; contribute nothing (weight 0) instead."""
-        if step == self.faults.nan_step:
-            delta[0] = math.nan  # fault injection: P2PTRAIN_INJECT_NAN_STEP
-        finite = all_finite(delta)
-        if not finite:
-            log.error("outer step %d: pseudo-gradient holds NaN/Inf; contributing zero", step)
-            delta.zero_()
-        return Ready(step, tokens if finite else 0, finite)
+        return leader.checked_ready(self.outer_step, tokens, leader.buffer)
 
     def apply_outer(self, ready: Ready | None, averaged: Averaged | None, seconds: float = 0.0) -> str:
         """Nesterov step with the (averaged) buffer on rank 0, then every rank loads θ_outer."""
@@ -269,43 +303,17 @@ class Trainer:
             leader.outer.step(leader.buffer)
             self.flat.copy_(leader.outer.params)
             params_hash = leader.outer.params_hash()
-            self.record_outer(averaged, ready.finite if ready else True, params_hash, seconds)
-        self.load_flat()
+            leader.record_outer(
+                self.outer_step,
+                averaged,
+                loss=self.last_loss,
+                finite=ready.finite if ready else True,
+                params_hash=params_hash,
+                seconds=seconds,
+            )
+        self.weights.load()
         self.outer_step += 1
         return params_hash
-
-    def record_outer(
-        self,
-        averaged: Averaged | None,
-        finite: bool,
-        params_hash: str,
-        seconds: float = 0.0,
-        loss: float | None = None,
-        **overlap: int,
-    ) -> None:
-        """Rank 0's metrics line for the outer step just taken (`loss`: its phase's, if not the last;
-        `overlap`: where in the next phase an overlapped step was taken)."""
-        assert self.leader is not None
-        self.leader.metrics.write(
-            "outer",
-            self.outer_step,
-            loss=round(self.last_loss if loss is None else loss, 5),
-            members=averaged.members if averaged else 0,
-            ring=averaged.ring if averaged else [],
-            sync_s=round(averaged.sync_s, 3) if averaged else 0.0,
-            replayed=averaged.replayed if averaged else False,
-            bytes_sent=averaged.bytes_sent if averaged else 0,
-            relayed_bytes=averaged.relayed_bytes if averaged else 0,
-            finite=finite,
-            params_hash=params_hash,
-            seconds=round(seconds, 3),
-            **overlap,
-        )
-
-    def load_flat(self) -> None:
-        """Every rank loads rank 0's `flat` into its shards."""
-        broadcast_flat(self.flat, self.ctx.cpu_group)
-        self.layout.scatter(self.model, self.flat)
 
     def outer_step_once(self, tokens: int) -> str | None:
         """Average Δ with the swarm, take the Nesterov step, load it into every rank; returns θ's hash.
@@ -317,45 +325,121 @@ class Trainer:
         averaged = None
         if ready is not None and self.leader is not None:
             averaged = self.link.average(ready, self.leader.buffer)
-        reload, replayed = self.shared_instruction(averaged)
+        reload, replayed = shared_instruction(averaged, self.ctx.cpu_group)
         if reload:
-            self.resume(Path(reload), own_data=False)
-            self.skip_next_inner = True
+            self._reload(Path(reload))
             return None
         self.skip_next_inner = replayed
         return self.apply_outer(ready, averaged, time.monotonic() - started)
 
-    def shared_instruction(self, averaged: Averaged | None) -> tuple[str, bool]:
-        """Rank 0's catch-up instruction (a checkpoint to reload; a replayed step), made known to
-        every local rank."""
-        box = [averaged.reload, averaged.replayed] if averaged else ["", False]
-        if self.ctx.cpu_group is not None:
-            dist.broadcast_object_list(box, src=0, group=self.ctx.cpu_group)
-        return str(box[0]), bool(box[1])
+    def outer_step_overlapped(self, tokens: int, loss: float) -> bool:
+        """outer.overlap, at the end of an inner phase (`tokens`, mean `loss`): hand its Δ over and
+        take the pending step if no merge took it. False when the pipeline starts over from a
+        checkpoint (loaded now or at a merge in the phase, which is then void)."""
+        assert self.overlapped is not None
+        return self._follow(self.overlapped.end_of_phase(phase=self.phase, tokens=tokens, loss=loss))
+
+    def drain_overlapped(self) -> bool:
+        """outer.overlap, after the last phase: take the pending step; False when answered with a
+        checkpoint instead (training goes on from it)."""
+        assert self.overlapped is not None
+        return self._follow(self.overlapped.drain())
+
+    def _follow(self, outcome: Outcome) -> bool:
+        """Do what an answer to an outer step asks of the trainer: count a step S took, skip the next
+        inner steps after a replay, or load the checkpoint the agent answered with (every rank; the
+        next phase then goes without inner steps). False when the step did not go on."""
+        if outcome.reload:
+            self._reload(Path(outcome.reload))
+            return False
+        if outcome.stepped:
+            self.outer_step += 1
+            self.skip_next_inner = outcome.replayed
+        return outcome.goes_on
+
+    def _reload(self, path: Path) -> None:
+        """The agent found the node off track: every rank loads the swarm's checkpoint at `path`
+        (keeping its own data position), and the next outer step goes without inner steps."""
+        self.resume(path, own_data=False)
+        self.skip_next_inner = True
+
+    # -- checkpoints -------------------------------------------------------------------------
 
     def adam_moments(self, create: bool = False) -> dict[str, dict[str, torch.Tensor]]:
-        return adam_moments(self.model, self.optimizer, self.inner_step, create)
+        return adam_moments(self.model, self.optimizer, steps_taken=self.inner_step, create=create)
 
     def save_checkpoint(self, background: bool = True) -> None:
         """Snapshot the full state into canonical vectors (all ranks) and have rank 0's writer save it.
 
         Training waits only for the snapshot; the files are written by a thread (see writer.py)."""
-        save_trainer_checkpoint(self, background)
+        started = time.monotonic()
+        leader = self.leader
+        names = ["adam_exp_avg", "adam_exp_avg_sq"]
+        buffers = self.writer.snapshot_buffers(names) if leader is not None else {}
+        for key, tensors in self.adam_moments().items():
+            self.layout.gather_tensors(tensors, buffers.get(f"adam_{key}"))
+        if leader is None:
+            return
+        meta: CheckpointMeta = {
+            "outer_step": self.outer_step,
+            "inner_step": self.inner_step,
+            "config_digest": self.config.digest(),
+            "data_position": self.batches.position.to_dict(),
+        }
+        inner = dict(buffers)
+        if self.overlapped is not None:
+            self.overlapped.add_to_checkpoint(meta, inner)
+        self.writer.write(
+            self.places.write_dir,
+            params=leader.outer.params,
+            momentum=leader.outer.momentum_buffer,
+            inner=inner,
+            meta=meta,
+            background=background,
+        )
+        blocking = time.monotonic() - started
+        leader.metrics.write("checkpoint", self.outer_step, blocking_s=round(blocking, 3))
+        log.info("checkpoint of outer step %d: training waited %.3f s", self.outer_step, blocking)
 
     def _checkpoint_written(self, path: Path, outer_step: int, seconds: float) -> None:
         self.link.checkpoint_written(CheckpointWritten(outer_step, str(path), seconds))
-
-    def _skip_inner_steps(self, count: int) -> None:
-        """Count the inner steps the others did in the step this node catches up in, so the step
-        counters and the LR schedule (which follows `inner_step`) stay in line with theirs."""
-        self.inner_step = min(self.config.train.max_steps, self.inner_step + count)
 
     def resume(self, path: Path, own_data: bool = True) -> None:
         """Continue from a checkpoint exactly where it was taken (every rank reads the files).
 
         A checkpoint fetched from a peer carries the peer's data position: with `own_data` False
-        the node keeps reading its own shard from where it is instead."""
-        resume_trainer(self, path, own_data)
+        the node keeps reading its own shard from where it is instead (and a step its holder had
+        pending is not resumed: that pipeline was the peer's)."""
+        flat, state, meta = load_state(path, self.layout)
+        if meta.get("config_digest") != self.config.digest():
+            log.warning("resuming %s, saved under other training settings", path)
+        self.inner_step = int(meta["inner_step"])
+        self.outer_step = int(meta["outer_step"])
+        self.flat.copy_(flat)
+        if self.leader is not None:
+            self.leader.outer.load_state_dict({"params": flat, "momentum": state["momentum"]})
+        if self.overlapped is not None:
+            start = self.overlapped.load_checkpoint(meta, state, own=own_data)
+            if start is not None:
+                # our own checkpoint, taken with a step handed over: the phase after it starts
+                # where it did
+                self.flat.copy_(start)
+        self.layout.scatter(self.model, self.flat)
+        for key, tensors in self.adam_moments(create=True).items():
+            self.layout.scatter_tensors(tensors, state[f"adam_{key}"])
+        if own_data:
+            self._seek_data(path, DataPosition.from_dict(meta["data_position"]))
+
+    def _seek_data(self, path: Path, position: DataPosition) -> None:
+        """Continue the node's data streams from a checkpoint's `position`, where they match."""
+        if not self.batches.seek(position):
+            log.warning(
+                "%s: %d interleaved data streams here, %d there (data.interleave, capped at the "
+                "number of files): its data position is not restored",
+                path,
+                len(self.batches.streams),
+                len(position.streams),
+            )
 
     def _checkpoint_if_due(self) -> None:
         """After an outer step: checkpoint every `checkpoint.interval` steps, and at the end."""
@@ -365,21 +449,28 @@ class Trainer:
         if done or (interval and self.outer_step % interval == 0):
             self.save_checkpoint()
 
+    # -- the run -----------------------------------------------------------------------------
+
+    def _skip_inner_steps(self, count: int) -> None:
+        """Count the inner steps the others did in the step this node catches up in, so the step
+        counters and the LR schedule (which follows `inner_step`) stay in line with theirs."""
+        self.inner_step = min(self.config.train.max_steps, self.inner_step + count)
+
     def run(self, skip_first_inner: bool = False) -> None:
         """Train to max_steps. `skip_first_inner`: a node that just caught up takes part in its first
         outer step with a zero pseudo-gradient and weight 0, so the others need not wait for it."""
         if self.is_leader:
             self.link.started(
                 Hello(
-                    self.layout.numel,
-                    self.layout.digest(),
-                    "",
-                    self.ctx.world_size,
-                    parameter_count(self.config.model),
-                    self.outer_step,
-                    self.micro_batch,
-                    self.memory.device,
-                    self.memory_available,
+                    numel=self.layout.numel,
+                    layout_digest=self.layout.digest(),
+                    buffer_path="",
+                    world_size=self.ctx.world_size,
+                    parameters=parameter_count(self.config.model),
+                    start_step=self.outer_step,
+                    micro_batch=self.micro_batch,
+                    memory_estimate=self.memory.device,
+                    memory_available=self.memory_available,
                 )
             )
         self.skip_next_inner = skip_first_inner
@@ -390,7 +481,7 @@ class Trainer:
                 overlap = self.overlapped
                 if overlap is None or overlap.pending is None:
                     break
-                if overlap.drain():
+                if self.drain_overlapped():
                     self._checkpoint_if_due()
                     break
                 continue  # drained into a checkpoint to reload: training goes on from there
@@ -399,11 +490,12 @@ class Trainer:
                 self.skip_next_inner = False
                 counted = self.overlapped is not None and self.overlapped.take_counted_phase()
                 self._skip_inner_steps(0 if counted else self.config.train.inner_steps)
-                tokens, loss = 0, math.nan
+                tokens = 0
+                loss = math.nan
             else:
                 tokens, loss = self.inner_phase()
             if self.overlapped is not None:  # S took a step at the merge or takes it now
-                if self.overlapped.end_of_phase(tokens, loss) and self.outer_step > before:
+                if self.outer_step_overlapped(tokens, loss) and self.outer_step > before:
                     self._checkpoint_if_due()
                 continue
             params_hash = self.outer_step_once(tokens)

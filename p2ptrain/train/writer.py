@@ -29,7 +29,12 @@ Written = Callable[[Path, int, float], None]
 
 
 class CheckpointWriter:
-    def __init__(self, layout: CanonicalLayout, model: ModelConfig, keep: int | None, on_written: Written):
+    """Rank 0's writer thread and the snapshot vectors it reads (see the module docstring).
+
+    Caveat: `write` keeps references to the tensors it is given, not copies. Whoever changes one of
+    them (θ_outer, the momentum, overlap's vectors) must `wait` first."""
+
+    def __init__(self, layout: CanonicalLayout, *, model: ModelConfig, keep: int | None, on_written: Written):
         """`keep`: checkpoints left in the folder after each write; None: the node agent prunes."""
         self.layout = layout
         self.model = model
@@ -50,6 +55,7 @@ class CheckpointWriter:
     def write(
         self,
         folder: Path,
+        *,
         params: torch.Tensor,
         momentum: torch.Tensor,
         inner: dict[str, torch.Tensor],
@@ -62,7 +68,15 @@ class CheckpointWriter:
         def run() -> None:
             started = time.monotonic()
             try:
-                path = save_checkpoint(folder, self.layout, params, self.model, meta, momentum, inner)
+                path = save_checkpoint(
+                    folder,
+                    layout=self.layout,
+                    flat=params,
+                    model=self.model,
+                    meta=meta,
+                    momentum=momentum,
+                    inner=inner,
+                )
                 if self.keep is not None:
                     prune(folder, self.keep)
             except BaseException as exc:  # reported by the next wait(), on the training thread
@@ -86,5 +100,6 @@ class CheckpointWriter:
 
     def _raise(self) -> None:
         if self._error is not None:
-            error, self._error = self._error, None
+            error = self._error
+            self._error = None
             raise error
