@@ -46,6 +46,7 @@ def _data(rank: int, length: int) -> np.ndarray:
 def worker(
     rank: int,
     host: str,
+    *,
     master: str,
     length: int,
     rounds: int,
@@ -82,7 +83,9 @@ def worker(
         listen_host, port = await server.start(host)
         everyone: list[Any] = [None] * WORLD
         dist.all_gather_object(everyone, (identity.public_key, listen_host, port))
-        members = [Member(key, member_host, member_port) for key, member_host, member_port in everyone]
+        members = [
+            Member(key=key, host=member_host, port=member_port) for key, member_host, member_port in everyone
+        ]
         buffer, times = data.copy(), []
         for step in range(rounds + 1):
             np.copyto(buffer, data)
@@ -140,6 +143,7 @@ def _run_members(commands: list[list[str]], root: Path, timeout: float) -> list[
 def run(
     mib: int,
     rounds: int,
+    *,
     bandwidth: float | None,
     connections: int = 1,
     bits: int = 8,
@@ -257,14 +261,14 @@ def main() -> None:
         worker(
             args.worker,
             args.host,
-            args.master,
-            args.length,
-            args.rounds,
-            Path(args.out),
-            args.connections,
-            args.bits,
-            args.topology,
-            args.clip,
+            master=args.master,
+            length=args.length,
+            rounds=args.rounds,
+            out=Path(args.out),
+            connections=args.connections,
+            bits=args.bits,
+            topology=args.topology,
+            clip=args.clip,
         )
         return
     unwind_on_sigterm()
@@ -273,7 +277,13 @@ def main() -> None:
         return
     try:
         summary = run(
-            args.mib, args.rounds, args.bandwidth, args.connections, args.bits, args.topology, args.clip
+            args.mib,
+            args.rounds,
+            bandwidth=args.bandwidth,
+            connections=args.connections,
+            bits=args.bits,
+            topology=args.topology,
+            clip=args.clip,
         )
     except Exception as exc:
         from benchmarks.netns import NamespacesUnavailable

@@ -65,7 +65,7 @@ def start_bootstrap(children: ChildProcesses, root: Path, benchmark: str) -> str
             *(sys.executable, "-m", "p2ptrain", "bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0"),
             *("--identity", str(root / "bootstrap"), "--address-file", str(address)),
         ],
-        root / "bootstrap.log",
+        log_path=root / "bootstrap.log",
     )
     return wait_for_file(address, 60, benchmark)
 

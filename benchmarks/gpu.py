@@ -145,7 +145,7 @@ def run_swarm(args: Any, overlap: str, logs: Path | None) -> tuple[bool, Metrics
             for shard, name in enumerate(NODES):
                 env = {**os.environ, "OMP_NUM_THREADS": "4"}
                 command = node_command(root, name, peer, args, shard, overlap)
-                children.spawn(name, command, root / f"{name}.log", env=env)
+                children.spawn(name, command, log_path=root / f"{name}.log", env=env)
             deadline = started + args.timeout
             while time.monotonic() < deadline and not finished:
                 codes = [children.wait(name, 1.0) for name in NODES]

@@ -56,7 +56,7 @@ table inet filter {
 """
 
 
-def _router(prefix: str, hub: str, index: int, member: str, created: list[str]) -> str:
+def _router(prefix: str, hub: str, *, index: int, member: str, created: list[str]) -> str:
     """A NAT router between the hub's bridge and `member`'s namespace; the member's address."""
     router = f"{prefix}r{index}"
     _ip("netns", "add", router)
@@ -105,7 +105,7 @@ def limited_network(members: int, mbit: float, behind_nat: Collection[int] = ())
             created.append(name)
             _ip("-n", name, "link", "set", "lo", "up")
             if index in behind_nat:
-                address = _router(prefix, hub, index, name, created)
+                address = _router(prefix, hub, index=index, member=name, created=created)
             else:
                 _ip(
                     "link",

@@ -87,7 +87,15 @@ def held_out(config: Config, files: int = 0) -> list[tuple[torch.Tensor, torch.T
     sequences from `files` files in turn (0: as the nodes read, data.interleave)."""
     update = {"shard": config.data.num_shards - 1} | ({"interleave": files} if files else {})
     eval_data = config.data.model_copy(update=update)
-    batches = node_batches(eval_data, config.model.vocab_size, b"eval", 8, config.model.seq_len, 0, 1)
+    batches = node_batches(
+        eval_data,
+        vocab_size=config.model.vocab_size,
+        node_key=b"eval",
+        batch_size=8,
+        seq_len=config.model.seq_len,
+        rank=0,
+        world_size=1,
+    )
     return [batches.next() for _ in range(EVAL_BATCHES)]
 
 
@@ -138,7 +146,7 @@ class Int8Ring:
         if self.poison != 1.0:
             buffers[-1].mul_(self.poison)
         members = [
-            Member(identity.public_key, "127.0.0.1", port, float(weight))
+            Member(key=identity.public_key, host="127.0.0.1", port=port, weight=float(weight))
             for identity, port, weight in zip(self.identities, self.ports, weights, strict=True)
         ]
         runs = [
@@ -167,7 +175,13 @@ class Bench:
         """Node `index` of run `name` (its own folder under `work`)."""
         seed = config.train.seed
         folder = self.work / f"{name}-{seed}-{index}"
-        return Trainer(config, node_id(index, seed), folder, RankContext(device=self.device), link=link)
+        return Trainer(
+            config,
+            node_key=node_id(index, seed),
+            work_dir=folder,
+            ctx=RankContext(device=self.device),
+            link=link,
+        )
 
 
 def run(name: str, config: Config, nodes: int, average: Averager, bench: Bench) -> Curve:
@@ -253,10 +267,10 @@ def run_overlapped(name: str, config: Config, nodes: int, average: Averager, ben
     while trainers[0].inner_step < config.train.max_steps:
         phases = [trainer.inner_phase() for trainer in trainers]
         for trainer, (tokens, loss) in zip(trainers, phases, strict=True):
-            trainer.overlapped.end_of_phase(tokens, loss)  # type: ignore[union-attr]
+            trainer.outer_step_overlapped(tokens, loss)
         evaluate_outer(sum(p[1] for p in phases) / nodes)
     for trainer in trainers:
-        trainer.overlapped.drain()  # type: ignore[union-attr]
+        trainer.drain_overlapped()
     evaluate_outer(math.nan)
     return curve
 

@@ -41,7 +41,7 @@ def torch_quantize(values: torch.Tensor, block: int) -> tuple[torch.Tensor, torc
 
 
 def torch_dequantize_add(
-    codes: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, acc: torch.Tensor
+    codes: torch.Tensor, lo: torch.Tensor, *, step: torch.Tensor, acc: torch.Tensor
 ) -> None:
     acc.view(codes.shape).add_(codes.to(torch.float32) * step + lo)
 
@@ -70,7 +70,7 @@ def real_pseudo_gradient() -> np.ndarray:
     overrides = ["train.max_steps=10", "checkpoint.interval=0", 'checkpoint.staging=""']
     config = load_config("debug", overrides=overrides)
     with tempfile.TemporaryDirectory() as work:
-        trainer = Trainer(config, b"\1" * 32, Path(work), RankContext())
+        trainer = Trainer(config, node_key=b"\1" * 32, work_dir=Path(work), ctx=RankContext())
         tokens, _ = trainer.inner_phase()
         trainer.prepare_outer(tokens)
         assert trainer.leader is not None
@@ -96,13 +96,13 @@ def four_bits(values: np.ndarray, block: int, repeats: int) -> dict[str, float]:
     gigabytes = values.nbytes / 1e9
     acc, copy = np.zeros(n, np.float32), np.empty_like(values)
     encoded = quantize(values, block, bits=4)
-    received = decode_payload(encode_payload(values, block, bits=4), n, block, bits=4)
+    received = decode_payload(encode_payload(values, block, bits=4), n, block=block, bits=4)
     hop_out = memoryview(bytearray(len(encode_payload(values, block, bits=4))))
     return {
-        "quant_gbps": gigabytes / median_seconds(lambda: quantize(values, block, encoded), repeats),
+        "quant_gbps": gigabytes / median_seconds(lambda: quantize(values, block, out=encoded), repeats),
         "dequant_gbps": gigabytes / median_seconds(lambda: dequantize_add(encoded, acc), repeats),
         "fused_hop_gbps": gigabytes
-        / median_seconds(lambda: add_encode_payload(values, 0.5, received, out=hop_out), repeats),
+        / median_seconds(lambda: add_encode_payload(values, 0.5, received=received, out=hop_out), repeats),
         "memcpy_gbps": gigabytes / median_seconds(lambda: np.copyto(copy, values), repeats),
     }
 
@@ -124,18 +124,21 @@ def main() -> None:
     acc = np.zeros(n, np.float32)
     copy = np.empty_like(values)
     encoded = empty(n, block)
-    quantize(values, block, encoded)
+    quantize(values, block, out=encoded)
     tensor, tensor_acc = torch.from_numpy(values), torch.from_numpy(acc)
     torch_codes = torch_quantize(tensor, block)
     gigabytes = values.nbytes / 1e9
     result = {
         "buffer_mib": values.nbytes >> 20,
         "threads": _kernels.max_threads(),
-        "quant_gbps": gigabytes / median_seconds(lambda: quantize(values, block, encoded), repeats),
+        "quant_gbps": gigabytes / median_seconds(lambda: quantize(values, block, out=encoded), repeats),
         "dequant_gbps": gigabytes / median_seconds(lambda: dequantize_add(encoded, acc), repeats),
         "torch_quant_gbps": gigabytes / median_seconds(lambda: torch_quantize(tensor, block), repeats),
         "torch_dequant_gbps": gigabytes
-        / median_seconds(lambda: torch_dequantize_add(*torch_codes, tensor_acc), repeats),
+        / median_seconds(
+            lambda: torch_dequantize_add(torch_codes[0], torch_codes[1], step=torch_codes[2], acc=tensor_acc),
+            repeats,
+        ),
         "memcpy_gbps": gigabytes / median_seconds(lambda: np.copyto(copy, values), repeats),
     }
     result = {key: round(value, 3) if isinstance(value, float) else value for key, value in result.items()}

@@ -106,16 +106,18 @@ def one_size(n: int, repeats: int) -> dict[str, Any]:
     first, second = synthetic_records(n), synthetic_records(n, seq=2)
     refusals = ThrottledLog(logging.getLogger(__name__))
     reads = [(key, Value(value)) for key, value in first.items()]
-    decode_cold_s, beats = median_time(lambda: decode_all(reads, RUN, refusals, VerifiedRecords()), repeats)
+    decode_cold_s, beats = median_time(
+        lambda: decode_all(reads, RUN, refusals=refusals, verified=VerifiedRecords()), repeats
+    )
     # a quarter of the nodes published their next record since the last read
     changed = set(list(first)[: n // 4])
     later = [(key, Value(second[key] if key in changed else value)) for key, value in first.items()]
 
     def steady() -> list[Heartbeat]:
         verified = VerifiedRecords()
-        decode_all(reads, RUN, refusals, verified)
+        decode_all(reads, RUN, refusals=refusals, verified=verified)
         started = time.perf_counter()
-        result = decode_all(later, RUN, refusals, verified)
+        result = decode_all(later, RUN, refusals=refusals, verified=verified)
         steady_times.append(time.perf_counter() - started)
         return result
 
@@ -167,7 +169,9 @@ def main() -> None:
         settings = [item for pair in args.set for item in ("--set", pair)]
         drilled = []
         for n in drilled_sizes:
-            drilled.append(run_swarm(n, args.steps, settings, Path(args.keep) if args.keep else None))
+            drilled.append(
+                run_swarm(n, args.steps, settings=settings, keep=Path(args.keep) if args.keep else None)
+            )
             if not args.json:
                 print(json.dumps(drilled[-1]), file=sys.stderr, flush=True)
         result["drilled"] = drilled

@@ -51,7 +51,7 @@ def _tree_rss(pid: int) -> int:
     return sum(current_rss(member) or 0 for member in [pid, *descendants(pid)])
 
 
-def run_swarm(n: int, steps: int, settings: list[str], keep: Path | None = None) -> dict[str, Any]:
+def run_swarm(n: int, steps: int, *, settings: list[str], keep: Path | None = None) -> dict[str, Any]:
     """One drill swarm of n nodes; its row of figures (the nodes' logs kept under `keep`)."""
     children = ChildProcesses()
     peaks: dict[str, int] = {}
@@ -65,7 +65,7 @@ def run_swarm(n: int, steps: int, settings: list[str], keep: Path | None = None)
                 children.spawn(
                     name,
                     drill_command(root, name, peer=peer, steps=steps, nodes=n, size=1 << 16, extra=settings),
-                    root / f"{name}.log",
+                    log_path=root / f"{name}.log",
                 )
             deadline = time.monotonic() + 120 + 30 * steps
             while any(children.children[name].poll() is None for name in names):

@@ -7,7 +7,7 @@ up to 0.3 s) for --steps outer steps, once per case:
 
 - `honest`: nobody else;
 - `stranger_refused`: a fresh key publishes "ready for the current step" every 0.5 s with a data
-  address nobody listens on (127.0.0.1:9) — tests/stranger.py;
+  address nobody listens on (127.0.0.1:9) — tests/support/stranger.py;
 - `stranger_silent`: the same with an address that accepts connections and never answers;
 - `stranger_differs`: the same with an address that answers every hello "our views differ";
 - `node_dead_address`: a fourth, real drill node that announces 127.0.0.1:9 (`node.data_announce`).
@@ -40,11 +40,11 @@ NODES = 3
 CASES = ("honest", "stranger_refused", "stranger_silent", "stranger_differs", "node_dead_address")
 
 
-def join(root: Path, name: str, peer: str, steps: int, extra: list[str]) -> list[str]:
+def join(root: Path, name: str, *, peer: str, steps: int, extra: list[str]) -> list[str]:
     return drill_command(root, name, peer=peer, steps=steps, nodes=NODES, size=1 << 18, extra=extra)
 
 
-def run_case(case: str, steps: int, settings: list[str], keep: Path | None) -> dict[str, Any]:
+def run_case(case: str, steps: int, *, settings: list[str], keep: Path | None) -> dict[str, Any]:
     children = ChildProcesses()
     with tempfile.TemporaryDirectory(prefix=f"p2ptrain-{case}-") as tmp:
         root = Path(tmp) if keep is None else keep / case
@@ -55,17 +55,32 @@ def run_case(case: str, steps: int, settings: list[str], keep: Path | None) -> d
                 mode = case.removeprefix("stranger_")
                 children.spawn(
                     "stranger",
-                    [sys.executable, "-m", "tests.stranger", "--peer", peer, "--mode", mode,
-                     "--address-file", str(root / "stranger.key")],
-                    root / "stranger.log",
-                )  # fmt: skip
+                    [
+                        sys.executable,
+                        "-m",
+                        "tests.support.stranger",
+                        "--peer",
+                        peer,
+                        "--mode",
+                        mode,
+                        "--address-file",
+                        str(root / "stranger.key"),
+                    ],
+                    log_path=root / "stranger.log",
+                )
                 wait_for_file(root / "stranger.key", 60, "strangers")
             if case == "node_dead_address":
                 dead = ["--set", 'node.data_announce="127.0.0.1:9"']
-                children.spawn("dead", join(root, "dead", peer, steps, dead), root / "dead.log")
+                children.spawn(
+                    "dead", join(root, "dead", peer=peer, steps=steps, extra=dead), log_path=root / "dead.log"
+                )
             for index in range(NODES):
                 name = f"node{index}"
-                children.spawn(name, join(root, name, peer, steps, settings), root / f"{name}.log")
+                children.spawn(
+                    name,
+                    join(root, name, peer=peer, steps=steps, extra=settings),
+                    log_path=root / f"{name}.log",
+                )
             for index in range(NODES):
                 code = children.wait(f"node{index}", timeout=60 + 20 * steps)
                 if code != 0:
@@ -106,7 +121,7 @@ def main() -> None:
         )
     keep = Path(options.keep) if options.keep else None
     for case in cases:
-        figures = run_case(case, options.steps, settings, keep)
+        figures = run_case(case, options.steps, settings=settings, keep=keep)
         result.update({f"{case}_{key}": value for key, value in figures.items()})
         if not options.json:
             print(f"{case}: {figures}", file=sys.stderr, flush=True)

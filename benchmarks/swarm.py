@@ -87,7 +87,7 @@ def stall_after(records: list[dict[str, Any]], moment: float, tokens_per_step: i
     return step["time"] - previous["time"] - compute
 
 
-def ideal_wire_s(parameters: int, members: int, block: int, mbit: float) -> float:
+def ideal_wire_s(parameters: int, members: int, *, block: int, mbit: float) -> float:
     """Seconds the int8 all-reduce needs on each member's uplink: 2(n−1)/n of the vector, 1 byte per
     value plus 8 bytes of block parameters per `block` values."""
     wire_bytes = 2 * (members - 1) / members * parameters * (1 + 8 / block)
@@ -123,6 +123,7 @@ def placement(nodes: int, mbit: float, nat: int = 0) -> Iterator[Placement]:
 def run(
     nodes: int,
     steps: int,
+    *,
     kill_at: int,
     freeze: bool,
     mbit: float,
@@ -193,7 +194,7 @@ def run(
         result["relay_bytes"] = sum(relayed)
     if mbit:
         parameters = parameter_count(debug.model)
-        ideal = ideal_wire_s(parameters, nodes, debug.comm.quant_block, mbit)
+        ideal = ideal_wire_s(parameters, nodes, block=debug.comm.quant_block, mbit=mbit)
         result.update(
             bandwidth_mbit=mbit,
             ideal_wire_s=round(ideal, 3),
@@ -246,15 +247,24 @@ def main() -> None:
         keep = Path(args.keep) if args.keep else None
         beside = args.set and args.beside_default
         default = (
-            run(nodes, args.steps, args.kill_at, args.freeze, args.bandwidth, args.json) if beside else None
+            run(
+                nodes,
+                args.steps,
+                kill_at=args.kill_at,
+                freeze=args.freeze,
+                mbit=args.bandwidth,
+                quiet=args.json,
+            )
+            if beside
+            else None
         )
         result = run(
             nodes,
             args.steps,
-            args.kill_at,
-            args.freeze,
-            args.bandwidth,
-            args.json,
+            kill_at=args.kill_at,
+            freeze=args.freeze,
+            mbit=args.bandwidth,
+            quiet=args.json,
             settings=args.set,
             keep=keep,
         )
@@ -272,7 +282,14 @@ def main() -> None:
             return
         if args.nat:
             behind = run(
-                nodes, args.steps, args.kill_at, args.freeze, args.bandwidth, args.json, args.nat, args.set
+                nodes,
+                args.steps,
+                kill_at=args.kill_at,
+                freeze=args.freeze,
+                mbit=args.bandwidth,
+                quiet=args.json,
+                nat=args.nat,
+                settings=args.set,
             )
             ratio = (
                 behind["outer_overhead_s"] / result["outer_overhead_s"]

@@ -101,6 +101,9 @@ class Averaged:
     with weight 0, so it is in time to be a member of it."""
     relayed_bytes: int = 0
     """Bytes this node has relayed so far between members behind NAT (comm/relay.py)."""
+    allreduce_s: float = 0.0
+    """Seconds of the all-reduce that completed, its transfer alone (sync_s also counts the wait
+    for the others and the elections): bytes_sent over it is the node's all-reduce rate."""
     kind: ClassVar[str] = "averaged"
 
 

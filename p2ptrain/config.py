@@ -32,7 +32,8 @@ Topology = Literal["auto", "ring", "butterfly"]
 
 MAX_CONNECTIONS = 16
 """comm.connections' bound: the handshake takes lanes up to twice it (the upper half reversed)."""
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+"""The bundled configs (`--config debug`): package data, so an installed p2ptrain has them too."""
 
 
 class Shared:
@@ -107,6 +108,9 @@ class NodeConfig(Section):
     """URL others fetch checkpoints from; default: http://<data-plane host>:<ckpt_port>."""
     dashboard: str = ""
     """Serve the status page at PORT (127.0.0.1) or HOST:PORT; empty: no page."""
+    progress_interval: float = Field(30.0, gt=0, le=86400)
+    """Seconds between two progress lines (outer step, inner step, loss, tokens/s) of a training
+    node whose output is not a terminal (systemd, nohup, a log file); a terminal gets a live bar."""
     relay_mbps: float = Field(100.0, gt=0, le=100000)
     """Cap on the bytes this node relays between members behind NAT, in Mbit/s (both ways)."""
     serve_mbps: float = Field(0.0, ge=0, le=100000)
@@ -142,7 +146,8 @@ class SwarmConfig(Section):
     shutdown_timeout: float = Field(5.0, gt=0, le=60)
     """Seconds a stopping node gives its DHT process (and p2pd) to end before it kills them."""
     straggler_deadline: float = Field(10.0, ge=0, le=3600)
-    """Seconds after a node first sees a ready(N) record before step N goes on without the late ones."""
+    """Seconds after a node first sees a ready(N) record before step N goes on without the late ones.
+    A node that sees no other node of its run at all waits two heartbeat intervals instead."""
     election_timeout: float = Field(120.0, gt=0, le=86400)
     """Bound on each wait for the swarm: one outer step's elections (then the step is given up),
     the start quorum (`wait_nodes`), a majority's view of the checkpoint to recover."""
@@ -231,7 +236,8 @@ class TrainConfig(Section):
     warmup_steps: Annotated[int, SHARED] = Field(10, ge=0)
     """Inner steps of linear warm-up."""
     max_steps: Annotated[int, SHARED] = Field(200, gt=0)
-    """Outer steps of the run: a node stops after this one."""
+    """Inner steps of the whole run (all its inner phases together): a node stops after the outer
+    step that reaches it, so the run takes max_steps / inner_steps outer steps (more with time_box)."""
     grad_clip: Annotated[float, SHARED] = Field(1.0, gt=0)
     """Gradient norm clip of each inner step."""
     seed: Annotated[int, SHARED] = 0
@@ -440,12 +446,27 @@ def _flatten(tree: dict[str, Any], prefix: str = "", depth: int = 0) -> dict[str
     return flat
 
 
+def bundled_configs() -> list[str]:
+    """The names `--config` takes for the configs that ship with p2ptrain."""
+    return sorted(path.stem for path in CONFIG_DIR.glob("*.toml"))
+
+
 def resolve_config_path(name: str | os.PathLike[str]) -> Path:
-    """A path as given, or a bare name such as `debug` looked up in the bundled configs/ folder."""
+    """A file that exists, as given (relative to the working directory), or else the bundled config
+    of that name (`debug` or `debug.toml`, from any directory); a one-line ConfigError listing the
+    bundled names otherwise."""
     path = Path(name).expanduser()
-    if path.exists() or path.suffix or os.sep in str(name):
+    if path.is_file():
         return path
-    return CONFIG_DIR / f"{name}.toml"
+    bundled = CONFIG_DIR / f"{path.stem}.toml"
+    if path.name == str(name) and path.suffix in ("", ".toml") and bundled.is_file():
+        return bundled
+    if path.exists():
+        return path  # a folder, say: read_toml says what is wrong with it
+    raise ConfigError(
+        f"--config {name}: config file not found, and no bundled config has that name "
+        f"(bundled: {', '.join(bundled_configs())})"
+    )
 
 
 def load_config(
@@ -469,7 +490,7 @@ def load_config(
     layered = copy.deepcopy(tree)
     environ = os.environ if environ is None else environ
     for dotted, value, source in [*env_overrides(environ), *flag_overrides(list(overrides)), *options]:
-        set_dotted(layered, dotted, value, source)
+        set_dotted(layered, dotted, value=value, source=source)
         _validate(layered, source)
     return _validate(layered, file_label)
 

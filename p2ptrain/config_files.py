@@ -35,7 +35,7 @@ def parse_scalar(text: str) -> Any:
         return text
 
 
-def set_dotted(tree: dict[str, Any], dotted: str, value: Any, source: str) -> None:
+def set_dotted(tree: dict[str, Any], dotted: str, *, value: Any, source: str) -> None:
     parts = dotted.split(".")
     if any(not part for part in parts) or len(parts) < 2:
         raise ConfigError(f"{source}: '{dotted}' is not a section.key name")

@@ -5,6 +5,7 @@ sync. Partway through, one node is killed with SIGKILL and a new one starts: it 
 swarm's checkpoint from its peers and joins. The demo follows every outer step (members, ring
 order, loss, all-reduce time and bytes), checks that every node that did a step holds the same
 params hash after it, prints a summary and stops every process by PID, leaving none behind.
+SIGINT and SIGTERM stop it the same way, through handlers of its own (`StopSignals`).
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ import os
 import re
 import shutil
 import signal
-import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType, TracebackType
 from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -54,6 +56,42 @@ def p2ptrain_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "p2ptrain", *args]
 
 
+class Interrupted(Exception):
+    """SIGINT or SIGTERM came: the demo stops every process it started."""
+
+
+class StopSignals:
+    """The demo's own SIGINT and SIGTERM handlers, in place while it runs (main thread only).
+
+    Not Python's KeyboardInterrupt: a SIGINT ignored when the demo started (nohup, a shell's
+    background job) is never turned into one, and a KeyboardInterrupt raised amid the stop would
+    cut it short and leave the nodes running. The handler only notes the signal; the demo's loops
+    `check` it (every 0.3 s at most) and then stop every process by PID."""
+
+    def __init__(self) -> None:
+        self.received: str = ""
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._note)
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _note(self, signum: int, frame: FrameType | None) -> None:
+        self.received = self.received or signal.Signals(signum).name
+
+    def check(self) -> None:
+        if self.received:
+            raise Interrupted(f"interrupted ({self.received})")
+
+
 def wait_for_file(path: Path, child_alive: Any, timeout: float) -> str:
     """Contents of `path` once written; UserError if the writer died or time ran out."""
     deadline = time.monotonic() + timeout
@@ -71,6 +109,7 @@ class _Demo:
         self,
         work_dir: Path,
         nodes: int,
+        *,
         steps: int,
         kill_at: int,
         freeze: bool,
@@ -78,7 +117,10 @@ class _Demo:
         quiet: bool,
         place: Placement,
         settings: Sequence[str] = (),
+        signals: StopSignals | None = None,
     ):
+        self.signals = signals or StopSignals()
+        """Where a SIGINT or SIGTERM is noted (checked while starting and following the run)."""
         self.settings = [flag for setting in settings for flag in ("--set", setting)]
         """Config overrides for every node (`--set KEY=VALUE`)."""
         self.inner_steps = _inner_steps(settings)
@@ -100,6 +142,9 @@ class _Demo:
         self.peer = ""
         self.killed_at: float | None = None
         """Wall-clock time of the SIGKILL (metrics files carry wall-clock times too)."""
+        self.lines: list[dict[str, Any]] = []
+        """The outer-step records the per-step lines printed, with the node each came from: the
+        summary reports these very losses."""
         self.bar: Progress | None = None
         if not quiet and sys.stdout.isatty():
             self.bar = Progress(
@@ -143,15 +188,24 @@ class _Demo:
         host = self.place("bootstrap")
         boot = self.children.spawn(
             "bootstrap",
-            [*host.prefix, *p2ptrain_command(
-                "bootstrap", "--listen", host.listen, "--identity", str(self.work_dir / "bootstrap"),
-                "--address-file", str(address_file),
-            )],
-            self.logs / "bootstrap.log",
-        )  # fmt: skip
-        self.peer = wait_for_file(address_file, lambda: boot.poll() is None, self.timeout).split()[0]
+            [
+                *host.prefix,
+                *p2ptrain_command(
+                    "bootstrap",
+                    "--listen",
+                    host.listen,
+                    "--identity",
+                    str(self.work_dir / "bootstrap"),
+                    "--address-file",
+                    str(address_file),
+                ),
+            ],
+            log_path=self.logs / "bootstrap.log",
+        )
+        self.peer = wait_for_file(address_file, lambda: self.alive(boot), self.timeout).split()[0]
         self.say(f"bootstrap peer up at {self.peer}")
         for name in self.names:
+            self.signals.check()
             self.start_node(name, "--set", f"swarm.wait_nodes={self.nodes}")
         self.say(
             f"started {self.nodes} nodes: the debug model, {self.steps} outer steps of H={self.inner_steps}"
@@ -161,19 +215,38 @@ class _Demo:
         host = self.place(name)
         self.children.spawn(
             name,
-            [*host.prefix, *p2ptrain_command(
-                "join", "--peer", self.peer, "--config", "debug", "--work-dir", str(self.work_dir / name),
-                "--listen", host.listen,
-                "--set", f'node.data_host="{host.ip}"',
-                "--set", f"train.inner_steps={self.inner_steps}",
-                "--set", f"train.max_steps={self.steps * self.inner_steps}",
-                "--set", "swarm.straggler_deadline=5",
-                *self.settings,
-                *extra,
-            )],
-            self.logs / f"{name}.log",
+            [
+                *host.prefix,
+                *p2ptrain_command(
+                    "join",
+                    "--peer",
+                    self.peer,
+                    "--config",
+                    "debug",
+                    "--work-dir",
+                    str(self.work_dir / name),
+                    "--listen",
+                    host.listen,
+                    "--set",
+                    f'node.data_host="{host.ip}"',
+                    "--set",
+                    f"train.inner_steps={self.inner_steps}",
+                    "--set",
+                    f"train.max_steps={self.steps * self.inner_steps}",
+                    "--set",
+                    "swarm.straggler_deadline=5",
+                    *self.settings,
+                    *extra,
+                ),
+            ],
+            log_path=self.logs / f"{name}.log",
             env={**os.environ, "OMP_NUM_THREADS": "1"},  # several nodes share this machine's cores
-        )  # fmt: skip
+        )
+
+    def alive(self, child: Any) -> bool:
+        """Whether `child` still runs; Interrupted once a signal came (wait_for_file polls it)."""
+        self.signals.check()
+        return bool(child.poll() is None)
 
     def release_ram(self) -> None:
         """Flush what SIGKILLed nodes left in /dev/shm (staged checkpoints, the shared vector) to disk."""
@@ -217,9 +290,11 @@ class _Demo:
         reported = 0
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
+            self.signals.check()
             self.check_children()
-            lead = max((self.outer(name) for name in self.names), key=len)
+            lead_name, lead = max(((name, self.outer(name)) for name in self.names), key=lambda n: len(n[1]))
             for record in lead[reported:]:
+                self.lines.append({**record, "node": lead_name})
                 ring = " → ".join(record.get("ring", []))
                 self.say(
                     f"outer step {record['step']}: loss {record['loss']:.3f}, {record['members']} members "
@@ -253,14 +328,8 @@ class _Demo:
         for name_records in records.values():
             for record in name_records:
                 by_step.setdefault(record["step"], set()).add(record["params_hash"])
-        first_inner = next(
-            (r for r in read_metrics(self.work_dir / "node0" / "metrics.jsonl") if r["kind"] == "inner"), None
-        )
-        survivors = [name for name in names if name != self.victim and records[name]]
-        # a step taken without inner steps (caught up, replayed) has no loss of its own
-        trained = [[r["loss"] for r in records[name] if r["loss"] == r["loss"]] for name in survivors]
-        last_losses = [losses[-1] for losses in trained if losses]
-        lead = max(records.values(), key=len)
+        # the losses the per-step lines showed (a step taken without inner steps has none: NaN)
+        losses = [line["loss"] for line in self.lines if line["loss"] == line["loss"]]
         join_s = None
         if self.joiner and (self.logs / f"{self.joiner}.log").exists():
             found = re.search(r"join_s=([0-9.]+)", (self.logs / f"{self.joiner}.log").read_text())
@@ -273,15 +342,16 @@ class _Demo:
             caught_up = self._final_digest(self.joiner) in finals
         return {
             "outer_steps": len(by_step),
-            "loss_first": round(first_inner["loss"], 4) if first_inner else None,
-            "loss_last": round(statistics.mean(last_losses), 4) if last_losses else None,
+            "loss_first": losses[0] if losses else None,
+            "loss_last": losses[-1] if losses else None,
+            "loss_is": LOSS_IS,
             "nodes_max": max((r["members"] for rs in records.values() for r in rs), default=0),
             "join_s": join_s,
             "joiner_caught_up": caught_up,
             "params_hash_agree": bool(by_step) and all(len(hashes) == 1 for hashes in by_step.values()),
             "killed": self.victim,
             "joined": self.joiner,
-            "steps": [_step_view(record) for record in lead],
+            "steps": [_step_view(record) for record in self.lines],
             "killed_at": self.killed_at,
             "work_dir": str(self.work_dir),
             "checkpoints": str(self.work_dir / "node0" / "checkpoints"),
@@ -295,9 +365,16 @@ def _inner_steps(settings: Sequence[str]) -> int:
     return load_config("debug", overrides=[f"train.inner_steps={INNER_STEPS}", *settings]).train.inner_steps
 
 
+LOSS_IS = "the mean loss of a step's inner phase, on the node that finished the step first (its line's)"
+"""What the per-step lines' and the summary's losses are (`loss_first`: the first line's, `loss_last`:
+the last line's)."""
+
+
 def _step_view(record: dict[str, Any]) -> dict[str, Any]:
     return {
         "step": record["step"],
+        "loss": record["loss"],
+        "node": record["node"],
         "members": record["members"],
         "ring": record.get("ring", []),
         "allreduce_s": record.get("sync_s"),
@@ -308,6 +385,7 @@ def _step_view(record: dict[str, Any]) -> dict[str, Any]:
 def run_demo(
     work_dir: Path,
     nodes: int = 3,
+    *,
     steps: int = 12,
     kill_at: int = 4,
     freeze: bool = False,
@@ -317,16 +395,34 @@ def run_demo(
     settings: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Run the local swarm and return the summary (also printed unless `quiet`); `settings`:
-    `KEY=VALUE` config overrides for every node."""
-    demo = _Demo(work_dir, nodes, steps, kill_at, freeze, timeout, quiet, place, settings)
+    `KEY=VALUE` config overrides for every node. SIGINT and SIGTERM stop it (StopSignals)."""
+    with StopSignals() as signals:
+        return _run(
+            _Demo(
+                work_dir,
+                nodes,
+                steps=steps,
+                kill_at=kill_at,
+                freeze=freeze,
+                timeout=timeout,
+                quiet=quiet,
+                place=place,
+                settings=settings,
+                signals=signals,
+            )
+        )
+
+
+def _run(demo: _Demo) -> dict[str, Any]:
+    steps = demo.steps
     summary: dict[str, Any] = {}
     problem = ""
     try:
         demo.start()
         demo.follow()
-    except UserError as exc:
+    except (UserError, Interrupted) as exc:
         problem = str(exc)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # run from a thread other than the main one: no handlers of its own
         problem = "interrupted"
     finally:
         demo.stop_bar()
@@ -347,10 +443,16 @@ def run_demo(
         summary["error"] = problem
     demo.say(
         f"{'done' if summary['ok'] else 'FAILED' + (': ' + problem if problem else '')}: "
-        f"{summary['outer_steps']} outer steps, loss {summary['loss_first']} → {summary['loss_last']}, "
+        f"{summary['outer_steps']} outer steps, loss {_loss(summary['loss_first'])} → "
+        f"{_loss(summary['loss_last'])} (the first and last steps' lines), "
         f"up to {summary['nodes_max']} members, params identical on every node after every step: "
         f"{summary['params_hash_agree']}, joiner caught up: {summary['joiner_caught_up']} (join_s "
         f"{summary['join_s']}), {len(orphans)} orphans; "
         f"checkpoints in {summary['checkpoints']}, logs in {summary['logs']}"
     )
     return summary
+
+
+def _loss(value: float | None) -> str:
+    """A loss as the per-step lines print it."""
+    return "-" if value is None else f"{value:.3f}"

@@ -21,3 +21,10 @@ class NetworkError(UserError):
     """A peer could not be reached or a port could not be bound; the message says what to check."""
 
     exit_code = 3
+
+
+def cannot_listen(what: str, host: str, port: int, exc: OSError) -> NetworkError:
+    """The one-line error for a port that will not take a listener (in use, or not this machine's)."""
+    return NetworkError(
+        f"{what}: cannot listen on {host}:{port} ({exc.strerror or exc}): choose another port, or 0 for any"
+    )

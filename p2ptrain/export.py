@@ -1,7 +1,10 @@
-"""`p2ptrain export CKPT OUT_DIR`: a checkpoint as a Hugging Face Llama model (config.json + safetensors).
+"""`p2ptrain export CKPT OUT_DIR`: a checkpoint as a Hugging Face Llama model, with its tokenizer.
 
 The model already follows `LlamaForCausalLM`'s conventions, so export is a renaming of tensors;
-the result loads with `LlamaForCausalLM.from_pretrained(OUT_DIR)` and the tools built on it.
+the result loads with `AutoModelForCausalLM.from_pretrained(OUT_DIR)` and the tools built on it.
+The tokenizer files make `AutoTokenizer.from_pretrained(OUT_DIR)` map text to the ids the model was
+trained on (train/data.py): for the bytes tokenizer, one id per UTF-8 byte; for a tokenizer.json,
+that tokenizer without the special tokens it would add around a text (training adds none).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from p2ptrain.ckpt.format import DIVERGED_FIELD, META_FILE, CheckpointError, latest_checkpoint
-from p2ptrain.config import ModelConfig
+from p2ptrain.config import DataConfig, ModelConfig
 from p2ptrain.errors import UserError
 
 _LAYER_NAMES = {
@@ -48,6 +51,8 @@ def hf_name(name: str) -> str:
 
 
 def hf_config(model: ModelConfig, dtype: str, eos_id: int | None = None) -> dict[str, Any]:
+    """config.json. No pad_token_id: it would make the embedding's row of that id padding
+    (no gradient) for whoever fine-tunes the export, and here it is EOS, a token trained on."""
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -71,6 +76,80 @@ def hf_config(model: ModelConfig, dtype: str, eos_id: int | None = None) -> dict
     }
 
 
+def generation_config(eos_id: int) -> dict[str, Any]:
+    """generation_config.json: `generate` stops at EOS, and pads a batch with it without a warning."""
+    return {"bos_token_id": None, "eos_token_id": eos_id, "pad_token_id": eos_id}
+
+
+def byte_tokenizer_json(eos_id: int) -> dict[str, Any]:
+    """The bytes tokenizer (train/data.py ByteTokenizer) as a tokenizer.json: a BPE without merges
+    whose 256 tokens are the bytes (`<0x41>` is id 65), so every character falls back to its UTF-8
+    bytes, and the decoder turns them back into text. An EOS beyond the bytes gets a token of its own."""
+    vocab = {f"<0x{byte:02X}>": byte for byte in range(256)}
+    if eos_id >= 256:
+        vocab["<|endoftext|>"] = eos_id
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [],
+        "normalizer": None,
+        "pre_tokenizer": None,
+        "post_processor": None,
+        "decoder": {"type": "ByteFallback"},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": True,
+            "vocab": vocab,
+            "merges": [],
+        },
+    }
+
+
+def tokenizer_files(data: DataConfig, model: ModelConfig) -> tuple[dict[str, dict[str, Any]], int]:
+    """({file name: JSON} of the tokenizer the run trained with, its EOS id); a one-line DataError
+    where the configured tokenizer cannot be used or does not fit the model."""
+    from p2ptrain.train.data import load_tokenizer
+
+    eos_id = load_tokenizer(data, model.vocab_size).eos_id
+    settings: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": model.seq_len,
+        "clean_up_tokenization_spaces": False,
+        "padding_side": "left",  # for batches given to `generate`
+    }
+    if data.tokenizer == "bytes":
+        spec = byte_tokenizer_json(eos_id)
+        eos_token = next(token for token, index in spec["model"]["vocab"].items() if index == eos_id)
+        # "<0x00>" typed in a text is six bytes, as in training, not the EOS token
+        settings["split_special_tokens"] = True
+    else:
+        from tokenizers import Tokenizer
+
+        path = Path(data.tokenizer).expanduser()
+        spec = json.loads(path.read_text())
+        spec["post_processor"] = None  # training encodes with add_special_tokens=False: no BOS added
+        eos_token = Tokenizer.from_file(str(path)).id_to_token(eos_id)
+    settings |= {"eos_token": eos_token, "pad_token": eos_token}
+    return {"tokenizer.json": spec, "tokenizer_config.json": settings}, eos_id
+
+
+def node_folders(path: Path) -> list[str]:
+    """The folders in `path` that hold a node's checkpoints (a demo's or a test's work dir)."""
+    if not path.is_dir():
+        return []
+    return sorted(
+        sub.name
+        for sub in path.iterdir()
+        if sub.is_dir() and (latest_checkpoint(sub) or latest_checkpoint(sub / "checkpoints"))
+    )
+
+
 def resolve_checkpoint(path: Path) -> Path:
     """A checkpoint directory, or the latest one inside a checkpoints folder or a node work dir."""
     if (path / META_FILE).is_file():
@@ -79,6 +158,12 @@ def resolve_checkpoint(path: Path) -> Path:
         found = latest_checkpoint(folder) if folder.is_dir() else None
         if found is not None:
             return found
+    nodes = node_folders(path)
+    if nodes:
+        raise UserError(
+            f"{path}: no checkpoint here; node folders: {', '.join(f'{name}/' for name in nodes)} — "
+            f"export one of them (p2ptrain export {path / nodes[0]} OUT_DIR)"
+        )
     raise UserError(f"{path}: no checkpoint there (expected meta.json, or step-* folders)")
 
 
@@ -97,8 +182,17 @@ def _refuse_diverged(source: Path, meta: dict[str, Any]) -> None:
         raise UserError(f"{source} is not the swarm's model ({diverged}); --allow-diverged exports it anyway")
 
 
-def export(checkpoint: Path, out_dir: Path, dtype: str = "fp32", allow_diverged: bool = False) -> Path:
-    """Write config.json and model.safetensors for `checkpoint` into `out_dir`; returns `out_dir`.
+def export(
+    checkpoint: Path,
+    out_dir: Path,
+    *,
+    dtype: str = "fp32",
+    allow_diverged: bool = False,
+    data: DataConfig | None = None,
+) -> Path:
+    """Write the model (config.json, generation_config.json, model.safetensors) and the tokenizer
+    `data` names (tokenizer.json, tokenizer_config.json; default: the bytes tokenizer) for
+    `checkpoint` into `out_dir`; returns `out_dir`.
 
     A checkpoint of a node that ended off the swarm's track (meta `diverged`) holds a model that is
     not the swarm's: refused unless `allow_diverged`."""
@@ -114,6 +208,7 @@ def export(checkpoint: Path, out_dir: Path, dtype: str = "fp32", allow_diverged:
 
     tensors, meta = load_params(source)
     model = ModelConfig.model_validate(meta["model"])
+    tokenizer, eos_id = tokenizer_files(data or DataConfig(), model)
     torch_dtype = getattr(torch, DTYPES[dtype])
     renamed = {hf_name(name): tensor.to(torch_dtype).contiguous() for name, tensor in tensors.items()}
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -121,5 +216,21 @@ def export(checkpoint: Path, out_dir: Path, dtype: str = "fp32", allow_diverged:
         raise UserError(f"{out_dir}: exists and holds other files; choose an empty or new folder")
     save_file(renamed, str(out_dir / "model.safetensors.tmp"), metadata={"format": "pt"})
     os.replace(out_dir / "model.safetensors.tmp", out_dir / "model.safetensors")
-    (out_dir / "config.json").write_text(json.dumps(hf_config(model, dtype), indent=2) + "\n")
+    documents = {
+        "config.json": hf_config(model, dtype, eos_id),
+        "generation_config.json": generation_config(eos_id),
+        **tokenizer,
+    }
+    for name, document in documents.items():
+        (out_dir / name).write_text(json.dumps(document, indent=2, ensure_ascii=False) + "\n")
+    shareable([out_dir / name for name in ["model.safetensors", *documents]])
     return out_dir
+
+
+def shareable(paths: list[Path]) -> None:
+    """Give `paths` the mode any new file gets here (0644 under the usual umask): safetensors
+    writes its file 0600, and an export is made to be read by others (a model hub, a team)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in paths:
+        os.chmod(path, 0o666 & ~umask)

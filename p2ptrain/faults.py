@@ -68,7 +68,7 @@ def shift_wall_clock() -> float:
     return offset
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Faults:
     nan_step: int = NEVER
     late_step: int = NEVER

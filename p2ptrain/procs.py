@@ -158,7 +158,7 @@ class ChildProcesses:
         """What the orphans of the last `stop_all` were running (for the message that names them)."""
 
     def spawn(
-        self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None
+        self, name: str, argv: list[str], *, log_path: Path, env: dict[str, str] | None = None
     ) -> subprocess.Popen[bytes]:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("ab") as log_file:

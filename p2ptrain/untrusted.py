@@ -48,29 +48,36 @@ LOG_INTERVAL = 10.0
 class ThrottledLog:
     """Logs the first of a kind of event, then at most once per `interval` with the count in between."""
 
-    def __init__(self, logger: logging.Logger, interval: float = LOG_INTERVAL):
+    def __init__(
+        self, logger: logging.Logger, interval: float = LOG_INTERVAL, *, level: int = logging.WARNING
+    ):
+        """`level`: WARNING for what a stranger (or a broken peer) does; INFO for what honest
+        nodes cause in normal operation too."""
         self.logger = logger
         self.interval = interval
+        self.level = level
         self._last = -1e9
         self._skipped = 0
         self._latest: tuple[str, tuple[object, ...]] = ("", ())
         """The last event counted but not logged (its line, at a flush)."""
 
     def warning(self, message: str, *args: object) -> None:
+        """Log the event (at the log's level: WARNING unless it was made with another)."""
         now = time.monotonic()
         if now - self._last < self.interval:
             self._skipped += 1
             self._latest = (message, args)
             return
-        self._emit(message, args, self._skipped, now)
+        self._emit(message, args, others=self._skipped, now=now)
 
     def flush(self) -> None:
         """Log the events counted since the last line, if any (at close, so none go unsaid)."""
         if self._skipped:
             message, args = self._latest
-            self._emit(message, args, self._skipped - 1, time.monotonic())
+            self._emit(message, args, others=self._skipped - 1, now=time.monotonic())
 
-    def _emit(self, message: str, args: tuple[object, ...], others: int, now: float) -> None:
+    def _emit(self, message: str, args: tuple[object, ...], *, others: int, now: float) -> None:
         suffix = f" (and {others} more like it in the last {now - self._last:.0f} s)" if others else ""
-        self._last, self._skipped = now, 0
-        self.logger.warning(message + suffix, *args)
+        self._last = now
+        self._skipped = 0
+        self.logger.log(self.level, message + suffix, *args)

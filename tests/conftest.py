@@ -1,11 +1,44 @@
+"""The suite's fixtures and its one marker.
+
+`@pytest.mark.procs` marks a test that starts processes (nodes, ranks, all-reduce members, the CLI):
+`pytest -m "not procs"` runs the others, which need nothing but the test process. A test that
+starts a process without the mark fails (`_processes_only_where_marked`), so the mark stays true.
+"""
+
 from __future__ import annotations
 
+import multiprocessing.process
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.helpers import LocalSwarm, socket_files, stale_sockets
+from tests.support.helpers import LocalSwarm, socket_files, stale_sockets
+
+_started = [0]
+"""Processes started in this pytest process so far (subprocess or multiprocessing)."""
+
+
+def _counting(start: Any) -> Any:
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _started[0] += 1
+        return start(self, *args, **kwargs)
+
+    return counted
+
+
+subprocess.Popen.__init__ = _counting(subprocess.Popen.__init__)  # type: ignore[method-assign]
+multiprocessing.process.BaseProcess.start = _counting(multiprocessing.process.BaseProcess.start)  # type: ignore[method-assign]
+
+
+@pytest.fixture(autouse=True)
+def _processes_only_where_marked(request: pytest.FixtureRequest) -> Iterator[None]:
+    before = _started[0]
+    yield
+    if _started[0] > before and request.node.get_closest_marker("procs") is None:
+        pytest.fail("this test starts processes: mark it @pytest.mark.procs (tests/conftest.py)")
 
 
 @pytest.fixture
@@ -22,11 +55,10 @@ def swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Multi-process tests (a swarm, or marked slow) first: the parallel workers then start the long
-    ones early and the many short ones fill in at the end, instead of one worker finishing a
-    minute-long test alone."""
-
-    def short(item: pytest.Item) -> bool:
-        return not (item.get_closest_marker("slow") or "swarm" in getattr(item, "fixturenames", ()))
-
-    items.sort(key=short)
+    """A test with a swarm starts processes: marked. Those tests run first: the parallel workers
+    then start the long ones early and the many short ones fill in at the end, instead of one
+    worker finishing a minute-long test alone."""
+    for item in items:
+        if "swarm" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.procs)
+    items.sort(key=lambda item: item.get_closest_marker("procs") is None)

@@ -34,16 +34,18 @@ DIGEST = bytes(range(32))
 IDENTITIES = [NodeIdentity(Ed25519PrivateKey.generate(), Path("unused")) for _ in range(70)]
 
 
-def holding(index: int, n: int, attempt: int = 0, digest: bytes = DIGEST) -> Holding:
+def holding(index: int, n: int, *, attempt: int = 0, digest: bytes = DIGEST) -> Holding:
     """Member `index`'s part in the barrier of attempt `attempt` among the first `n` identities
     (`digest` stands for the membership digest, which covers the step)."""
     keys = [identity.public_key for identity in IDENTITIES[:n]]
-    return Holding.signed(IDENTITIES[index], STEP, keys, digest, attempt)
+    return Holding.signed(IDENTITIES[index], STEP, keys=keys, digest=digest, attempt=attempt)
 
 
-def proofs(holders: int, n: int = 4, attempt: int = 0, digest: bytes = DIGEST) -> bytes:
+def proofs(holders: int, n: int = 4, *, attempt: int = 0, digest: bytes = DIGEST) -> bytes:
     """The members' real signatures for every member in `holders`, as an honest sender's first frame."""
-    return b"".join(holding(m, n, attempt, digest).signature for m in range(n) if holders >> m & 1)
+    return b"".join(
+        holding(m, n, attempt=attempt, digest=digest).signature for m in range(n) if holders >> m & 1
+    )
 
 
 def channel_pair() -> tuple[lanes.Channel, lanes.Channel]:
@@ -62,7 +64,9 @@ def run_ring(n: int, seconds: float = 5.0) -> dict[int, str]:
         to_successor = ToSuccessor(STEP, FAILURE_TIMEOUT)
         to_successor.start(links[index][0])
         try:
-            await_every_holder(holding(index, n), to_successor, links[(index - 1) % n][1], seconds)
+            await_every_holder(
+                holding(index, n), to_successor, from_predecessor=links[(index - 1) % n][1], seconds=seconds
+            )
             outcomes[index] = "holds"
         except Exception as exc:
             outcomes[index] = f"{type(exc).__name__}: {exc}"
@@ -89,6 +93,7 @@ def test_every_member_of_a_ring_learns_that_all_hold_the_result(n: int) -> None:
 def predecessor(
     behave: Callable[[lanes.Channel], None],
     seconds: float = 3.0,
+    *,
     attempt: int = 0,
     failure_timeout: float = FAILURE_TIMEOUT,
 ) -> tuple[str, float]:
@@ -102,7 +107,7 @@ def predecessor(
     ends = ToSuccessor(STEP, failure_timeout)
     ends.start(to_successor)
     try:
-        await_every_holder(holding(2, 4, attempt), ends, ours, seconds)
+        await_every_holder(holding(2, 4, attempt=attempt), ends, from_predecessor=ours, seconds=seconds)
         outcome = "holds"
     except (FrameError, PeerClosed, PeerTimeout) as exc:
         outcome = f"{type(exc).__name__}: {exc}"
@@ -115,13 +120,18 @@ def predecessor(
 
 
 def send(
-    channel: lanes.Channel, holders: object, kind: str = DONE, step: int = STEP, signed: bytes | None = None
+    channel: lanes.Channel,
+    holders: object,
+    *,
+    kind: str = DONE,
+    step: int = STEP,
+    signed: bytes | None = None,
 ) -> None:
     """A barrier frame with `holders`, carrying `signed` or else every named member's real signature."""
     if signed is None:
         signed = proofs(int.from_bytes(holders, "little")) if isinstance(holders, bytes) else b""
     header = {"kind": kind, "step": step, "holders": holders, "proofs": signed}
-    lanes.send_frame(channel, header, b"", 1.0)
+    lanes.send_frame(channel, header, payload=b"", timeout=1.0)
 
 
 def test_a_predecessor_that_repeats_its_set_is_refused_at_once() -> None:
@@ -171,7 +181,7 @@ def keep_alive(channel: lanes.Channel, every: float, until: float) -> None:
     ends = time.monotonic() + until
     with contextlib.suppress(PeerClosed, OSError):
         while time.monotonic() < ends:
-            lanes.send_frame(channel, {"kind": ALIVE, "step": STEP}, b"", 1.0)
+            lanes.send_frame(channel, {"kind": ALIVE, "step": STEP}, payload=b"", timeout=1.0)
             time.sleep(every)
 
 
@@ -256,7 +266,7 @@ def test_keepalives_to_a_successor_that_does_not_read_yet_neither_block_nor_cut_
         assert to_successor.send({"kind": DONE, "step": STEP, "holders": bytes([1]), "proofs": proofs(1)})
         channel, kinds = lanes.Channel(receiver, FrameSeal(key)), list[str]()
         while not kinds or kinds[-1] != DONE:
-            kinds.append(lanes.recv_frame(channel, 10.0, 0).header["kind"])
+            kinds.append(lanes.recv_frame(channel, 10.0, max_payload=0).header["kind"])
         assert set(kinds[:-1]) == {ALIVE} and len(kinds) > 10, kinds
     finally:
         to_successor.stop()

@@ -45,13 +45,20 @@ def make_checkpoint(root: Path, node: int, step: int = STEP) -> Path:
 
 
 def heartbeat(
-    node: int, url: str, digest: str, config: str = "c", state: NodeState = NodeState.TRAINING
+    node: int, url: str, *, digest: str, config: str = "c", state: NodeState = NodeState.TRAINING
 ) -> Heartbeat:
     return Heartbeat(
-        run_id="r", node_key=bytes([node]) * 32, seq=1, timestamp=0.0, expiration=0.0, state=state,
-        outer_step=STEP, ckpt_addr=url if "://" in url or not url else f"http://{url}:8080",
-        ckpt_digest=digest, config_digest=config,
-    )  # fmt: skip
+        run_id="r",
+        node_key=bytes([node]) * 32,
+        seq=1,
+        timestamp=0.0,
+        expiration=0.0,
+        state=state,
+        outer_step=STEP,
+        ckpt_addr=url if "://" in url or not url else f"http://{url}:8080",
+        ckpt_digest=digest,
+        config_digest=config,
+    )
 
 
 class Peers:
@@ -61,7 +68,7 @@ class Peers:
         self.sidecars: list[CheckpointSidecar] = []
         self.urls: list[str] = []
 
-    async def add(self, root: Path, node: int, step: int = STEP, cap: float = 0.0) -> tuple[str, str]:
+    async def add(self, root: Path, node: int, *, step: int = STEP, cap: float = 0.0) -> tuple[str, str]:
         folder = make_checkpoint(root, node, step)
         manifest = build_manifest(folder, step)
         sidecar = CheckpointSidecar(root / "checkpoints", serve_bytes_per_s=cap)
@@ -148,24 +155,33 @@ def test_sidecar_serves_ranges_and_only_manifest_files(
 
 
 def test_majority_of_live_members_decides() -> None:
-    beats = [heartbeat(1, "u1", "D1"), heartbeat(2, "u2", "D1"), heartbeat(3, "u3", "D2")]
+    beats = [
+        heartbeat(1, "u1", digest="D1"),
+        heartbeat(2, "u2", digest="D1"),
+        heartbeat(3, "u3", digest="D2"),
+    ]
     majority = majority_checkpoint(beats, me=bytes([9]) * 32, config_digest="c")
     assert majority is not None
     digest, holders = majority
     assert digest == "D1" and [h.ckpt_addr for h in holders] == ["http://u1:8080", "http://u2:8080"]
     assert majority_checkpoint(beats[1:], me=bytes([9]) * 32, config_digest="c") is None  # 1 vs 1
     # a member without a checkpoint yet still counts against a minority digest
-    assert majority_checkpoint([*beats[:1], heartbeat(4, "", "")], bytes([9]) * 32, "c") is None
-    others = [heartbeat(5, "u5", "D3", config="other"), heartbeat(6, "u6", "D3", state=NodeState.DEAD)]
+    assert majority_checkpoint([*beats[:1], heartbeat(4, "", digest="")], bytes([9]) * 32, "c") is None
+    others = [
+        heartbeat(5, "u5", digest="D3", config="other"),
+        heartbeat(6, "u6", digest="D3", state=NodeState.DEAD),
+    ]
     assert majority_checkpoint(others, bytes([9]) * 32, "c") is None
-    assert majority_checkpoint([heartbeat(9, "u9", "D9")], bytes([9]) * 32, "c") is None  # not from myself
+    assert (
+        majority_checkpoint([heartbeat(9, "u9", digest="D9")], bytes([9]) * 32, "c") is None
+    )  # not from myself
 
 
 def test_a_holder_behind_nat_votes_but_is_no_source(tmp_path: Path) -> None:
     """Its record says nobody can dial it: it counts for the majority, is never asked, and where
     only such nodes hold the checkpoint the joiner says so in one line instead of timing out."""
-    behind = dataclasses.replace(heartbeat(2, "u2", "D1"), data_reach="closed")
-    majority = majority_checkpoint([heartbeat(1, "u1", "D1"), behind], bytes([9]) * 32, "c")
+    behind = dataclasses.replace(heartbeat(2, "u2", digest="D1"), data_reach="closed")
+    majority = majority_checkpoint([heartbeat(1, "u1", digest="D1"), behind], bytes([9]) * 32, "c")
     assert majority is not None
     digest, holders = majority
     assert digest == "D1" and [h.ckpt_addr for h in holders] == ["http://u1:8080"]
@@ -174,13 +190,13 @@ def test_a_holder_behind_nat_votes_but_is_no_source(tmp_path: Path) -> None:
     # the sidecar's own probe decides where there was one: a forwarded sidecar port behind NAT is a
     # source, a blocked sidecar beside an open data port is not
     forwarded = dataclasses.replace(behind, ckpt_reach="open")
-    blocked = dataclasses.replace(heartbeat(3, "u3", "D1"), ckpt_reach="closed")
+    blocked = dataclasses.replace(heartbeat(3, "u3", digest="D1"), ckpt_reach="closed")
     majority = majority_checkpoint([forwarded, blocked], bytes([9]) * 32, "c")
     assert majority is not None
     digest, holders = majority
     assert [h.ckpt_addr for h in holders] == ["http://u2:8080"]
     with pytest.raises(RecoveryError, match="nobody can reach"):
-        asyncio.run(fetch_checkpoint("D1", [], tmp_path / "joiner", timeout=5))
+        asyncio.run(fetch_checkpoint("D1", [], dest_dir=tmp_path / "joiner", timeout=5))
 
 
 @pytest.mark.parametrize(
@@ -189,12 +205,12 @@ def test_a_holder_behind_nat_votes_but_is_no_source(tmp_path: Path) -> None:
 def test_a_holder_whose_address_cannot_be_asked_is_no_source(tmp_path: Path, address: str) -> None:
     """A record may carry any string there: a host label over 63 characters raised UnicodeError
     out of a joiner's recovery and out of the replay of a result. Such a holder still votes."""
-    odd = dataclasses.replace(heartbeat(2, "u2", "D1"), ckpt_addr=address)
-    found = majority_checkpoint([odd, heartbeat(1, "u1", "D1")], bytes([9]) * 32, "c")
+    odd = dataclasses.replace(heartbeat(2, "u2", digest="D1"), ckpt_addr=address)
+    found = majority_checkpoint([odd, heartbeat(1, "u1", digest="D1")], bytes([9]) * 32, "c")
     assert found is not None and [h.ckpt_addr for h in found[1]] == ["http://u1:8080"]
-    assert asyncio.run(fetch_result([address], STEP, 1000, 1.0)) is None
+    assert asyncio.run(fetch_result([address], STEP, limit=1000, timeout=1.0)) is None
     with pytest.raises(RecoveryError):
-        asyncio.run(fetch_checkpoint("D1", [odd], tmp_path / "joiner", timeout=1.0))
+        asyncio.run(fetch_checkpoint("D1", [odd], dest_dir=tmp_path / "joiner", timeout=1.0))
 
 
 def test_a_capped_sidecar_serves_files_and_ranges_no_faster_than_its_cap(tmp_path: Path) -> None:
@@ -221,7 +237,7 @@ def test_a_capped_sidecar_serves_files_and_ranges_no_faster_than_its_cap(tmp_pat
                         assert response.status in (404, 416), bad
             started = time.monotonic()
             folder = await fetch_checkpoint(
-                digest, [heartbeat(1, url, digest)], tmp_path / "joiner", timeout=5
+                digest, [heartbeat(1, url, digest=digest)], dest_dir=tmp_path / "joiner", timeout=5
             )
             return time.monotonic() - started, folder
         finally:
@@ -243,8 +259,8 @@ def test_tampered_copy_is_refused_and_fetched_elsewhere(
                 _, digest = await peers.add(tmp_path / f"peer{node}", node)
             tampered = tmp_path / "peer1" / "checkpoints" / checkpoint_name(STEP) / "params.safetensors"
             tampered.write_bytes(b"\xff" + SHARED[1:])  # same size, one byte changed
-            holders = [heartbeat(n, url, digest) for n, url in zip((1, 2, 3), peers.urls, strict=True)]
-            return await fetch_checkpoint(digest, holders, tmp_path / "joiner", timeout=5)
+            holders = [heartbeat(n, url, digest=digest) for n, url in zip((1, 2, 3), peers.urls, strict=True)]
+            return await fetch_checkpoint(digest, holders, dest_dir=tmp_path / "joiner", timeout=5)
         finally:
             await peers.close()
 
@@ -323,8 +339,11 @@ def test_download_resumes_elsewhere_after_a_peer_fails_halfway(
 
         halfway = HalfwayPeer(tmp_path / "good", digest, fail)
         try:
-            holders = [heartbeat(2, await halfway.start(), digest), heartbeat(1, good_url, digest)]
-            return await fetch_checkpoint(digest, holders, tmp_path / "joiner", timeout=1.0)
+            holders = [
+                heartbeat(2, await halfway.start(), digest=digest),
+                heartbeat(1, good_url, digest=digest),
+            ]
+            return await fetch_checkpoint(digest, holders, dest_dir=tmp_path / "joiner", timeout=1.0)
         finally:
             released.set()
             await halfway.close()
@@ -362,8 +381,11 @@ def test_a_holder_whose_set_is_lost_leaves_none_of_its_downloads_running(tmp_pat
 
         halfway = HalfwayPeer(tmp_path / "good", digest, lose_own_files_and_stall_shared_ones)
         try:
-            holders = [heartbeat(2, await halfway.start(), digest), heartbeat(1, good_url, digest)]
-            folder = await fetch_checkpoint(digest, holders, tmp_path / "joiner", timeout=30.0)
+            holders = [
+                heartbeat(2, await halfway.start(), digest=digest),
+                heartbeat(1, good_url, digest=digest),
+            ]
+            folder = await fetch_checkpoint(digest, holders, dest_dir=tmp_path / "joiner", timeout=30.0)
             return folder, running_in(fetch)
         finally:
             released.set()
@@ -394,8 +416,8 @@ def test_a_peer_serving_an_older_step_is_skipped(tmp_path: Path) -> None:
         try:
             old_url, _ = await peers.add(tmp_path / "old", 1, step=STEP - 1)
             new_url, digest = await peers.add(tmp_path / "new", 2)
-            holders = [heartbeat(1, old_url, digest), heartbeat(2, new_url, digest)]
-            return await fetch_checkpoint(digest, holders, tmp_path / "joiner", timeout=5)
+            holders = [heartbeat(1, old_url, digest=digest), heartbeat(2, new_url, digest=digest)]
+            return await fetch_checkpoint(digest, holders, dest_dir=tmp_path / "joiner", timeout=5)
         finally:
             await peers.close()
 
@@ -406,7 +428,9 @@ def test_a_peer_serving_an_older_step_is_skipped(tmp_path: Path) -> None:
         peers = Peers()
         try:
             url, _ = await peers.add(tmp_path / "other", 3, step=STEP - 1)
-            await fetch_checkpoint("0" * 64, [heartbeat(3, url, "0" * 64)], tmp_path / "j2", timeout=5)
+            await fetch_checkpoint(
+                "0" * 64, [heartbeat(3, url, digest="0" * 64)], dest_dir=tmp_path / "j2", timeout=5
+            )
         finally:
             await peers.close()
 
@@ -424,7 +448,9 @@ def test_a_joiner_gets_the_checkpoint_it_chose_though_its_holders_saved_a_newer_
             url, digest = await peers.add(tmp_path / "peer", 1)
             newer = make_checkpoint(tmp_path / "peer", 1, STEP + 1)
             peers.sidecars[0].announce(build_manifest(newer, STEP + 1))
-            folder = await fetch_checkpoint(digest, [heartbeat(1, url, digest)], tmp_path / "joiner", 5.0)
+            folder = await fetch_checkpoint(
+                digest, [heartbeat(1, url, digest=digest)], dest_dir=tmp_path / "joiner", timeout=5.0
+            )
             assert folder.name == checkpoint_name(STEP)
             assert (folder / "params.safetensors").read_bytes() == SHARED
             for step in (STEP + 2, STEP + 3):  # two newer ones: the first is no longer kept
@@ -451,7 +477,9 @@ def test_a_download_evicted_while_its_reader_stalls_leaves_the_sidecar_answering
         (folder / "params.safetensors").write_bytes(os.urandom(16 << 20))
         sidecar = CheckpointSidecar(tmp_path)
         sidecar.announce(build_manifest(folder, STEP))
-        served, port = await start_app(sidecar._app, "127.0.0.1", 0, ConnectionBudget(total=2, per_source=1))
+        served, port = await start_app(
+            sidecar._app, "127.0.0.1", port=0, budget=ConnectionBudget(total=2, per_source=1)
+        )
         loop = asyncio.get_running_loop()
 
         async def raw(source: str) -> socket.socket:
@@ -523,11 +551,11 @@ def test_a_holder_that_lies_about_sizes_or_trickles_is_dropped_for_an_honest_one
         app = web.Application()
         app.router.add_get("/manifest", manifest)
         app.router.add_get("/ckpt/{step}/{name}", file)
-        served, port = await start_app(app, "127.0.0.1", 0)
-        holders = [heartbeat(0, f"http://127.0.0.1:{port}", digest), heartbeat(1, url, digest)]
+        served, port = await start_app(app, "127.0.0.1", port=0)
+        holders = [heartbeat(0, f"http://127.0.0.1:{port}", digest=digest), heartbeat(1, url, digest=digest)]
         started, joiner = time.monotonic(), tmp_path / "joiner"
         try:
-            folder = await fetch_checkpoint(digest, holders, joiner, timeout=2.0, max_bytes=64 << 20)
+            folder = await fetch_checkpoint(digest, holders, dest_dir=joiner, timeout=2.0, max_bytes=64 << 20)
         finally:
             await served.close()
             await peers.close()

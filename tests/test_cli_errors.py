@@ -13,7 +13,10 @@ import pytest
 from p2ptrain.identity import NODE_KEY_FILE, load_or_create_identity
 from p2ptrain.procs import free_port
 from p2ptrain.swarm.p2p_key import ensure_p2p_identity, peer_id_of
-from tests.helpers import assert_one_line_error, cli, socket_files, stale_sockets
+from tests.support.helpers import assert_one_line_error, cli, socket_files, stale_sockets
+
+pytestmark = pytest.mark.procs
+"""Every test here starts processes."""
 
 PEER_ID = "QmTaMjzayTqNDpDJQSfyoqzzgJuHkbGj1oNzxzXC34MxPA"
 
@@ -44,7 +47,7 @@ def test_malformed_peer_in_environment(tmp_path: Path) -> None:
     assert_one_line_error(result, "/ip4/nothing")
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_unreachable_bootstrap_peer_gives_up_after_bounded_retries(
     tmp_path: Path, no_leftovers: None
 ) -> None:
@@ -77,7 +80,7 @@ def test_port_in_use(tmp_path: Path, no_leftovers: None) -> None:
         taken.listen()
         port = taken.getsockname()[1]
         result = cli("bootstrap", "--listen", f"/ip4/127.0.0.1/tcp/{port}", "--identity", str(tmp_path))
-    assert_one_line_error(result, "already in use", str(port))
+    assert_one_line_error(result, "in use", str(port))
 
 
 def test_key_readable_by_others(tmp_path: Path) -> None:
@@ -87,7 +90,7 @@ def test_key_readable_by_others(tmp_path: Path) -> None:
     assert_one_line_error(result, str(tmp_path / NODE_KEY_FILE), "chmod 600")
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_unreadable_key_file(tmp_path: Path) -> None:
     (tmp_path / NODE_KEY_FILE).write_text("garbage")
     os.chmod(tmp_path / NODE_KEY_FILE, 0o600)

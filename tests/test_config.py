@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ from p2ptrain import config_reference
 from p2ptrain.config import CONFIG_DIR, Config, config_differences, load_config
 from p2ptrain.config_reference import undocumented
 from p2ptrain.errors import ConfigError
-from tests.helpers import assert_one_line_error, cli
+from tests.support.helpers import assert_one_line_error, cli
 
 CONFIG_FILES = sorted(CONFIG_DIR.glob("*.toml"))
 
@@ -30,6 +31,30 @@ def test_every_bundled_config_loads(path: Path) -> None:
 
 def test_bare_name_resolves_to_bundled_file() -> None:
     assert load_config("debug", environ={}) == load_config(CONFIG_DIR / "debug.toml", environ={})
+
+
+@pytest.mark.procs
+def test_config_by_name_or_path_from_any_directory(tmp_path: Path) -> None:
+    """The bundled configs ship inside the package: `--config debug.toml` works outside the
+    checkout (it used to look for ./debug.toml, and `configs/debug.toml` only worked in it)."""
+    own = tmp_path / "sub" / "mine.toml"
+    own.parent.mkdir()
+    own.write_text('[run]\nid = "mine"\n')
+    for name, run_id in [
+        ("debug.toml", "p2ptrain-debug"),
+        ("20m", "p2ptrain-20m"),
+        ("sub/mine.toml", "mine"),
+    ]:
+        shown = cli("config", "show", "--json", "--config", name, cwd=tmp_path)
+        assert shown.returncode == 0, shown.stderr
+        assert json.loads(shown.stdout)["run"]["id"] == run_id
+    assert load_config(own, environ={}).run.id == "mine"  # an absolute path
+    for bad in ("debugg", "configs/debug.toml"):
+        assert_one_line_error(
+            cli("config", "show", "--config", bad, cwd=tmp_path),
+            f"--config {bad}: config file not found",
+            "bundled: 10b, 150m, 1b, 20m, 7b, debug",
+        )
 
 
 def test_unknown_key_names_key_and_file(tmp_path: Path) -> None:
@@ -100,6 +125,7 @@ def test_digest_covers_the_model_but_not_local_settings() -> None:
     assert base.digest() == load_config("debug", environ={}, overrides=["comm.failure_timeout=9"]).digest()
 
 
+@pytest.mark.procs
 def test_config_show_prints_resolved_values() -> None:
     result = cli(
         "config", "show", "--config", "debug", "--set", "train.lr=0.125", "--set", "outer.overlap.steps=3"
@@ -116,6 +142,7 @@ def test_config_show_prints_resolved_values() -> None:
     assert shown == load_config("debug", overrides=["train.lr=0.125", "outer.overlap.steps=3"], environ={})
 
 
+@pytest.mark.procs
 def test_config_show_reports_errors_in_one_line(tmp_path: Path) -> None:
     path = tmp_path / "bad.toml"
     path.write_text("[model]\ndimm = 3\n")

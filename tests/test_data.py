@@ -32,7 +32,7 @@ def make_corpus(root: Path, files: int = 12) -> Path:
     return root
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_embedded_corpus_is_the_standard_library() -> None:
     files = list_files(DataConfig())
     assert len(files) > 500
@@ -70,52 +70,62 @@ def test_documents_are_separated_by_end_of_text(tmp_path: Path) -> None:
     assert stream.take(6).tolist() == [97, 98, 0, 97, 98, 0]
 
 
+def batches(config: DataConfig, *, batch_size: int = 4, rank: int = 0, world_size: int = 1) -> Batches:
+    """A rank's batches of 16-token sequences for the node of key b"x" * 32, bytes as tokens."""
+    return node_batches(
+        config,
+        vocab_size=256,
+        node_key=b"x" * 32,
+        batch_size=batch_size,
+        seq_len=16,
+        rank=rank,
+        world_size=world_size,
+    )
+
+
 def test_ranks_split_the_node_batch(tmp_path: Path) -> None:
     config = DataConfig(paths=[str(make_corpus(tmp_path / "c"))])
-    whole = node_batches(config, 256, b"x" * 32, 4, 16, rank=0, world_size=1)
-    halves = [node_batches(config, 256, b"x" * 32, 4, 16, rank=r, world_size=2) for r in (0, 1)]
+    whole = batches(config)
+    halves = [batches(config, rank=r, world_size=2) for r in (0, 1)]
     for _ in range(3):
         inputs, targets = whole.next()
         parts = [half.next() for half in halves]
         assert torch.equal(torch.cat([p[0] for p in parts]), inputs)
         assert torch.equal(inputs[:, 1:], targets[:, :-1])  # targets are the inputs shifted by one
     with pytest.raises(DataError, match="multiple of the local ranks"):
-        Batches(whole.streams, 4, 16, rank=0, world_size=3)
+        Batches(whole.streams, batch_size=4, seq_len=16, rank=0, world_size=3)
 
 
 def test_interleaved_batches_take_their_sequences_from_that_many_files_in_turn(tmp_path: Path) -> None:
     corpus = DataConfig(paths=[str(make_corpus(tmp_path / "c"))])
     order = node_file_order(list_files(corpus), corpus.num_shards, 0)
-    one = node_batches(corpus.model_copy(update={"shard": 0}), 256, b"x" * 32, 4, 16, 0, 1)
+    one = batches(corpus.model_copy(update={"shard": 0}))
     alone = TokenStream(order, ByteTokenizer())  # interleave 1: the batches read as they always did
     for _ in range(5):
         assert (
             one.next()[0].flatten().tolist() == alone.take(4 * 17).reshape(4, 17)[:, :-1].flatten().tolist()
         )
-    three = node_batches(corpus.model_copy(update={"shard": 0, "interleave": 3}), 256, b"x" * 32, 4, 16, 0, 1)
+    three = batches(corpus.model_copy(update={"shard": 0, "interleave": 3}))
     streams = [TokenStream(order[j::3], ByteTokenizer()) for j in range(3)]
     row = 0
     for _ in range(5):  # 4 sequences a batch from 3 streams: the turn goes on across batches
         for sequence in three.next()[0]:
             assert sequence.tolist() == streams[row % 3].take(17)[:-1].tolist()
             row += 1
-    assert (
-        len(node_batches(corpus.model_copy(update={"interleave": 50}), 256, b"x" * 32, 4, 16, 0, 1).streams)
-        == 12
-    )
+    assert len(batches(corpus.model_copy(update={"interleave": 50})).streams) == 12
 
 
 def test_interleaved_streams_resume_where_they_were(tmp_path: Path) -> None:
     corpus = DataConfig(paths=[str(make_corpus(tmp_path / "c"))], interleave=3)
-    first = node_batches(corpus, 256, b"x" * 32, 5, 16, 0, 1)
+    first = batches(corpus, batch_size=5)
     for _ in range(7):
         first.next()
     saved = DataPosition.from_dict(json.loads(json.dumps(first.position.to_dict())))
     expected = [first.next()[0] for _ in range(6)]
-    second = node_batches(corpus, 256, b"x" * 32, 5, 16, 0, 1)
+    second = batches(corpus, batch_size=5)
     assert second.seek(saved) and saved.turn == 35 % 3
     assert all(torch.equal(second.next()[0], batch) for batch in expected)
-    other = node_batches(corpus.model_copy(update={"interleave": 2}), 256, b"x" * 32, 5, 16, 0, 1)
+    other = batches(corpus.model_copy(update={"interleave": 2}), batch_size=5)
     assert not other.seek(saved)  # data.interleave changed: nothing moves
     assert other.position.streams == [StreamPosition(), StreamPosition()]
     old = DataPosition.from_dict({"files_done": 2, "offset": 7})  # saved before data.interleave

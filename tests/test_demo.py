@@ -15,10 +15,10 @@ import pytest
 from p2ptrain.ckpt.format import latest_checkpoint
 from p2ptrain.procs import descendants, is_alive
 from p2ptrain.train.metrics import read_metrics
-from tests.helpers import LIGHT, cli, params_hash_of, socket_files, stale_sockets, stalls, wait_until
+from tests.support.helpers import LIGHT, cli, params_hash_of, socket_files, stale_sockets, stalls, wait_until
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 @pytest.mark.parametrize("overlap", [False, True])
 def test_demo_trains_loses_a_node_takes_in_a_new_one(tmp_path: Path, overlap: bool) -> None:
     """With outer.overlap too: the node is killed with a step in flight, and the joiner loads S from a
@@ -45,6 +45,13 @@ def test_demo_trains_loses_a_node_takes_in_a_new_one(tmp_path: Path, overlap: bo
     assert summary["outer_steps"] == 6 and summary["params_hash_agree"] is True
     assert summary["nodes_max"] == 3 and summary["orphans"] == 0
     assert summary["loss_last"] < summary["loss_first"]
+    # the summary's losses are the first and last per-step lines' (it used to take node0's first
+    # inner step and the survivors' mean, which no line showed)
+    lines = re.findall(r"outer step (\d+): loss (\S+),", result.stdout)
+    assert [int(step) for step, _ in lines] == list(range(6)), result.stdout
+    assert (lines[0][1], lines[-1][1]) == (f"{summary['loss_first']:.3f}", f"{summary['loss_last']:.3f}")
+    assert f"loss {lines[0][1]} → {lines[-1][1]} (the first and last steps' lines)" in result.stdout
+    assert [f"{step['loss']:.3f}" for step in summary["steps"]] == [loss for _, loss in lines]
     assert (
         summary["joiner_caught_up"] is True and summary["killed"] == "node2" and summary["joined"] == "node3"
     )
@@ -75,23 +82,46 @@ def test_demo_trains_loses_a_node_takes_in_a_new_one(tmp_path: Path, overlap: bo
     assert latest is not None and params_hash_of(latest) == final["params_hash"]
 
 
-@pytest.mark.slow
-def test_sigterm_stops_the_demo_and_every_process_it_started_within_five_seconds(tmp_path: Path) -> None:
+@pytest.mark.procs
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT ignored at start"])
+def test_a_signal_stops_the_demo_and_every_process_it_started_within_five_seconds(
+    tmp_path: Path, stop: str
+) -> None:
+    """SIGINT too when the demo started with it ignored (nohup, a shell's background job: `trap ''
+    INT`), where Python turns it into no KeyboardInterrupt: the demo's handlers are its own."""
     out = tmp_path / "demo.out"
+    ignoring = ["sh", "-c", "trap '' INT; exec \"$@\"", "sh"] if stop != "SIGTERM" else []
     with out.open("w") as handle:
         demo = subprocess.Popen(
-            [sys.executable, "-m", "p2ptrain", "demo", "--nodes", "1", "--steps", "50", "--kill-at", "0",
-             "--work-dir", str(tmp_path / "d"), *LIGHT],
-            stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
+            [
+                *ignoring,
+                sys.executable,
+                "-m",
+                "p2ptrain",
+                "demo",
+                "--nodes",
+                "1",
+                "--steps",
+                "50",
+                "--kill-at",
+                "0",
+                "--work-dir",
+                str(tmp_path / "d"),
+                *LIGHT,
+            ],
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
     try:
         wait_until(lambda: "outer step 0:" in out.read_text(), 240, what="the first outer step")
         tree = descendants(demo.pid)
         started = time.monotonic()
-        demo.send_signal(signal.SIGTERM)
+        demo.send_signal(signal.SIGTERM if stop == "SIGTERM" else signal.SIGINT)
         assert demo.wait(timeout=5) == 1  # interrupted: the run did not finish
         assert time.monotonic() - started < 5
         assert not [pid for pid in tree if is_alive(pid)]
+        assert f"FAILED: interrupted ({stop.split()[0]})" in out.read_text()
         assert "0 orphans" in out.read_text()
     finally:
         demo.kill()

@@ -15,7 +15,10 @@ from hivemind.utils import get_dht_time
 
 from p2ptrain import procs
 from p2ptrain.swarm.dht import DHTSettings, SwarmDHT
-from tests.helpers import wait_until
+from tests.support.helpers import wait_until
+
+pytestmark = pytest.mark.procs
+"""Every test here starts processes."""
 
 
 def test_a_dht_child_answers_then_fails_every_call_at_once_when_it_is_gone() -> None:
@@ -28,7 +31,7 @@ def test_a_dht_child_answers_then_fails_every_call_at_once_when_it_is_gone() -> 
         assert any(address.startswith("/ip4/127.0.0.1/tcp/") for address in dht.visible_maddrs())
 
         async def store_then_get() -> bytes:
-            assert await dht.store("key", b"subkey", b"value", get_dht_time() + 60)
+            assert await dht.store("key", b"subkey", value=b"value", expiration=get_dht_time() + 60)
             found = await dht.get("key")
             assert found is not None
             return bytes(found[b"subkey"].value)
@@ -42,7 +45,7 @@ def test_a_dht_child_answers_then_fails_every_call_at_once_when_it_is_gone() -> 
         )
         started = time.monotonic()
         assert asyncio.run(dht.get("key")) is None
-        assert not asyncio.run(dht.store("key", b"subkey", b"again", get_dht_time() + 60))
+        assert not asyncio.run(dht.store("key", b"subkey", value=b"again", expiration=get_dht_time() + 60))
         assert time.monotonic() - started < timeout / 4
 
 

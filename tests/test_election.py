@@ -30,29 +30,12 @@ from p2ptrain.swarm.election import (
 )
 from p2ptrain.swarm.evidence import BLAME_FIELD, blame_field
 from p2ptrain.swarm.records import Heartbeat, NodeState
-
-
-def key(index: int) -> bytes:
-    return bytes([index]) * 32
-
-
-def beat(index: int, state: NodeState, step: int, tokens: int = 100, timestamp: float = 1e9) -> Heartbeat:
-    return Heartbeat(
-        run_id="r",
-        node_key=key(index),
-        seq=1,
-        timestamp=timestamp,
-        expiration=0.0,
-        state=state,
-        outer_step=step,
-        data_addr=f"127.0.0.1:{5000 + index}",
-        tokens=tokens,
-    )
+from tests.support.records import beat, key
 
 
 def decided(beats: list[Heartbeat], step: int, deadline_passed: bool) -> Election:
     """`decide`, where the view allows a decision."""
-    election = decide(beats, step, deadline_passed)
+    election = decide(beats, step, deadline_passed=deadline_passed)
     assert election is not None
     return election
 
@@ -66,28 +49,28 @@ def test_parse_address() -> None:
 
 def test_ready_and_expected() -> None:
     beats = [
-        beat(1, NodeState.READY, 4),
-        beat(2, NodeState.SYNCING, 4),
-        beat(3, NodeState.TRAINING, 4),
-        beat(4, NodeState.READY, 3),
-        beat(5, NodeState.JOINING, 4),
-        beat(6, NodeState.DEAD, 4),
+        beat(1, NodeState.READY, step=4),
+        beat(2, NodeState.SYNCING, step=4),
+        beat(3, NodeState.TRAINING, step=4),
+        beat(4, NodeState.READY, step=3),
+        beat(5, NodeState.JOINING, step=4),
+        beat(6, NodeState.DEAD, step=4),
     ]
     assert [b.node_key for b in ready_for(beats, 4)] == [key(1), key(2)]
     assert [b.node_key for b in expected_for(beats, 4)] == [key(3)]
 
 
 def test_a_node_alone_in_its_view_waits_for_the_deadline() -> None:
-    beats = [beat(1, NodeState.READY, 4)]
+    beats = [beat(1, NodeState.READY, step=4)]
     assert decide(beats, 4, deadline_passed=False) is None
     assert decided(beats, 4, deadline_passed=True).keys == [key(1)]
 
 
 def test_never_solo_while_another_node_is_at_the_step() -> None:
     """A stale record of a peer (its ready record has not reached us) must not let us go alone."""
-    beats = [beat(1, NodeState.READY, 4), beat(2, NodeState.LEAVING, 4)]
+    beats = [beat(1, NodeState.READY, step=4), beat(2, NodeState.LEAVING, step=4)]
     assert decide(beats, 4, deadline_passed=True) is None
-    beats = [beat(1, NodeState.READY, 4), beat(2, NodeState.JOINING, 5)]  # not in the steps yet
+    beats = [beat(1, NodeState.READY, step=4), beat(2, NodeState.JOINING, step=5)]  # not in the steps yet
     assert decided(beats, 4, deadline_passed=True).keys == [key(1)]
 
 
@@ -96,15 +79,22 @@ def test_never_solo_while_another_node_is_past_the_step() -> None:
     without us: alone, we would fork it. Seen: a node that had named the one other node at the step
     (evidence of an earlier step) took steps alone while two nodes took them together."""
     for state in (NodeState.TRAINING, NodeState.READY, NodeState.FINISHED):
-        assert decide([beat(1, NodeState.READY, 4), beat(2, state, 5)], 4, deadline_passed=True) is None
-    named = replace(beat(1, NodeState.READY, 4), extra={BLAME_FIELD: blame_field(4, [key(2)])})
-    assert decided([named, beat(2, NodeState.READY, 4)], 4, deadline_passed=True).keys == [key(1)]
-    with_one_past = [named, beat(2, NodeState.READY, 4), beat(3, NodeState.TRAINING, 5)]
+        assert (
+            decide([beat(1, NodeState.READY, step=4), beat(2, state, step=5)], 4, deadline_passed=True)
+            is None
+        )
+    named = replace(beat(1, NodeState.READY, step=4), extra={BLAME_FIELD: blame_field(4, [key(2)])})
+    assert decided([named, beat(2, NodeState.READY, step=4)], 4, deadline_passed=True).keys == [key(1)]
+    with_one_past = [named, beat(2, NodeState.READY, step=4), beat(3, NodeState.TRAINING, step=5)]
     assert decide(with_one_past, 4, deadline_passed=True) is None
 
 
 def test_waits_for_nodes_still_training_until_the_deadline() -> None:
-    beats = [beat(1, NodeState.READY, 4), beat(3, NodeState.READY, 4), beat(2, NodeState.TRAINING, 4)]
+    beats = [
+        beat(1, NodeState.READY, step=4),
+        beat(3, NodeState.READY, step=4),
+        beat(2, NodeState.TRAINING, step=4),
+    ]
     assert decide(beats, 4, deadline_passed=False) is None
     election = decide(beats, 4, deadline_passed=True)
     assert election is not None and sorted(election.keys) == [key(1), key(3)]  # the straggler is left out
@@ -112,16 +102,16 @@ def test_waits_for_nodes_still_training_until_the_deadline() -> None:
 
 def test_only_a_majority_goes_on_without_the_others() -> None:
     """Two pairs that each see only their own ready records must not both take the step."""
-    pair = [beat(1, NodeState.READY, 4), beat(2, NodeState.READY, 4)]
-    others = [beat(3, NodeState.TRAINING, 4), beat(4, NodeState.TRAINING, 4)]
+    pair = [beat(1, NodeState.READY, step=4), beat(2, NodeState.READY, step=4)]
+    others = [beat(3, NodeState.TRAINING, step=4), beat(4, NodeState.TRAINING, step=4)]
     assert decide(pair + others, 4, deadline_passed=True) is None
     assert sorted(decided(pair + others[:1], 4, deadline_passed=True).keys) == [key(1), key(2)]  # 2 of 3
-    everyone = [*pair, beat(3, NodeState.READY, 4), beat(4, NodeState.READY, 4)]
+    everyone = [*pair, beat(3, NodeState.READY, step=4), beat(4, NodeState.READY, step=4)]
     assert len(decided(everyone, 4, deadline_passed=False).keys) == 4
 
 
 def test_every_node_computes_the_same_election_from_the_same_records() -> None:
-    beats = [beat(i, NodeState.READY, 7, tokens=10 * i) for i in range(1, 7)]
+    beats = [beat(i, NodeState.READY, step=7, tokens=10 * i) for i in range(1, 7)]
     reference = decided(beats, 7, False)
     for _ in range(10):
         shuffled = random.sample(beats, len(beats))
@@ -132,8 +122,8 @@ def test_every_node_computes_the_same_election_from_the_same_records() -> None:
 
 def test_clock_skew_does_not_change_the_result() -> None:
     """Record timestamps come from each sender's clock; the election never reads them."""
-    beats = [beat(i, NodeState.READY, 3) for i in range(1, 5)]
-    skewed = [beat(i, NodeState.READY, 3, timestamp=1e9 + (5 if i == 2 else 0)) for i in range(1, 5)]
+    beats = [beat(i, NodeState.READY, step=3) for i in range(1, 5)]
+    skewed = [beat(i, NodeState.READY, step=3, timestamp=1e9 + (5 if i == 2 else 0)) for i in range(1, 5)]
     assert decided(beats, 3, False).keys == decided(skewed, 3, False).keys
 
 
@@ -188,7 +178,7 @@ def test_the_slowest_link_is_the_best_possible_in_small_swarms() -> None:
 
 
 def test_links_published_in_ready_records_order_the_ring() -> None:
-    beats = [beat(i, NodeState.READY, 9) for i in range(1, 5)]
+    beats = [beat(i, NodeState.READY, step=9) for i in range(1, 5)]
     plain = decided(beats, 9, False).keys
     slow = (plain[0], plain[1])  # the base order's first link
     beats[slow[0][0] - 1] = replace(
@@ -202,7 +192,7 @@ def test_links_published_in_ready_records_order_the_ring() -> None:
 
 
 def test_malformed_link_fields_are_ignored() -> None:
-    beats = [beat(i, NodeState.READY, 2) for i in range(1, 4)]
+    beats = [beat(i, NodeState.READY, step=2) for i in range(1, 4)]
     other = key(2).hex()[:16]
     for links in [
         "fast",
@@ -233,8 +223,18 @@ def test_ring_order_at_1000_nodes_is_fast_enough() -> None:
 def test_elect_decides_at_the_straggler_deadline_on_its_own_clock() -> None:
     now = [0.0]
     views = [
-        [beat(1, NodeState.TRAINING, 2), beat(2, NodeState.TRAINING, 2), beat(3, NodeState.TRAINING, 2)]
-    ] + [[beat(1, NodeState.READY, 2), beat(2, NodeState.TRAINING, 2), beat(3, NodeState.READY, 2)]] * 100
+        [
+            beat(1, NodeState.TRAINING, step=2),
+            beat(2, NodeState.TRAINING, step=2),
+            beat(3, NodeState.TRAINING, step=2),
+        ]
+    ] + [
+        [
+            beat(1, NodeState.READY, step=2),
+            beat(2, NodeState.TRAINING, step=2),
+            beat(3, NodeState.READY, step=2),
+        ]
+    ] * 100
 
     async def read() -> list[Heartbeat]:
         now[0] += 0.5
@@ -248,9 +248,47 @@ def test_elect_decides_at_the_straggler_deadline_on_its_own_clock() -> None:
     assert now[0] == pytest.approx(3.0)  # first ready seen at 1.0, deadline 2.0 later
 
 
+@pytest.mark.parametrize(
+    ("others", "decided_at"),
+    [
+        ([], 1.0),  # alone in the run: the grace, not the whole deadline
+        ([beat(2, NodeState.JOINING, step=3)], 10.0),  # a joiner may be ready soon: the deadline
+        ([beat(2, NodeState.TRAINING, step=1)], 10.0),  # one behind: expected, the deadline
+        ([beat(2, NodeState.IDLE, step=0), beat(3, NodeState.DEAD, step=2)], 1.0),  # a watcher, the dead
+    ],
+)
+def test_a_node_alone_in_its_run_waits_a_grace_not_the_deadline(
+    others: list[Heartbeat], decided_at: float
+) -> None:
+    """20 steps of a node whose run had no other node took 230 s against 27 s without the network:
+    each waited the whole straggler deadline for ready records from nodes nobody had seen."""
+    now = [0.0]
+    mine = beat(1, NodeState.READY, step=2)
+
+    async def read() -> list[Heartbeat]:
+        now[0] += 0.25
+        return [mine, *others]
+
+    async def scenario() -> Election:
+        return await elect(
+            read,
+            2,
+            straggler_deadline=10.0,
+            timeout=60,
+            poll_interval=0,
+            clock=lambda: now[0],
+            me=key(1),
+            lone_grace=1.0,
+        )
+
+    election = asyncio.run(scenario())
+    assert election.keys == [key(1)]
+    assert now[0] - 0.25 == pytest.approx(decided_at)  # first ready seen at the first read
+
+
 def test_elect_times_out() -> None:
     async def read() -> list[Heartbeat]:
-        return [beat(1, NodeState.TRAINING, 2)]
+        return [beat(1, NodeState.TRAINING, step=2)]
 
     with pytest.raises(TimeoutError):
         asyncio.run(elect(read, 2, straggler_deadline=1.0, timeout=0.2, poll_interval=0.05))
@@ -261,31 +299,41 @@ def test_status_derives_the_last_ring_from_the_records() -> None:
 
     from p2ptrain.swarm.status import format_table, last_ring, status_json
 
-    beats = [replace(beat(i, NodeState.TRAINING, 8), params_hash="ab") for i in (1, 2, 3)]
-    beats.append(replace(beat(4, NodeState.TRAINING, 7), params_hash="cd"))  # finished an older step
-    beats.append(beat(5, NodeState.JOINING, 0))
+    beats = [replace(beat(i, NodeState.TRAINING, step=8), params_hash="ab") for i in (1, 2, 3)]
+    beats.append(replace(beat(4, NodeState.TRAINING, step=7), params_hash="cd"))  # finished an older step
+    beats.append(beat(5, NodeState.JOINING, step=0))
     ring = last_ring(beats)
     assert ring == {"step": 7, "members": [k.hex() for k in ring_order([key(1), key(2), key(3)], 7)]}
     assert status_json(beats)["last_ring"] == ring
     assert "last ring (step 7)" in format_table(beats)
-    assert last_ring([beat(5, NodeState.JOINING, 0)]) is None
+    assert last_ring([beat(5, NodeState.JOINING, step=0)]) is None
 
 
 def test_a_node_behind_everyone_is_told_instead_of_going_solo() -> None:
     from p2ptrain.swarm.election import SwarmAhead, swarm_ahead
 
     me = key(1)
-    ahead = [beat(1, NodeState.READY, 3), beat(2, NodeState.TRAINING, 4), beat(3, NodeState.READY, 4)]
-    assert swarm_ahead(ahead, 3, me)
+    ahead = [
+        beat(1, NodeState.READY, step=3),
+        beat(2, NodeState.TRAINING, step=4),
+        beat(3, NodeState.READY, step=4),
+    ]
+    assert swarm_ahead(ahead, 3, me=me)
     # another node at 3 too: both are behind those that took step 3 (together they would fork it)
-    assert swarm_ahead([*ahead, beat(4, NodeState.TRAINING, 3)], 3, me)
-    assert not swarm_ahead([beat(1, NodeState.READY, 3), beat(4, NodeState.TRAINING, 3)], 3, me)
-    assert not swarm_ahead([beat(1, NodeState.READY, 3), beat(2, NodeState.DEAD, 4)], 3, me)  # alone
-    assert not swarm_ahead([beat(1, NodeState.READY, 3), beat(2, NodeState.JOINING, 9)], 3, me)
+    assert swarm_ahead([*ahead, beat(4, NodeState.TRAINING, step=3)], 3, me=me)
+    assert not swarm_ahead([beat(1, NodeState.READY, step=3), beat(4, NodeState.TRAINING, step=3)], 3, me=me)
+    assert not swarm_ahead(
+        [beat(1, NodeState.READY, step=3), beat(2, NodeState.DEAD, step=4)], 3, me=me
+    )  # alone
+    assert not swarm_ahead([beat(1, NodeState.READY, step=3), beat(2, NodeState.JOINING, step=9)], 3, me=me)
     # one record far ahead is not the swarm: a majority of the others must be past the step
-    lone_claim = [beat(1, NodeState.READY, 3), beat(2, NodeState.TRAINING, 3), beat(3, NodeState.READY, 3)]
-    assert not swarm_ahead([*lone_claim, beat(4, NodeState.TRAINING, 10**9)], 3, me)
-    assert not swarm_ahead([*lone_claim, beat(4, NodeState.FINISHED, 10**9)], 3, me)
+    lone_claim = [
+        beat(1, NodeState.READY, step=3),
+        beat(2, NodeState.TRAINING, step=3),
+        beat(3, NodeState.READY, step=3),
+    ]
+    assert not swarm_ahead([*lone_claim, beat(4, NodeState.TRAINING, step=10**9)], 3, me=me)
+    assert not swarm_ahead([*lone_claim, beat(4, NodeState.FINISHED, step=10**9)], 3, me=me)
 
     async def read() -> list[Heartbeat]:
         return ahead
@@ -300,21 +348,36 @@ def test_a_node_that_gave_a_step_up_waits_while_the_others_are_still_at_it() -> 
     from p2ptrain.swarm.election import swarm_still_at
 
     me = key(1)
-    mine = beat(1, NodeState.TRAINING, 4)
-    still = [mine, beat(2, NodeState.SYNCING, 3), beat(3, NodeState.READY, 3), beat(4, NodeState.TRAINING, 4)]
-    assert swarm_still_at(still, 3, me)
+    mine = beat(1, NodeState.TRAINING, step=4)
+    still = [
+        mine,
+        beat(2, NodeState.SYNCING, step=3),
+        beat(3, NodeState.READY, step=3),
+        beat(4, NodeState.TRAINING, step=4),
+    ]
+    assert swarm_still_at(still, 3, me=me)
     # a strict majority past: the step is the swarm's (replayed), whoever is still at it
-    assert not swarm_still_at([*still[:2], beat(3, NodeState.TRAINING, 4), still[3]], 3, me)
+    assert not swarm_still_at([*still[:2], beat(3, NodeState.TRAINING, step=4), still[3]], 3, me=me)
     # the others gave it up as well (each says so with a record of step 4): nobody waits for anyone
-    assert not swarm_still_at([mine, beat(2, NodeState.TRAINING, 4), beat(3, NodeState.READY, 4)], 3, me)
-    assert not swarm_still_at([mine], 3, me)  # alone
+    assert not swarm_still_at(
+        [mine, beat(2, NodeState.TRAINING, step=4), beat(3, NodeState.READY, step=4)], 3, me=me
+    )
+    assert not swarm_still_at([mine], 3, me=me)  # alone
     # a node far behind still counts as at it while no majority is past (it may still take the step)
-    assert swarm_still_at([mine, beat(2, NodeState.TRAINING, 1)], 3, me)
+    assert swarm_still_at([mine, beat(2, NodeState.TRAINING, step=1)], 3, me=me)
     # half past is no majority; the dead, the joining and those that finished are never still at it
-    assert swarm_still_at([mine, beat(2, NodeState.READY, 3), beat(3, NodeState.TRAINING, 4)], 3, me)
-    others = [beat(2, NodeState.DEAD, 3), beat(3, NodeState.JOINING, 0), beat(4, NodeState.FINISHED, 3)]
-    assert not swarm_still_at([mine, *others], 3, me)
-    assert not swarm_still_at([mine, beat(2, NodeState.READY, 3)], 3, me, finished={key(3): 3, key(4): 5})
+    assert swarm_still_at(
+        [mine, beat(2, NodeState.READY, step=3), beat(3, NodeState.TRAINING, step=4)], 3, me=me
+    )
+    others = [
+        beat(2, NodeState.DEAD, step=3),
+        beat(3, NodeState.JOINING, step=0),
+        beat(4, NodeState.FINISHED, step=3),
+    ]
+    assert not swarm_still_at([mine, *others], 3, me=me)
+    assert not swarm_still_at(
+        [mine, beat(2, NodeState.READY, step=3)], 3, me=me, finished={key(3): 3, key(4): 5}
+    )
 
 
 def test_a_node_behind_a_finished_run_catches_up_even_after_the_others_left() -> None:
@@ -327,19 +390,23 @@ def test_a_node_behind_a_finished_run_catches_up_even_after_the_others_left() ->
     from p2ptrain.swarm.records import FINISHED_FIELD
 
     me = key(1)
-    finished = beat(2, NodeState.FINISHED, 5)
-    assert swarm_ahead([beat(1, NodeState.READY, 4), finished], 4, me)
-    assert swarm_ahead([beat(1, NodeState.READY, 5), finished], 5, me)  # nobody will ever take step 5
-    assert not swarm_ahead([beat(1, NodeState.READY, 6), finished], 6, me)
-    left = replace(beat(2, NodeState.DEAD, 5), extra={FINISHED_FIELD: True})
-    assert finished_run(left) and finished_run(finished) and not finished_run(beat(2, NodeState.DEAD, 5))
-    assert not swarm_ahead([beat(1, NodeState.READY, 4)], 4, me)
-    assert swarm_ahead([beat(1, NodeState.READY, 4)], 4, me, finished={key(2): 5})
-    still_here = [beat(1, NodeState.READY, 4), beat(3, NodeState.TRAINING, 4), beat(4, NodeState.READY, 4)]
-    assert not swarm_ahead(still_here, 4, me, finished={key(2): 5})  # one of four
+    finished = beat(2, NodeState.FINISHED, step=5)
+    assert swarm_ahead([beat(1, NodeState.READY, step=4), finished], 4, me=me)
+    assert swarm_ahead([beat(1, NodeState.READY, step=5), finished], 5, me=me)  # nobody will ever take step 5
+    assert not swarm_ahead([beat(1, NodeState.READY, step=6), finished], 6, me=me)
+    left = replace(beat(2, NodeState.DEAD, step=5), extra={FINISHED_FIELD: True})
+    assert finished_run(left) and finished_run(finished) and not finished_run(beat(2, NodeState.DEAD, step=5))
+    assert not swarm_ahead([beat(1, NodeState.READY, step=4)], 4, me=me)
+    assert swarm_ahead([beat(1, NodeState.READY, step=4)], 4, me=me, finished={key(2): 5})
+    still_here = [
+        beat(1, NodeState.READY, step=4),
+        beat(3, NodeState.TRAINING, step=4),
+        beat(4, NodeState.READY, step=4),
+    ]
+    assert not swarm_ahead(still_here, 4, me=me, finished={key(2): 5})  # one of four
 
     async def read() -> list[Heartbeat]:
-        return [beat(1, NodeState.READY, 4)]
+        return [beat(1, NodeState.READY, step=4)]
 
     with pytest.raises(SwarmAhead):
         asyncio.run(
@@ -350,7 +417,11 @@ def test_a_node_behind_a_finished_run_catches_up_even_after_the_others_left() ->
 def test_a_member_of_the_previous_step_whose_newer_record_is_late_is_waited_for() -> None:
     """Node 2 took step 4 with node 1; its record still says syncing(4) here. Without knowing it is
     on its way, node 1 and 3 would take step 5 without it (and it would find the swarm past it)."""
-    beats = [beat(1, NodeState.READY, 5), beat(2, NodeState.SYNCING, 4), beat(3, NodeState.READY, 5)]
+    beats = [
+        beat(1, NodeState.READY, step=5),
+        beat(2, NodeState.SYNCING, step=4),
+        beat(3, NodeState.READY, step=5),
+    ]
     assert decide(beats, 5, deadline_passed=False) is not None
     assert decide(beats, 5, deadline_passed=False, in_transit={key(1), key(2)}) is None
     late = decide(beats, 5, deadline_passed=True, in_transit={key(1), key(2)})
@@ -384,7 +455,7 @@ def test_the_linear_greedy_tour_equals_the_quadratic_one() -> None:
         assert _greedy_tour(keys, links) == _greedy_oracle(keys, links), trial
 
 
-@dataclass
+@dataclass(kw_only=True)
 class WaitingHello:
     """Our data-plane server at `step`, and a member's dial of it for that step (a task), over TCP."""
 
@@ -401,14 +472,17 @@ class WaitingHello:
         )
         host, port = await server.start()
         server.at_step(step)  # no candidates: the member's hello waits in a stranger's slot
-        members = [Member(me.public_key, host, port), Member(member.public_key, "127.0.0.1", 1)]
+        members = [
+            Member(key=me.public_key, host=host, port=port),
+            Member(key=member.public_key, host="127.0.0.1", port=1),
+        ]
         digest = membership_digest(step, members)
         dial = asyncio.create_task(
             dial_member(
                 member, members[0], step=step, digest=digest, setup_timeout=setup_timeout, failure_timeout=5.0
             )
         )
-        return WaitingHello(server, member.public_key, digest, dial)
+        return WaitingHello(server=server, member=member.public_key, digest=digest, dial=dial)
 
 
 def test_a_member_that_dials_before_we_decided_cuts_our_election_wait_short(tmp_path: Path) -> None:
@@ -423,7 +497,7 @@ def test_a_member_that_dials_before_we_decided_cuts_our_election_wait_short(tmp_
         started = asyncio.get_running_loop().time()
         await server.dialed(60.0)  # the hello waits for our registration: we are woken
         woken_after = asyncio.get_running_loop().time() - started
-        registration = server.expect(step, [member], digest)
+        registration = server.expect(step, [member], digest=digest)
         _, writer, _ = await asyncio.wait_for(dial, 10)
         assert await asyncio.wait_for(registration.incoming[(member, 0)], 10) is not None
         writer.close()
@@ -450,7 +524,7 @@ def test_a_hello_that_came_after_our_election_does_not_cut_the_next_one_short(tm
         while server.waiting.waiting_strangers == 0:  # the hello is in and waits for our step
             assert asyncio.get_running_loop().time() < deadline, "the hello never came"
             await asyncio.sleep(0.01)
-        registration = server.expect(step, [member], digest)
+        registration = server.expect(step, [member], digest=digest)
         _, writer, _ = await asyncio.wait_for(dial, 10)
         assert await asyncio.wait_for(registration.incoming[(member, 0)], 10) is not None
         writer.close()

@@ -7,14 +7,14 @@ from dataclasses import replace
 from p2ptrain.swarm.election import decide
 from p2ptrain.swarm.evidence import BLAME_FIELD, MAX_BLAMED, Offences, Refusers, blame_field, left_out
 from p2ptrain.swarm.records import Heartbeat, NodeState
-from tests.test_election import beat, key
+from tests.support.records import beat, key
 
 STEP = 7
 
 
 def ready(index: int, blames: list[int] | None = None, step: int = STEP) -> Heartbeat:
     """Node `index` ready for STEP; `blames` is its report (None: it reported nothing)."""
-    record = beat(index, NodeState.READY, STEP)
+    record = beat(index, NodeState.READY, step=STEP)
     if blames is not None:
         record = replace(record, extra={BLAME_FIELD: blame_field(step, [key(i) for i in blames])})
     return record

@@ -22,7 +22,7 @@ from p2ptrain.config import load_config
 from p2ptrain.identity import load_or_create_identity
 from p2ptrain.node.checkpoint_copies import flush_leftovers
 from p2ptrain.node.rank_launcher import remove_stale_buffers
-from tests.helpers import (
+from tests.support.helpers import (
     LocalSwarm,
     assert_one_line_error,
     cli,
@@ -36,12 +36,17 @@ STEPS = 3
 HEARTBEAT_TIMEOUT = 6.0
 FAILURE_TIMEOUT = 5.0
 RUN = [
-    "--set", f"train.max_steps={STEPS * 10}",  # H = 10 on the debug config
-    "--set", "swarm.wait_nodes=4",
-    "--set", f"swarm.heartbeat_timeout={HEARTBEAT_TIMEOUT}",
-    "--set", f"comm.failure_timeout={FAILURE_TIMEOUT}",
-    "--set", "checkpoint.keep=10",
-]  # fmt: skip
+    "--set",
+    f"train.max_steps={STEPS * 10}",  # H = 10 on the debug config
+    "--set",
+    "swarm.wait_nodes=4",
+    "--set",
+    f"swarm.heartbeat_timeout={HEARTBEAT_TIMEOUT}",
+    "--set",
+    f"comm.failure_timeout={FAILURE_TIMEOUT}",
+    "--set",
+    "checkpoint.keep=10",
+]
 
 
 def flush_killed_node(work_dir: Path) -> None:
@@ -56,7 +61,7 @@ def overlap_flags(overlap: bool) -> list[str]:
     return ["--set", f"outer.overlap.enabled={str(overlap).lower()}"]
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 @pytest.mark.parametrize("overlap", [False, True])
 def test_training_survives_bootstrap_loss_sigterm_and_a_kill_mid_all_reduce(
     swarm: LocalSwarm, overlap: bool
@@ -116,7 +121,7 @@ def assert_one_history(records: dict[str, list[dict]]) -> None:
     assert len({node_records[-1]["params_hash"] for node_records in records.values()}) == 1
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_straggler_past_the_deadline_is_left_out_then_replays_the_step_and_rejoins(
     swarm: LocalSwarm, overlap: bool
@@ -145,7 +150,7 @@ def test_a_straggler_past_the_deadline_is_left_out_then_replays_the_step_and_rej
     assert "recovered step" not in swarm.log("c")
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_a_node_that_cannot_catch_up_says_it_diverged_and_its_checkpoint_is_not_exported(
     swarm: LocalSwarm, tmp_path: Path
 ) -> None:

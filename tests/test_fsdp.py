@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.fsdp_procs import run_world
+from tests.support.fsdp_procs import run_world
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_canonical_layout_round_trip_for_world_sizes_1_2_3(tmp_path: Path) -> None:
     results = {world: run_world(world, "layout", tmp_path / f"layout-{world}.pt") for world in (1, 2, 3)}
     reference = results[1]
@@ -23,7 +23,7 @@ def test_canonical_layout_round_trip_for_world_sizes_1_2_3(tmp_path: Path) -> No
     assert not torch.equal(reference["initial"], reference["target"])
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_two_rank_fsdp_training_matches_one_rank(tmp_path: Path) -> None:
     """3 outer steps of H=2 on the same data: the sharded node ends where the unsharded one does,
     although its ranks take their share in micro-batches (2 + 1 sequences) and compute the loss in
@@ -38,7 +38,7 @@ def test_two_rank_fsdp_training_matches_one_rank(tmp_path: Path) -> None:
     assert abs(one["loss"] - two["loss"]) < 1e-3
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_a_two_rank_checkpoint_resumes_on_one_rank(tmp_path: Path) -> None:
     overrides = ["train.inner_steps=2", "train.max_steps=6"]
     two = run_world(2, "train", tmp_path / "two.pt", overrides)

@@ -5,6 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.procs
+"""Every test here starts processes."""
+
 CHECK = """
 import sys
 import p2ptrain.swarm.dht, p2ptrain.swarm.bootstrap, p2ptrain.node.agent, p2ptrain.cli.join

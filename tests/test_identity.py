@@ -9,7 +9,7 @@ import pytest
 from p2ptrain.errors import IdentityError
 from p2ptrain.identity import NODE_KEY_FILE, load_or_create_identity, verify
 from p2ptrain.swarm.p2p_key import ensure_p2p_identity, peer_id_of
-from tests.helpers import assert_one_line_error, cli
+from tests.support.helpers import assert_one_line_error, cli
 
 
 def test_key_is_created_private_and_reused(tmp_path: Path) -> None:
@@ -56,7 +56,7 @@ def test_p2p_identity_persists(tmp_path: Path) -> None:
     assert peer_id_of(path) == peer_id_of(ensure_p2p_identity(tmp_path))
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_identity_command_prints_stable_ids(tmp_path: Path) -> None:
     first = cli("identity", "--identity", str(tmp_path))
     second = cli("identity", "--identity", str(tmp_path))
@@ -64,6 +64,26 @@ def test_identity_command_prints_stable_ids(tmp_path: Path) -> None:
     assert first.stdout == second.stdout and "node key" in first.stdout
 
 
+@pytest.mark.procs
+def test_identity_command_without_a_flag_prints_the_key_join_would_use(tmp_path: Path) -> None:
+    """No --identity: the node's own folder (node.work_dir, ~/.local/share/p2ptrain/node), or the
+    one --work-dir, --config or --set choose, as for join."""
+    home = {"HOME": str(tmp_path)}
+    default = tmp_path / ".local" / "share" / "p2ptrain" / "node"
+    chosen = {
+        default: [],
+        tmp_path / "w": ["--work-dir", str(tmp_path / "w")],
+        tmp_path / "s": ["--set", f"node.work_dir={tmp_path / 's'}"],
+        tmp_path / "k": ["--config", "debug", "--set", f"node.identity={tmp_path / 'k'}"],
+    }
+    for folder, flags in chosen.items():
+        shown = cli("identity", *flags, env=home)
+        assert shown.returncode == 0, shown.stderr
+        node_id = load_or_create_identity(folder).node_id  # the key the command created there
+        assert f"node key   {node_id}  ({folder / NODE_KEY_FILE})" in shown.stdout, shown.stdout
+
+
+@pytest.mark.procs
 def test_identity_command_reports_bad_permissions(tmp_path: Path) -> None:
     load_or_create_identity(tmp_path)
     os.chmod(tmp_path / NODE_KEY_FILE, 0o640)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from p2ptrain.procs import free_port
 from p2ptrain.swarm.p2p_key import ensure_p2p_identity, peer_id_of
-from tests.helpers import LocalSwarm, read_address, wait_until
+from tests.support.helpers import LocalSwarm, read_address, wait_until
 
 
 def test_hivemind_dht_as_bootstrap_peer(swarm: LocalSwarm, tmp_path: Path) -> None:
@@ -20,7 +20,7 @@ def test_hivemind_dht_as_bootstrap_peer(swarm: LocalSwarm, tmp_path: Path) -> No
     swarm.children.spawn(
         "hivemind-dht",
         [command, "--host_maddrs", f"/ip4/127.0.0.1/tcp/{port}", "--identity_path", str(key)],
-        log,
+        log_path=log,
     )
     # it imports all of hivemind and torch first (10-15 s on a busy 2-core machine), and a node
     # gives up on an unreachable bootstrap peer after 4 tries (~15 s): start the node once it listens

@@ -63,19 +63,21 @@ def test_a_fused_ring_hop_equals_its_three_steps(n: int, block: int, bits: int) 
     """add_encode_payload = multiply, dequantize_add, quantize — byte for byte, with the wire layout."""
     rng = np.random.default_rng(n)
     own, other = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
-    received = decode_payload(encode_payload(other, block, bits=bits), n, block, bits)
+    received = decode_payload(encode_payload(other, block, bits=bits), n, block=block, bits=bits)
     partial = np.multiply(own, np.float32(0.25))
     partial += reference_dequantize(received)
     expected = reference_quantize(partial, block, bits)
     out = memoryview(bytearray(len(encode_payload(own, block, bits=bits))))
-    fused = decode_payload(add_encode_payload(own, 0.25, received, threads=1, out=out), n, block, bits)
+    fused = decode_payload(
+        add_encode_payload(own, 0.25, received=received, threads=1, out=out), n, block=block, bits=bits
+    )
     assert np.array_equal(fused.codes, expected.codes)
     assert np.array_equal(fused.mins, expected.mins) and np.array_equal(fused.steps, expected.steps)
     with pytest.raises(ValueError, match="output of"):
-        add_encode_payload(own, 0.25, received, out=bytearray(3))
+        add_encode_payload(own, 0.25, received=received, out=bytearray(3))
     own[n // 2] = np.inf
     with pytest.raises(NonFiniteError):
-        add_encode_payload(own, 0.25, received)
+        add_encode_payload(own, 0.25, received=received)
 
 
 @pytest.mark.parametrize(("bits", "relative"), [(8, 0.01), (4, 0.12)])

@@ -184,6 +184,7 @@ def test_modules_of_a_readable_size() -> None:
     assert code_lines('"""doc\nstring"""\n# a comment\n\nx = 1\n') == 1
 
 
+@pytest.mark.procs
 def test_a_training_nodes_agent_and_the_identity_command_load_no_torch_without_a_gpu(tmp_path: Path) -> None:
     """The agent checks the model and the corpus and counts its ranks, and `p2ptrain identity`
     derives the DHT peer ID, without torch: importing it costs 3 s of CPU and ~300 MB in every

@@ -12,7 +12,7 @@ from p2ptrain.faults import shift_wall_clock
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.swarm.membership import Offered, SwarmView
 from p2ptrain.swarm.records import Heartbeat, NodeState
-from tests.helpers import assert_one_line_error, cli
+from tests.support.helpers import assert_one_line_error, cli
 
 
 class Clock:
@@ -25,7 +25,7 @@ class Clock:
         return self.now
 
 
-def beat(index: int, seq: int, state: NodeState = NodeState.TRAINING, timestamp: float = 0.0) -> Heartbeat:
+def beat(index: int, seq: int, *, state: NodeState = NodeState.TRAINING, timestamp: float = 0.0) -> Heartbeat:
     return Heartbeat(
         run_id="r",
         node_key=bytes([index]) * 32,
@@ -63,12 +63,12 @@ def test_wall_clock_timestamps_do_not_matter() -> None:
 def test_an_older_replica_neither_revives_nor_replaces_the_newest_record() -> None:
     clock = Clock()
     swarm = view(clock)
-    swarm.judge([beat(1, 7, NodeState.READY)])
+    swarm.judge([beat(1, 7, state=NodeState.READY)])
     clock.now += 3.0
-    (seen,) = swarm.judge([beat(1, 6, NodeState.TRAINING)])  # a lagging replica
+    (seen,) = swarm.judge([beat(1, 6, state=NodeState.TRAINING)])  # a lagging replica
     assert (seen.seq, seen.state) == (7, NodeState.READY)
     clock.now += 3.5  # 6.5 s since seq 7 was first seen: the stale replica kept nothing alive
-    assert swarm.judge([beat(1, 6, NodeState.TRAINING)]) == []
+    assert swarm.judge([beat(1, 6, state=NodeState.TRAINING)]) == []
 
 
 def test_a_node_gone_from_the_dht_is_forgotten_and_fresh_when_it_returns() -> None:
@@ -90,6 +90,7 @@ def test_clock_offset_hook_shifts_the_wall_clock_only(monkeypatch: pytest.Monkey
     assert time.monotonic is true_monotonic
 
 
+@pytest.mark.procs
 def test_a_bad_clock_offset_is_one_line() -> None:
     result = cli("config", "show", env={"P2PTRAIN_INJECT_CLOCK_OFFSET": "soon"})
     assert_one_line_error(result, "P2PTRAIN_INJECT_CLOCK_OFFSET='soon'")
@@ -100,10 +101,10 @@ def test_nodes_that_finished_the_run_are_remembered_after_they_left() -> None:
 
     clock = Clock()
     swarm = view(clock)
-    swarm.judge([replace(beat(1, 1, NodeState.FINISHED), outer_step=7), beat(2, 1)])
+    swarm.judge([replace(beat(1, 1, state=NodeState.FINISHED), outer_step=7), beat(2, 1)])
     assert swarm.finished == {bytes([1]) * 32: 7}
-    left = replace(beat(3, 1, NodeState.DEAD), outer_step=7, extra={FINISHED_FIELD: True})
-    crashed = replace(beat(4, 1, NodeState.DEAD), outer_step=9)
+    left = replace(beat(3, 1, state=NodeState.DEAD), outer_step=7, extra={FINISHED_FIELD: True})
+    crashed = replace(beat(4, 1, state=NodeState.DEAD), outer_step=9)
     swarm.judge([left, crashed])
     clock.now += 60.0
     assert swarm.judge([]) == []  # the records are gone; the memory of who finished is not
@@ -147,11 +148,13 @@ def test_a_pushed_record_counts_only_for_a_known_node_and_only_when_newer() -> N
     clock = Clock()
     swarm = view(clock)
     swarm.judge([beat(1, 10), beat(2, 20)])
-    assert swarm.offer(beat(3, 99, NodeState.READY)) is Offered.REFUSED, "a node this view does not know"
-    assert swarm.offer(beat(1, 9, NodeState.READY)) is Offered.HELD, "older than the record known"
-    assert swarm.offer(beat(1, 10, NodeState.READY)) is Offered.HELD, "the same seq: nothing new"
-    assert swarm.offer(replace(beat(1, 11, NodeState.READY), run_id="another run")) is Offered.REFUSED
-    assert swarm.offer(beat(1, 11, NodeState.READY)) is Offered.TAKEN
+    assert swarm.offer(beat(3, 99, state=NodeState.READY)) is Offered.REFUSED, (
+        "a node this view does not know"
+    )
+    assert swarm.offer(beat(1, 9, state=NodeState.READY)) is Offered.HELD, "older than the record known"
+    assert swarm.offer(beat(1, 10, state=NodeState.READY)) is Offered.HELD, "the same seq: nothing new"
+    assert swarm.offer(replace(beat(1, 11, state=NodeState.READY), run_id="another run")) is Offered.REFUSED
+    assert swarm.offer(beat(1, 11, state=NodeState.READY)) is Offered.TAKEN
     clock.now += 5.0
     seen = {b.node_key[0]: b for b in swarm.judge([beat(1, 10), beat(2, 20)])}  # the DHT lags behind
     assert (seen[1].seq, seen[1].state) == (11, NodeState.READY)

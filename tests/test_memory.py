@@ -23,7 +23,7 @@ from p2ptrain.train.memory import (
 from p2ptrain.train.model import Block, rotary_tables, summed_cross_entropy
 from p2ptrain.train.out_of_memory import is_out_of_memory
 from p2ptrain.train.trainer import RankContext, Trainer
-from tests.helpers import assert_one_line_error, cli
+from tests.support.helpers import assert_one_line_error, cli
 
 
 def saved_bytes(config_name: str, seq: int) -> int:
@@ -55,14 +55,14 @@ def test_the_activation_count_is_what_autograd_keeps(config_name: str) -> None:
     assert per_token - rotary_tables_per_token == saved_per_token_layer(model, half=False)
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_micro_batches_give_the_one_batch_update(tmp_path: Path) -> None:
     torch.set_num_threads(1)  # one pytest worker per core: two threads each oversubscribe them
     params: dict[int, tuple[torch.Tensor, list[float]]] = {}
     for micro in (8, 3, 1):  # 3: passes of 3, 3 and 2 sequences
         overrides = ["train.max_steps=2", f"train.micro_batch={micro}", 'checkpoint.staging=""']
         config = load_config("debug", overrides=overrides)
-        trainer = Trainer(config, b"m" * 32, tmp_path / str(micro), RankContext())
+        trainer = Trainer(config, node_key=b"m" * 32, work_dir=tmp_path / str(micro), ctx=RankContext())
         assert trainer.micro_batch == micro
         initial = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
         losses = [trainer.inner_step_once() for _ in range(2)]
@@ -82,7 +82,7 @@ def test_the_chunked_loss_is_the_whole_loss() -> None:
     targets = torch.randint(0, 500, (3, 40), generator=generator)
     results = []
     for chunk in (0, 7, 120):
-        loss = summed_cross_entropy(hidden, weight, targets, chunk)
+        loss = summed_cross_entropy(hidden, weight, targets, chunk=chunk)
         hidden_grad, weight_grad = torch.autograd.grad(loss, (hidden, weight))
         results.append((loss.detach(), hidden_grad, weight_grad))
     for loss, hidden_grad, weight_grad in results[1:]:
@@ -99,8 +99,12 @@ def test_auto_takes_the_fewest_passes_that_fit() -> None:
     assert choose_micro_batch(config, int(needs[5] / SAFETY) + 1) == 4  # 2 passes of 4, not 5 + 3
     assert choose_micro_batch(config, int(needs[3] / SAFETY) + 1) == 3  # 3 + 3 + 2
     assert choose_micro_batch(config, 1 << 20) == 1  # nothing fits: the smallest, and a warning
-    assert choose_micro_batch(config.model_copy(update={"train": config.train.model_copy(
-        update={"micro_batch": 2})}), 1 << 20) == 2  # fmt: skip
+    assert (
+        choose_micro_batch(
+            config.model_copy(update={"train": config.train.model_copy(update={"micro_batch": 2})}), 1 << 20
+        )
+        == 2
+    )
     assert [balanced_micro_batch(32, largest) for largest in (32, 31, 16, 11, 1)] == [32, 16, 16, 11, 1]
 
 
@@ -111,7 +115,7 @@ def test_an_allocator_refusal_counts_as_out_of_memory() -> None:
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_a_rank_that_cannot_allocate_says_it_ran_out_of_memory(tmp_path: Path) -> None:
     # 2^40 × 128 fp32 embedding weights: more than any address space, refused on every machine
     huge = ["--set", "model.vocab_size=1099511627776", "--set", "train.micro_batch=8"]
@@ -154,17 +158,25 @@ def memory_cgroup() -> Iterator[Path]:
                 os.sched_yield()
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_oom_killed_rank_is_said_plainly_and_auto_fits_the_limit(tmp_path: Path, memory_cgroup: Path) -> None:
     inside = ("sh", "-c", f'echo $$ > {memory_cgroup}/cgroup.procs && exec "$@"', "sh")
     # about 0.2 GiB of activations per sequence (a 4096-wide feed-forward over 1024 tokens): 8 in one
     # pass need ~2 GiB, the cgroup has 1.5. A 64-wide model keeps the arithmetic per byte small.
-    shape = ["model.dim=64", "model.n_layers=2", "model.ffn_dim=4096", "model.seq_len=1024",
-             "train.batch_size=8", "train.inner_steps=1", "train.max_steps=1"]  # fmt: skip
+    shape = [
+        "model.dim=64",
+        "model.n_layers=2",
+        "model.ffn_dim=4096",
+        "model.seq_len=1024",
+        "train.batch_size=8",
+        "train.inner_steps=1",
+        "train.max_steps=1",
+    ]
     settings = [item for pair in shape for item in ("--set", pair)]
     base = ["join", "--config", "debug", *settings]
-    killed = cli(*base, "--work-dir", str(tmp_path / "a"), "--set", "train.micro_batch=8",
-                 timeout=120, prefix=inside)  # fmt: skip
+    killed = cli(
+        *base, "--work-dir", str(tmp_path / "a"), "--set", "train.micro_batch=8", timeout=120, prefix=inside
+    )
     said = (
         "rank 0 ran out of memory: the kernel's OOM killer ended it",
         "1.50 GiB is the memory this node may use",

@@ -12,7 +12,7 @@ from p2ptrain.config import CONFIG_DIR, load_config, parameter_count, validate_s
 from p2ptrain.train.model import Transformer
 from p2ptrain.train.optim import lr_factor
 from p2ptrain.train.trainer import RankContext, Trainer
-from tests.helpers import LIGHT_SETTINGS
+from tests.support.helpers import LIGHT_SETTINGS
 
 
 def test_forward_shapes_and_causality() -> None:
@@ -38,9 +38,15 @@ def test_parameter_count_formula_matches_the_model(tied: bool) -> None:
 
 @pytest.mark.parametrize(
     ("name", "low", "high"),
-    [("debug", 0.5e6, 1.5e6), ("20m", 15e6, 30e6), ("150m", 100e6, 200e6), ("1b", 0.9e9, 1.3e9),
-     ("7b", 6e9, 7.5e9), ("10b", 9.5e9, 11e9)],
-)  # fmt: skip
+    [
+        ("debug", 0.5e6, 1.5e6),
+        ("20m", 15e6, 30e6),
+        ("150m", 100e6, 200e6),
+        ("1b", 0.9e9, 1.3e9),
+        ("7b", 6e9, 7.5e9),
+        ("10b", 9.5e9, 11e9),
+    ],
+)
 def test_bundled_configs_have_their_size(name: str, low: float, high: float) -> None:
     config = load_config(CONFIG_DIR / f"{name}.toml")
     validate_shape(config.model)
@@ -70,12 +76,12 @@ def test_schedule_warms_up_then_decays() -> None:
     assert lr_factor(100, 10, 100) == pytest.approx(0.1)
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_loss_decreases_on_the_debug_config(tmp_path: Path) -> None:
     torch.set_num_threads(1)  # one pytest worker per core: two threads each oversubscribe them
     config = load_config("debug", overrides=[*LIGHT_SETTINGS, "train.max_steps=40", 'checkpoint.staging=""'])
-    trainer = Trainer(config, b"n" * 32, tmp_path, RankContext())
-    first, _ = trainer.inner_step_once(), None
+    trainer = Trainer(config, node_key=b"n" * 32, work_dir=tmp_path, ctx=RankContext())
+    first = trainer.inner_step_once()
     trainer.run()
     assert trainer.outer_step == 4
     assert trainer.last_loss < first - 1.0, (first, trainer.last_loss)
@@ -85,7 +91,7 @@ def test_time_box_ends_the_inner_phase_early(tmp_path: Path) -> None:
     config = load_config(
         "debug", overrides=["train.inner_steps=1000", "train.max_steps=1000", "train.time_box=0.3"]
     )
-    trainer = Trainer(config, b"t" * 32, tmp_path, RankContext())
+    trainer = Trainer(config, node_key=b"t" * 32, work_dir=tmp_path, ctx=RankContext())
     tokens, _ = trainer.inner_phase()
     steps = tokens // trainer.tokens_per_step
     assert 1 <= steps < 1000 and steps == trainer.inner_step

@@ -11,10 +11,9 @@ from collections.abc import Iterator
 import pytest
 
 from p2ptrain.identity import load_or_create_identity
-from tests.helpers import LocalSwarm, data_port, wait_until
-from tests.netlab import NetLab, leftover_namespaces, missing
-from tests.test_drill import assert_agreement, drill_args, drill_log, finish
-from tests.test_train_node import outer_records
+from tests.support.drills import assert_agreement, drill_args, drill_log, finish
+from tests.support.helpers import LocalSwarm, data_port, outer_records, wait_until
+from tests.support.netlab import NetLab, leftover_namespaces, missing
 
 ANYWHERE = "/ip4/0.0.0.0/tcp/0"
 
@@ -35,17 +34,23 @@ def lab() -> Iterator[NetLab]:
 
 
 def start_drill_swarm(
-    lab: NetLab, swarm: LocalSwarm, steps: int, homes: int, public: int = 2, bootstrap: tuple[str, ...] = ()
+    lab: NetLab,
+    swarm: LocalSwarm,
+    *,
+    steps: int,
+    homes: int,
+    public: int = 2,
+    bootstrap: tuple[str, ...] = (),
 ) -> list[str]:
     """A bootstrap peer (with `bootstrap` flags) and `public` drill nodes in the public network,
     `homes` behind NAT."""
     swarm.start_bootstrap(
         listen=f"/ip4/{lab.public_ip}/tcp/0", prefix=lab.run_in(lab.public), extra=bootstrap
     )
-    return start_drill_nodes(lab, swarm, steps, homes, public)
+    return start_drill_nodes(lab, swarm, steps=steps, homes=homes, public=public)
 
 
-def start_drill_nodes(lab: NetLab, swarm: LocalSwarm, steps: int, homes: int, public: int) -> list[str]:
+def start_drill_nodes(lab: NetLab, swarm: LocalSwarm, *, steps: int, homes: int, public: int) -> list[str]:
     nodes = public + homes
     drill = [*drill_args(steps, nodes), "--size", "50000"]
     placed = [(f"node{index}", lab.public) for index in range(public)]
@@ -55,7 +60,7 @@ def start_drill_nodes(lab: NetLab, swarm: LocalSwarm, steps: int, homes: int, pu
     return [name for name, _ in placed]
 
 
-def flood_relays(lab: NetLab, swarm: LocalSwarm, key: str, port: str, from_step: int = 0) -> None:
+def flood_relays(lab: NetLab, swarm: LocalSwarm, *, key: str, port: str, from_step: int = 0) -> None:
     """A stranger in the public network asking the relay at `port` (whose key is `key`) to relay
     edges, 300 connections at a time, each request validly signed by a fresh key; from the relay's
     outer step `from_step` on."""
@@ -64,8 +69,8 @@ def flood_relays(lab: NetLab, swarm: LocalSwarm, key: str, port: str, from_step:
     flood += ["--target", f"{lab.public_ip}:{port}"]
     swarm.children.spawn(
         "flooder",
-        [*lab.run_in(lab.public), sys.executable, "-m", "tests.flooder", *flood],
-        swarm.root / "flooder.log",
+        [*lab.run_in(lab.public), sys.executable, "-m", "tests.support.flooder", *flood],
+        log_path=swarm.root / "flooder.log",
     )
 
 
@@ -81,7 +86,7 @@ def test_volunteers_behind_nat_are_members_of_every_drill_step(lab: NetLab, swar
     keeps them apart. Every step has every member. The public nodes announce the address the
     others see (not 127.0.0.1), and status shows who is where."""
     homes = 2
-    names = start_drill_swarm(lab, swarm, 1000, homes=homes)
+    names = start_drill_swarm(lab, swarm, steps=1000, homes=homes)
 
     # nobody can dial their DHT peers either: they go on as DHT clients, publishing through the
     # others. The switch runs beside the steps and takes seconds (a DHT starts), so the drill runs
@@ -118,10 +123,10 @@ def test_two_volunteers_behind_nat_reach_each_other_through_a_relay_even_under_a
     has): each request is refused or waits bounded in the strangers' share. Every step has all
     three members and one hash, and the relay counts the bytes it relayed."""
     steps = 8
-    names = start_drill_swarm(lab, swarm, steps, homes=2, public=1)
+    names = start_drill_swarm(lab, swarm, steps=steps, homes=2, public=1)
     port = data_port(swarm, "node0", timeout=60)
     relay = load_or_create_identity(swarm.root / "node0").public_key.hex()
-    flood_relays(lab, swarm, relay, str(port), from_step=1)  # started now: its imports take seconds
+    flood_relays(lab, swarm, key=relay, port=str(port), from_step=1)  # started now: its imports take seconds
     logs = finish(swarm, names)
     assert all(len(log) == steps for log in logs.values()), {name: len(log) for name, log in logs.items()}
     assert_agreement(logs, range(steps))
@@ -147,8 +152,8 @@ def test_with_no_public_member_the_bootstrap_peer_relays_and_probes(lab: NetLab,
     wait_until(lambda: announced.search(swarm.log("bootstrap")) is not None, 30, what="the relay's line")
     found = announced.search(swarm.log("bootstrap"))
     assert found is not None
-    flood_relays(lab, swarm, found.group(2), found.group(1))
-    names = start_drill_nodes(lab, swarm, steps, homes=2, public=0)
+    flood_relays(lab, swarm, key=found.group(2), port=found.group(1))
+    names = start_drill_nodes(lab, swarm, steps=steps, homes=2, public=0)
     logs = finish(swarm, names)
     assert all(len(log) == steps for log in logs.values()), {name: len(log) for name, log in logs.items()}
     assert_agreement(logs, range(steps))

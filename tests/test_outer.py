@@ -42,7 +42,7 @@ def test_pseudo_gradient_and_plain_momentum() -> None:
     torch.testing.assert_close(delta, torch.tensor([0.25, -0.5]))
     outer.step(delta)  # without Nesterov, θ moves by lr·m: back to the inner params on the first step
     torch.testing.assert_close(outer.params, torch.tensor([0.75, 1.5]))
-    assert outer.params_hash() != OuterNesterov(torch.tensor([1.0, 1.0]), 1.0, 0.5).params_hash()
+    assert outer.params_hash() != OuterNesterov(torch.tensor([1.0, 1.0]), lr=1.0, momentum=0.5).params_hash()
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])

@@ -8,6 +8,8 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
+
 from p2ptrain.comm.net.record_push import MAX_PUSHED_RECORD, RECORD_KIND, RecordPusher, push_record
 from p2ptrain.comm.net.server import DataPlaneServer
 from p2ptrain.comm.transport.wire import encode_frame
@@ -52,7 +54,7 @@ def test_a_pushed_record_reaches_the_server_whole_and_nothing_else_does(tmp_path
         server, received = await started(tmp_path)
         try:
             record = bytes(range(256)) * 8
-            assert await push_record(*server.address, record, timeout=2.0)
+            assert await push_record(*server.address, record=record, timeout=2.0)
             # an oversized one, a record frame without its body, and one that came through a relay
             too_big = ({"kind": RECORD_KIND}, b""), ({"kind": "body"}, b"x" * (MAX_PUSHED_RECORD + 1))
             assert await send_raw(server.address, *too_big) == b""
@@ -123,13 +125,16 @@ def test_a_push_says_whether_the_receiver_holds_the_record_and_a_silent_one_does
     asyncio.run(main())
 
 
+@pytest.mark.procs
 def test_a_record_pushed_during_a_dht_read_ends_the_elections_wait_for_that_read(tmp_path: Path) -> None:
     """ElectionReads: the election's look at the records waits for a DHT read (0.6 s at 16 nodes
     on 2 cores) unless a record pushed meanwhile brings the news first. Here the DHT child is
     stopped (SIGSTOP), so the read cannot end; the push still does."""
 
     async def main(dht: SwarmDHT, child: int) -> None:
-        publisher = HeartbeatPublisher(dht, load_or_create_identity(tmp_path / "peer"), "run", ttl=60.0)
+        publisher = HeartbeatPublisher(
+            dht, load_or_create_identity(tmp_path / "peer"), run_id="run", ttl=60.0
+        )
         assert await publisher.publish(state=NodeState.TRAINING, outer_step=3)
         server, _ = await started(tmp_path)
         reads = ElectionReads(SwarmView(dht, "run", timeout=6.0), "", server)
@@ -143,7 +148,7 @@ def test_a_record_pushed_during_a_dht_read_ends_the_elections_wait_for_that_read
                 await asyncio.sleep(0.2)
                 assert not look.done()
                 ready = publisher.advance(state=NodeState.READY, outer_step=3)
-                assert await push_record(*server.address, ready, timeout=2.0)
+                assert await push_record(*server.address, record=ready, timeout=2.0)
                 beats = await asyncio.wait_for(look, 2.0)
                 assert [(beat.state, beat.outer_step) for beat in beats] == [(NodeState.READY, 3)]
             finally:

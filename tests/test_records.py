@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +24,8 @@ from p2ptrain.swarm.records import (
     heartbeat_key,
 )
 from p2ptrain.swarm.validator import HeartbeatValidator, key_id
+from tests.support.records import RUN, SOON
 
-RUN = "test-run"
 Identities = tuple[NodeIdentity, NodeIdentity]
 
 
@@ -34,10 +33,6 @@ Identities = tuple[NodeIdentity, NodeIdentity]
 def identities(tmp_path_factory: pytest.TempPathFactory) -> Identities:
     root = tmp_path_factory.mktemp("ids")
     return load_or_create_identity(root / "a"), load_or_create_identity(root / "b")
-
-
-SOON = time.time() + 600
-"""An expiration every validator accepts (records may not expire years ahead)."""
 
 
 def beat(identity: NodeIdentity, seq: int = 1, expiration: float = SOON, **changes: Any) -> Heartbeat:
@@ -53,7 +48,7 @@ def beat(identity: NodeIdentity, seq: int = 1, expiration: float = SOON, **chang
     return Heartbeat(**fields)
 
 
-def as_record(value: bytes, subkey: bytes, expiration: float = SOON, run: str = RUN) -> DHTRecord:
+def as_record(value: bytes, subkey: bytes, *, expiration: float = SOON, run: str = RUN) -> DHTRecord:
     """The record as hivemind hands it to validators: msgpack-serialized value and subkey."""
     return DHTRecord(key_id(heartbeat_key(run)), msgpack.packb(subkey), msgpack.packb(value), expiration)
 

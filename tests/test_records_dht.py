@@ -12,7 +12,7 @@ from hivemind.utils import get_dht_time
 from p2ptrain.identity import load_or_create_identity
 from p2ptrain.swarm.dht import DHTSettings, SwarmDHT
 from p2ptrain.swarm.records import Heartbeat, NodeState, heartbeat_key
-from tests.helpers import LocalSwarm
+from tests.support.helpers import LocalSwarm
 
 RUN = "p2ptrain-debug"
 
@@ -26,22 +26,29 @@ def test_the_bootstrap_peer_refuses_bad_records(swarm: LocalSwarm, tmp_path: Pat
     async def scenario(dht: SwarmDHT) -> tuple[dict[str, bool], bytes]:
         key = heartbeat_key(RUN)
         expiration = get_dht_time() + 30
-        good = Heartbeat(RUN, honest.public_key, 100, 1.0, expiration, NodeState.IDLE)
+        good = Heartbeat(
+            run_id=RUN,
+            node_key=honest.public_key,
+            seq=100,
+            timestamp=1.0,
+            expiration=expiration,
+            state=NodeState.IDLE,
+        )
         version, body, signature = msgpack.unpackb(good.sign(honest))
         fields = msgpack.unpackb(body)
         fields["tokens"] = 999
         tampered = msgpack.packb([version, msgpack.packb(fields), signature])
         forged = replace(good, node_key=other.public_key).sign(other)  # b's record under a's subkey
         results = {
-            "good": await dht.store(key, honest.public_key, good.sign(honest), expiration),
-            "tampered": await dht.store(key, honest.public_key, tampered, expiration),
-            "forged": await dht.store(key, honest.public_key, forged, expiration),
-            "unsigned": await dht.store(key, honest.public_key, b"hello", expiration),
+            "good": await dht.store(key, honest.public_key, value=good.sign(honest), expiration=expiration),
+            "tampered": await dht.store(key, honest.public_key, value=tampered, expiration=expiration),
+            "forged": await dht.store(key, honest.public_key, value=forged, expiration=expiration),
+            "unsigned": await dht.store(key, honest.public_key, value=b"hello", expiration=expiration),
             "replayed": await dht.store(
                 key,
                 honest.public_key,
-                replace(good, seq=99, expiration=expiration + 1).sign(honest),
-                expiration + 1,
+                value=replace(good, seq=99, expiration=expiration + 1).sign(honest),
+                expiration=expiration + 1,
             ),
         }
         return results, good.sign(honest)
@@ -77,13 +84,29 @@ def test_the_bootstrap_peer_keeps_junk_and_far_expirations_out_of_a_runs_key(
 
     async def scenario(dht: SwarmDHT) -> dict[str, bool]:
         key, now = heartbeat_key(run), get_dht_time()
-        good = Heartbeat(run, honest.public_key, 100, 1.0, now + 30, NodeState.IDLE)
-        decade = Heartbeat(run, stranger.public_key, 100, 1.0, now + 10 * 365 * 86400, NodeState.IDLE)
+        good = Heartbeat(
+            run_id=run,
+            node_key=honest.public_key,
+            seq=100,
+            timestamp=1.0,
+            expiration=now + 30,
+            state=NodeState.IDLE,
+        )
+        decade = Heartbeat(
+            run_id=run,
+            node_key=stranger.public_key,
+            seq=100,
+            timestamp=1.0,
+            expiration=now + 10 * 365 * 86400,
+            state=NodeState.IDLE,
+        )
         return {
-            "good": await dht.store(key, honest.public_key, good.sign(honest), now + 30),
-            "junk": await dht.store(key, b"junk", b"\x00" * 512, now + 30),
-            "decade": await dht.store(key, stranger.public_key, decade.sign(stranger), decade.expiration),
-            "elsewhere": await dht.store("some/other/key", b"x", b"\x00" * 512, now + 30),
+            "good": await dht.store(key, honest.public_key, value=good.sign(honest), expiration=now + 30),
+            "junk": await dht.store(key, b"junk", value=b"\x00" * 512, expiration=now + 30),
+            "decade": await dht.store(
+                key, stranger.public_key, value=decade.sign(stranger), expiration=decade.expiration
+            ),
+            "elsewhere": await dht.store("some/other/key", b"x", value=b"\x00" * 512, expiration=now + 30),
         }
 
     async def read(dht: SwarmDHT) -> set[bytes]:

@@ -19,7 +19,7 @@ from p2ptrain.comm.transport.wire import WireError, read_frame, write_frame
 from p2ptrain.config import CommConfig
 from p2ptrain.identity import NodeIdentity, load_or_create_identity
 from p2ptrain.rate import RateCap
-from tests.test_ring_bad_peer import discard, settle
+from tests.support.helpers import discard, settle
 
 STEP = 7
 
@@ -29,7 +29,7 @@ class Swarm:
     other public members first, then two behind NAT (listed at a port nobody listens on)."""
 
     def __init__(
-        self, root: Path, reachable: int = 0, setup_timeout: float = 2.0, relay_mbps: float = 100.0
+        self, root: Path, reachable: int = 0, *, setup_timeout: float = 2.0, relay_mbps: float = 100.0
     ) -> None:
         names = ["relay", *(f"public{i}" for i in range(reachable)), "home0", "home1"]
         self.ids = {name: load_or_create_identity(root / name) for name in names}
@@ -44,14 +44,20 @@ class Swarm:
         host, port = await self.server.start("127.0.0.1", 0)
         self.members = [
             Member(
-                identity.public_key, host, port if name == "relay" else 1, 1.0, not name.startswith("home")
+                key=identity.public_key,
+                host=host,
+                port=port if name == "relay" else 1,
+                weight=1.0,
+                reachable=not name.startswith("home"),
             )
             for name, identity in self.ids.items()
         ]
         homes = self.ids["home0"].public_key, self.ids["home1"].public_key
         # a step at which the edge home0 → home1 is ours to relay (with public members, not every one)
         self.step = next(
-            s for s in range(STEP, STEP + 100) if relay_for(s, self.members, *homes) == self.members[0]
+            s
+            for s in range(STEP, STEP + 100)
+            if relay_for(s, self.members, sender=homes[0], receiver=homes[1]) == self.members[0]
         )
         self.server.relay.allow(self.step, self.digest, self.members)
         return self
@@ -62,10 +68,19 @@ class Swarm:
 
     def request(self, role: str, sender: str = "home0", receiver: str = "home1") -> RelayRequest:
         key = {name: identity.public_key for name, identity in self.ids.items()}
-        return RelayRequest(self.step, 0, self.digest, key[sender], key[receiver], 0, role, key["relay"])  # type: ignore[arg-type]
+        return RelayRequest(
+            step=self.step,
+            attempt=0,
+            digest=self.digest,
+            sender=key[sender],
+            receiver=key[receiver],
+            lane=0,
+            role=role,  # type: ignore[arg-type]
+            relay=key["relay"],
+        )
 
     async def ask(self, identity: NodeIdentity, request: RelayRequest) -> tuple:
-        return await open_relayed(identity, self.members[0], request, 5.0)
+        return await open_relayed(identity, self.members[0], request=request, timeout=5.0)
 
 
 def test_a_relay_splices_the_two_ends_of_an_edge_and_counts_what_it_copies(tmp_path: Path) -> None:
@@ -144,7 +159,8 @@ def test_a_relay_request_that_does_not_hold_is_refused_with_its_reason(
                 step = next(
                     step
                     for step in range(swarm.step + 1, swarm.step + 100)
-                    if relay_for(step, swarm.members, request.sender, request.receiver) != swarm.members[0]
+                    if relay_for(step, swarm.members, sender=request.sender, receiver=request.receiver)
+                    != swarm.members[0]
                 )
                 digest = membership_digest(step, swarm.members)
                 swarm.server.relay.allow(step, digest, swarm.members)
@@ -250,13 +266,20 @@ def test_what_a_relay_copies_is_capped(tmp_path: Path) -> None:
 
 def test_an_edges_relay_is_one_reachable_member_that_every_member_computes_alike() -> None:
     keys = [bytes([i]) * 32 for i in range(8)]
-    members = [Member(key, "10.0.0.1", 7000 + i, 1.0, i < 3) for i, key in enumerate(keys)]
-    chosen = {relay_for(step, members, keys[5], keys[6]) for step in range(60)}
+    members = [
+        Member(key=key, host="10.0.0.1", port=7000 + i, weight=1.0, reachable=i < 3)
+        for i, key in enumerate(keys)
+    ]
+    chosen = {relay_for(step, members, sender=keys[5], receiver=keys[6]) for step in range(60)}
     assert chosen <= set(members[:3]) and len(chosen) == 3  # spread over the reachable members
-    assert relay_for(3, members[::-1], keys[5], keys[6]) == relay_for(3, members, keys[5], keys[6])
-    assert relay_for(3, members[3:], keys[5], keys[6]) is None
+    assert relay_for(3, members[::-1], sender=keys[5], receiver=keys[6]) == relay_for(
+        3, members, sender=keys[5], receiver=keys[6]
+    )
+    assert relay_for(3, members[3:], sender=keys[5], receiver=keys[6]) is None
     with pytest.raises(WireError, match="none can relay"):
-        route(3, 0, bytes(32), members[3:], keys[5], keys[6], 0, "send")
+        route(
+            3, 0, digest=bytes(32), members=members[3:], sender=keys[5], receiver=keys[6], lane=0, role="send"
+        )
 
 
 def test_one_member_cannot_fill_the_relays_waiting_room(tmp_path: Path) -> None:
@@ -294,9 +317,11 @@ def test_a_learned_attempt_number_moves_ours_a_bounded_step_at_a_time(tmp_path: 
     async def main() -> None:
         server = DataPlaneServer(identity=load_or_create_identity(tmp_path / "n"), comm=CommConfig())
         server.learn_attempt(3, 2**31 - 1)
-        assert server.expect(3, (), bytes(32)).attempt == MAX_ATTEMPT_JUMP
+        assert server.expect(3, (), digest=bytes(32)).attempt == MAX_ATTEMPT_JUMP
         server.forget(3)
         server.learn_attempt(3, 2**31 - 1)
-        assert server.expect(3, (), bytes(32)).attempt == 2 * MAX_ATTEMPT_JUMP + 1  # one past, then 8 on
+        assert (
+            server.expect(3, (), digest=bytes(32)).attempt == 2 * MAX_ATTEMPT_JUMP + 1
+        )  # one past, then 8 on
 
     asyncio.run(main())

@@ -14,25 +14,12 @@ from p2ptrain.comm.net.members import shares
 from p2ptrain.comm.reduce.schedule import Schedule, segment_bounds
 from p2ptrain.config import CommConfig, Topology
 from p2ptrain.swarm.election import ring_order
-from tests.ring_procs import Outcome, run_ring
+from tests.support.ring_procs import BUDGET, Outcome, relative_error, run_ring, shares_of, weighted_mean
 
 # Relative L2 error of the mean of independent N(0,1) vectors, block 256. The ring re-encodes a growing
 # partial sum at every hop (0.8 % at 2 members, 0.9 % at 3, 1.1 % at 5); the butterfly encodes each
 # contribution once (about 0.9 % at any size). "auto" takes the ring up to 3 members.
-BUDGET = 0.01
 RING_AT_5 = 0.012
-
-
-def weighted_mean(inputs: list[np.ndarray], weights: list[float]) -> np.ndarray:
-    fractions = shares_of(weights)
-    mean = sum(f * x.astype(np.float64) for f, x in zip(fractions, inputs, strict=True))
-    assert isinstance(mean, np.ndarray), "no inputs"
-    return mean
-
-
-def shares_of(weights: list[float]) -> list[float]:
-    total = sum(weights)
-    return [w / total for w in weights] if total else [1 / len(weights)] * len(weights)
 
 
 def link_rates(outcome: Outcome) -> dict[int, float]:
@@ -41,10 +28,7 @@ def link_rates(outcome: Outcome) -> dict[int, float]:
     return outcome.link_rates
 
 
-def relative_error(result: np.ndarray, exact: np.ndarray) -> float:
-    return float(np.linalg.norm(result - exact) / np.linalg.norm(exact))
-
-
+@pytest.mark.procs
 @pytest.mark.parametrize(
     ("n", "topology", "bound"),
     [
@@ -68,6 +52,7 @@ def test_weighted_mean_is_bit_identical_on_every_member(
     assert relative_error(first, weighted_mean(inputs, weights)) <= bound
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize(("n", "topology"), [(3, "ring"), (4, "butterfly")])
 def test_four_bit_codes_give_one_result_on_every_member_in_about_half_the_bytes(
     tmp_path: Path, n: int, topology: Topology
@@ -89,6 +74,7 @@ def test_four_bit_codes_give_one_result_on_every_member_in_about_half_the_bytes(
         CommConfig(bits=4, quant_block=255)
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize(("n", "topology", "connections"), [(3, "ring", 2), (5, "butterfly", 3)])
 def test_parallel_connections_per_peer(tmp_path: Path, n: int, topology: Topology, connections: int) -> None:
     """Chunks take the lanes in turn; more lanes than some segments have chunks leaves lanes idle."""
@@ -103,6 +89,7 @@ def test_parallel_connections_per_peer(tmp_path: Path, n: int, topology: Topolog
         CommConfig(connections=0)
 
 
+@pytest.mark.procs
 def test_zero_weight_member_and_uneven_sizes(tmp_path: Path) -> None:
     weights = [3.0, 0.0, 1.0]
     # 1013 values: not divisible by 3 members, by the 256-value block, nor by the chunk
@@ -115,6 +102,7 @@ def test_zero_weight_member_and_uneven_sizes(tmp_path: Path) -> None:
     assert all(np.array_equal(results[0], other) for other in results.values())
 
 
+@pytest.mark.procs
 def test_outliers_do_not_wreck_the_rest(tmp_path: Path) -> None:
     """Values at 100 sigma cost resolution in their own 256-value block only."""
     _, results, inputs = run_ring(tmp_path, 3, 100_000, outlier=True)
@@ -130,6 +118,7 @@ def test_outliers_do_not_wreck_the_rest(tmp_path: Path) -> None:
     assert np.allclose(results[2][outliers], exact[outliers], rtol=0.01)
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("topology", ["ring", "butterfly"])
 def test_zstd_on_the_wire(tmp_path: Path, topology: Topology) -> None:
     _outcomes, results, inputs = run_ring(
@@ -139,6 +128,7 @@ def test_zstd_on_the_wire(tmp_path: Path, topology: Topology) -> None:
     assert relative_error(results[0], weighted_mean(inputs, [1.0] * 3)) <= 0.01
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize(
     ("n", "topology", "connections"), [(3, "ring", 1), (5, "ring", 1), (5, "butterfly", 1), (3, "ring", 3)]
 )
@@ -156,6 +146,7 @@ def test_member_killed_mid_reduce_fails_every_survivor_quickly(
     assert last - first < 5.0, "survivors must fail within the bound of each other"
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize(("n", "topology"), [(3, "ring"), (4, "ring"), (5, "butterfly")])
 def test_a_member_killed_once_it_holds_every_frame_leaves_no_survivor_with_the_result(
     tmp_path: Path, n: int, topology: Topology
@@ -175,6 +166,7 @@ def test_a_member_killed_once_it_holds_every_frame_leaves_no_survivor_with_the_r
     assert results == {}
 
 
+@pytest.mark.procs
 def test_two_accomplices_cannot_have_honest_members_take_a_result_another_lacks(tmp_path: Path) -> None:
     """Member 1 withholds the chunks of its last all-gather round from member 2, so member 2 alone
     lacks part of the result; member 3 forwards member 4 a set naming every member. Unsigned, the
@@ -191,6 +183,7 @@ def test_two_accomplices_cannot_have_honest_members_take_a_result_another_lacks(
     assert "forged set" in outcomes[4].error, outcomes[4]
 
 
+@pytest.mark.procs
 def test_a_member_whose_link_is_slow_is_waited_for_in_the_barrier(tmp_path: Path) -> None:
     """Member 1 reads a frame every 300 ms (a slow link into it), each well within
     failure_timeout: its successor holds every frame a whole segment earlier than it. A barrier
@@ -202,6 +195,7 @@ def test_a_member_whose_link_is_slow_is_waited_for_in_the_barrier(tmp_path: Path
     assert len(results) == 3
 
 
+@pytest.mark.procs
 def test_a_member_that_freezes_before_its_barrier_is_not_waited_for_the_whole_bound(tmp_path: Path) -> None:
     """Member 1 stops (SIGSTOP: a frozen machine, or one whose link died without a reset) once all
     its data frames are in and out, before it sends its set. Its successor waited for it as long as
@@ -219,6 +213,7 @@ def test_a_member_that_freezes_before_its_barrier_is_not_waited_for_the_whole_bo
     assert max(outcome.seconds for outcome in outcomes.values()) < bound / 4, (bound, outcomes)
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("n", [3, 5])
 def test_a_member_gone_before_it_connects_is_not_waited_for(tmp_path: Path, n: int) -> None:
     """Elected, then killed before its lanes reach us: its port refuses, so the survivors fail the
@@ -238,6 +233,7 @@ def test_a_member_gone_before_it_connects_is_not_waited_for(tmp_path: Path, n: i
     assert dialed_the_dead or any(word in o.error for o in outcomes.values() for word in gone), outcomes
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize(
     ("n", "topology", "connections", "behind_nat"),
     [
@@ -274,6 +270,7 @@ def test_members_behind_nat_dial_out_and_the_result_is_the_same(
     assert sum(relayed.values()) >= relayed_edges * 20_000 // n // 4, relayed
 
 
+@pytest.mark.procs
 def test_stalled_member_times_out(tmp_path: Path) -> None:
     comm = CommConfig(chunk_bytes=1 << 14, failure_timeout=1.5)
     started = time.time()
@@ -283,6 +280,7 @@ def test_stalled_member_times_out(tmp_path: Path) -> None:
     assert max(o.failed_at for o in outcomes.values()) - started < 30
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize(("n", "fault"), [(3, "nan"), (3, "inf"), (1, "nan"), (1, "inf")])
 def test_nan_contribution_is_never_sent(tmp_path: Path, n: int, fault: str) -> None:
     """NaN or Inf in our own vector fails the step here, whether others are there to receive it or not
@@ -314,7 +312,7 @@ def test_shares_and_segments() -> None:
         shares([type("M", (), {"weight": -1.0})()])
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_a_slow_link_is_measured_and_fast_links_are_not(tmp_path: Path) -> None:
     """Member 2 reads one 256 KiB frame per 30 ms at most, so member 1's link to it runs below
     8.7 MB/s; the links 0 → 1 and 2 → 0 keep up, limited only by the CPU (90 MB/s or more on an idle
@@ -340,6 +338,7 @@ def test_a_slow_link_is_measured_and_fast_links_are_not(tmp_path: Path) -> None:
     assert (keys[1], keys[2]) not in {(order[i], order[(i + 1) % 3]) for i in range(3)}
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("n", [3, 5])
 def test_members_retrying_at_once_after_a_stale_view_converge(tmp_path: Path, n: int) -> None:
     """One member first elects another order (its view lags); all retry without pause, as OuterSync
@@ -355,7 +354,7 @@ def test_members_retrying_at_once_after_a_stale_view_converge(tmp_path: Path, n:
     assert max(outcome.attempts for outcome in outcomes.values()) <= 3, outcomes
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_robust_aggregation_clips_a_poisoner_and_leaves_honest_members_alone(tmp_path: Path) -> None:
     """4 members, butterfly with comm.clip = 2; member 3 sends 100 × its vector. Unclipped, the
     mean would be ~50× off; clipped, member 3 counts as at most two typical members."""

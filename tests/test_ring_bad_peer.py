@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,9 +24,9 @@ from p2ptrain.comm.transport.wire import MAGIC, PREFIX, VERSION, encode_frame, e
 from p2ptrain.config import CommConfig
 from p2ptrain.identity import load_or_create_identity
 from p2ptrain.procs import ChildProcesses, free_port
-from tests.flooder import hello
-from tests.helpers import read_address
-from tests.ring_procs import run_ring
+from tests.support.flooder import hello
+from tests.support.helpers import discard, read_address, settle
+from tests.support.ring_procs import run_ring
 
 LENGTH = 1000
 STEP = 4
@@ -101,12 +100,15 @@ def test_bad_frame_from_an_authenticated_peer(
         comm = CommConfig(failure_timeout=2.0, topology="ring")
         honest = DataPlaneServer(identity=honest_id, comm=comm, setup_timeout=10.0)
         bad = DataPlaneServer(identity=bad_id, comm=comm, setup_timeout=10.0)
+        (honest_host, honest_port), (bad_host, bad_port) = await honest.start(), await bad.start()
         members = [
-            Member(honest_id.public_key, *await honest.start()),
-            Member(bad_id.public_key, *await bad.start()),
+            Member(key=honest_id.public_key, host=honest_host, port=honest_port),
+            Member(key=bad_id.public_key, host=bad_host, port=bad_port),
         ]
         digest = membership_digest(STEP, members)
-        bad.expect(STEP, [honest_id.public_key], digest)  # accept the honest member's dial, then ignore it
+        bad.expect(
+            STEP, [honest_id.public_key], digest=digest
+        )  # accept the honest member's dial, then ignore it
 
         async def misbehave() -> None:
             _, writer, session = await dial_member(
@@ -142,25 +144,6 @@ async def idle_connections(
     port: int, source: str, count: int
 ) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
     return [await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0)) for _ in range(count)]
-
-
-async def settle(condition: Callable[[], bool], what: str, seconds: float = 15.0) -> None:
-    """Until the server has taken the connections in (bounded: a busy machine takes its time)."""
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(what)
-        await asyncio.sleep(0.01)
-
-
-async def discard(*tasks: asyncio.Task) -> None:
-    """Cancel tasks and retrieve what they ended with. A task that failed before its cancel and was
-    never awaited logs "Task exception was never retrieved" whenever the garbage collector finds it;
-    under Python 3.11 that log's traceback formatting parses source with `ast`, and inside another
-    `ast` parse (np.load's header, seen in a later test of the same worker) it raised SystemError."""
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def test_one_source_holds_at_most_its_share_of_pending_handshakes(tmp_path: Path) -> None:
@@ -204,11 +187,11 @@ def test_a_member_gets_through_a_full_pool_of_idle_connections(tmp_path: Path) -
         ]
         await settle(lambda: server.pending_handshakes == MAX_PENDING_HANDSHAKES, "a full pool")
         assert server.pending.evicted >= MAX_PENDING_PER_SOURCE
-        listener = Member(listener_id.public_key, host, port)
-        members = [listener, Member(member_id.public_key, "127.0.0.1", 1)]
+        listener = Member(key=listener_id.public_key, host=host, port=port)
+        members = [listener, Member(key=member_id.public_key, host="127.0.0.1", port=1)]
         digest = membership_digest(STEP, members)
         server.at_step(STEP)
-        registration = server.expect(STEP, [member_id.public_key], digest)
+        registration = server.expect(STEP, [member_id.public_key], digest=digest)
         _, writer, _ = await dial_member(
             member_id, listener, step=STEP, digest=digest, setup_timeout=5.0, failure_timeout=5.0
         )
@@ -226,7 +209,7 @@ def test_a_member_gets_through_a_full_pool_of_idle_connections(tmp_path: Path) -
 
 
 @pytest.mark.parametrize(("offset", "phase"), [(2_000, "reduce-scatter"), (200_000, "all-gather")])
-@pytest.mark.slow
+@pytest.mark.procs
 def test_a_bit_flipped_on_the_path_fails_the_step_for_every_member(
     tmp_path: Path, offset: int, phase: str
 ) -> None:
@@ -239,8 +222,16 @@ def test_a_bit_flipped_on_the_path_fails_the_step_for_every_member(
 
     def through_proxy(host: str, port: int) -> tuple[str, int]:
         address_file = tmp_path / "proxy.port"
-        argv = [sys.executable, "-m", "tests.proxy", "--target", f"{host}:{port}", "--flip-at", str(offset)]
-        children.spawn("proxy", [*argv, "--address-file", str(address_file)], tmp_path / "proxy.log")
+        argv = [
+            sys.executable,
+            "-m",
+            "tests.support.proxy",
+            "--target",
+            f"{host}:{port}",
+            "--flip-at",
+            str(offset),
+        ]
+        children.spawn("proxy", [*argv, "--address-file", str(address_file)], log_path=tmp_path / "proxy.log")
         return "127.0.0.1", int(read_address(address_file))
 
     comm = CommConfig(chunk_bytes=1 << 16, topology="ring", failure_timeout=3.0)
@@ -264,9 +255,10 @@ def test_strangers_proving_keys_for_a_step_do_not_hide_a_member_whose_views_diff
         server = DataPlaneServer(
             identity=ours, comm=CommConfig(failure_timeout=2.0, topology="ring"), setup_timeout=3.0
         )
+        host, port = await server.start()
         members = [
-            Member(ours.public_key, *await server.start()),
-            Member(member.public_key, "127.0.0.1", free_port(), reachable=False),  # it dials us
+            Member(key=ours.public_key, host=host, port=port),
+            Member(key=member.public_key, host="127.0.0.1", port=free_port(), reachable=False),  # it dials us
         ]
         server.at_step(STEP)
         reduce = asyncio.create_task(
@@ -276,11 +268,27 @@ def test_strangers_proving_keys_for_a_step_do_not_hide_a_member_whose_views_diff
             stranger = load_or_create_identity(tmp_path / f"stranger{index}")
             reader, writer = await asyncio.open_connection(*server.address)
             with pytest.raises(HandshakeError):
-                await dial(reader, writer, stranger, ours.public_key, STEP, bytes(32), 2.0)
+                await dial(
+                    reader,
+                    writer,
+                    identity=stranger,
+                    expected_peer=ours.public_key,
+                    step=STEP,
+                    digest=bytes(32),
+                    timeout=2.0,
+                )
             writer.close()
         reader, writer = await asyncio.open_connection(*server.address)
         with pytest.raises(HandshakeError, match=r"views differ|membership"):
-            await dial(reader, writer, member, ours.public_key, STEP, bytes(32), 2.0)
+            await dial(
+                reader,
+                writer,
+                identity=member,
+                expected_peer=ours.public_key,
+                step=STEP,
+                digest=bytes(32),
+                timeout=2.0,
+            )
         writer.close()
         try:
             with pytest.raises(AllReduceError) as failed:
@@ -305,10 +313,12 @@ def test_hellos_for_a_step_under_way_hold_their_sources_share_until_they_prove_a
             identity=listener_id, comm=CommConfig(failure_timeout=5.0), setup_timeout=5.0
         )
         host, port = await server.start()
-        listener = Member(listener_id.public_key, host, port)
-        digest = membership_digest(STEP, [listener, Member(member_id.public_key, "127.0.0.1", 1)])
+        listener = Member(key=listener_id.public_key, host=host, port=port)
+        digest = membership_digest(
+            STEP, [listener, Member(key=member_id.public_key, host="127.0.0.1", port=1)]
+        )
         server.at_step(STEP)
-        registration = server.expect(STEP, [member_id.public_key], digest)
+        registration = server.expect(STEP, [member_id.public_key], digest=digest)
         flood = []
         for _ in range(MAX_PROVING_PER_SOURCE + 64):
             _, writer = await asyncio.open_connection(host, port, local_addr=("127.0.0.3", 0))

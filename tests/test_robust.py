@@ -26,7 +26,7 @@ def honest_limits(arrived: dict[int, np.ndarray], fractions: list[float], clip: 
     claimed = np.array(
         [norm(arrived[m]) / fractions[m] if fractions[m] > 0 else 0.0 for m in sorted(arrived)]
     )
-    return claims.limits(claimed, fractions, clip, 8)
+    return claims.limits(claimed, fractions, clip=clip, bits=8)
 
 
 def test_similar_shares_are_summed_unchanged() -> None:
@@ -51,7 +51,7 @@ def test_a_share_larger_than_its_own_claim_is_cut_to_the_claim() -> None:
     fractions = [0.25] * 4
     claimed = np.array([norm(arrived[m]) / 0.25 for m in range(4)])
     arrived[1] = arrived[1] * np.float32(1.8)  # within clip × median, but above what it claimed
-    total, clipped = clipped_sum(arrived, fractions, claims.limits(claimed, fractions, 2.0, 8))
+    total, clipped = clipped_sum(arrived, fractions, claims.limits(claimed, fractions, clip=2.0, bits=8))
     assert clipped == [1]
     others = sum(share for member, share in arrived.items() if member != 1)
     assert abs(norm(total - others) / 0.25 - claimed[1] * claims.SLACK[8]) < 1e-3 * claimed[1]
@@ -85,9 +85,9 @@ def test_an_honest_sum_is_within_the_bound_and_an_inflated_one_is_not() -> None:
         values[3] = values[3] * np.float32(100)  # one poisoner, claiming its true norm
         fractions = [0.25] * 4
         claimed = np.array([norm(v) for v in values])
-        limits = claims.limits(claimed, fractions, 1.0, 8)
+        limits = claims.limits(claimed, fractions, clip=1.0, bits=8)
         total, _ = clipped_sum({m: v * np.float32(0.25) for m, v in enumerate(values)}, fractions, limits)
-        bound = claims.result_bound(claimed, fractions, 1.0, 8)
+        bound = claims.result_bound(claimed, fractions, clip=1.0, bits=8)
         assert norm(total) <= bound
         unclipped = sum(v * np.float32(0.25) for v in values)
         assert norm(unclipped) > 10 * bound
@@ -97,9 +97,11 @@ def test_claims_round_trip_and_anything_else_is_refused(tmp_path: Path) -> None:
     alice = load_or_create_identity(tmp_path / "alice")
     bob = load_or_create_identity(tmp_path / "bob")
     norms = np.array([1.5, 0.0, 3.25])
-    blob = claims.sign_claims(alice, 7, DIGEST, 2, norms)
+    blob = claims.sign_claims(alice, 7, digest=DIGEST, segment=2, norms=norms)
     assert len(blob) == claims.claim_bytes(3)
-    assert np.array_equal(claims.read_claims(blob, alice.public_key, 7, DIGEST, 2, 3), norms)
+    assert np.array_equal(
+        claims.read_claims(blob, alice.public_key, step=7, digest=DIGEST, segment=2, chunks=3), norms
+    )
     wrong = {
         "another signer": (blob, bob.public_key, 7, DIGEST, 2, 3),
         "another step": (blob, alice.public_key, 8, DIGEST, 2, 3),
@@ -116,16 +118,21 @@ def test_claims_round_trip_and_anything_else_is_refused(tmp_path: Path) -> None:
         ),
         "truncated": (blob[:-1], alice.public_key, 7, DIGEST, 2, 3),
     }
-    for case, args in wrong.items():
+    for case, (data, signer, step, digest, segment, chunks) in wrong.items():
         with pytest.raises(FrameError):
-            claims.read_claims(*args)
+            claims.read_claims(data, signer, step=step, digest=digest, segment=segment, chunks=chunks)
             pytest.fail(case)
     for bad in (np.array([1.0, -1.0, 0.0]), np.array([1.0, np.inf, 0.0])):
-        signed = claims.sign_claims(alice, 7, DIGEST, 2, bad)  # signed, but no norm is negative or infinite
+        # signed, but no norm is negative or infinite
+        signed = claims.sign_claims(alice, 7, digest=DIGEST, segment=2, norms=bad)
         with pytest.raises(FrameError, match="negative or non-finite"):
-            claims.read_claims(signed, alice.public_key, 7, DIGEST, 2, 3)
-    bundle = blob + claims.sign_claims(bob, 7, DIGEST, 2, norms * 2)
-    read = claims.read_bundle(bundle, [alice.public_key, bob.public_key], 7, DIGEST, 2, 3)
+            claims.read_claims(signed, alice.public_key, step=7, digest=DIGEST, segment=2, chunks=3)
+    bundle = blob + claims.sign_claims(bob, 7, digest=DIGEST, segment=2, norms=norms * 2)
+    read = claims.read_bundle(
+        bundle, [alice.public_key, bob.public_key], step=7, digest=DIGEST, segment=2, chunks=3
+    )
     assert np.array_equal(read, np.stack([norms, norms * 2]))
     with pytest.raises(FrameError):  # in another order, each claim meets the wrong key
-        claims.read_bundle(bundle, [bob.public_key, alice.public_key], 7, DIGEST, 2, 3)
+        claims.read_bundle(
+            bundle, [bob.public_key, alice.public_key], step=7, digest=DIGEST, segment=2, chunks=3
+        )

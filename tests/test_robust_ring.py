@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 from p2ptrain.config import CommConfig
-from tests.ring_procs import run_ring
-from tests.test_ring import BUDGET, relative_error, weighted_mean
+from tests.support.ring_procs import BUDGET, relative_error, run_ring, weighted_mean
+
+pytestmark = pytest.mark.procs
+"""Every test here starts processes."""
 
 N, LENGTH = 4, 100_003  # 2 chunks a segment at 64 KiB chunks
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from p2ptrain import procs
-from tests.helpers import LocalSwarm, read_address, wait_until
+from tests.support.helpers import LocalSwarm, read_address, wait_until
 
 
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
@@ -113,7 +113,7 @@ def test_a_benchmark_stopped_by_sigterm_stops_the_nodes_it_started(swarm: LocalS
     but the benchmark stops them: SIGTERM unwinds it like Ctrl+C (once it left them all running)."""
     argv = [sys.executable, "-m", "benchmarks.scale", "--json", "--simulate", "", "--drill", "2"]
     argv += ["--steps", "100"]
-    bench = swarm.children.spawn("bench", argv, tmp_path / "bench.log")
+    bench = swarm.children.spawn("bench", argv, log_path=tmp_path / "bench.log")
     wait_until(
         lambda: sum("drill" in procs.command_line(pid) for pid in procs.descendants(bench.pid)) >= 2,
         timeout=60,

@@ -31,7 +31,7 @@ from p2ptrain.swarm.membership import HeartbeatPublisher
 from p2ptrain.swarm.records import Heartbeat, NodeState
 from p2ptrain.swarm.standby import REFRESH_S, StandbyRelays
 from p2ptrain.swarm.validator import HeartbeatValidator
-from tests.helpers import LocalSwarm, assert_one_line_error, cli, wait_until
+from tests.support.helpers import LocalSwarm, assert_one_line_error, cli, wait_until
 
 RUN = "p2ptrain-debug"  # the debug config's, which `status` reads
 STEP = 4
@@ -43,11 +43,11 @@ def start_relaying_bootstrap(swarm: LocalSwarm) -> Member:
     wait_until(lambda: ANNOUNCED.search(swarm.log("bootstrap")) is not None, 30, what="the relay's line")
     found = ANNOUNCED.search(swarm.log("bootstrap"))
     assert found is not None
-    return Member(bytes.fromhex(found.group(3)), found.group(1), int(found.group(2)))
+    return Member(key=bytes.fromhex(found.group(3)), host=found.group(1), port=int(found.group(2)))
 
 
-async def publish(dht: SwarmDHT, identity: NodeIdentity, state: NodeState, step: int, reach: str) -> None:
-    publisher = HeartbeatPublisher(dht, identity, RUN, 60.0)
+async def publish(dht: SwarmDHT, identity: NodeIdentity, *, state: NodeState, step: int, reach: str) -> None:
+    publisher = HeartbeatPublisher(dht, identity, run_id=RUN, ttl=60.0)
     assert await publisher.publish(state=state, outer_step=step, data_addr="127.0.0.1:1", data_reach=reach)
 
 
@@ -69,25 +69,34 @@ def test_a_relaying_bootstrap_splices_its_runs_ends_behind_nat_and_refuses_every
         keys = {name: identity.public_key for name, identity in ids.items()}
         if signer is not None:
             keys[sender if role == "send" else receiver] = signer.public_key
-        return RelayRequest(STEP, 0, digest, keys[sender], keys[receiver], 0, role, relay.key)  # type: ignore[arg-type]
+        return RelayRequest(
+            step=STEP,
+            attempt=0,
+            digest=digest,
+            sender=keys[sender],
+            receiver=keys[receiver],
+            lane=0,
+            role=role,  # type: ignore[arg-type]
+            relay=relay.key,
+        )
 
     async def refused(identity: NodeIdentity, asked: RelayRequest) -> str:
         started = time.monotonic()
         with pytest.raises(RelayRefused) as refusal:
-            await open_relayed(identity, relay, asked, 10.0)
+            await open_relayed(identity, relay, request=asked, timeout=10.0)
         assert time.monotonic() - started < 5.0, "refused within a read of the records, not a timeout"
         return str(refusal.value)
 
     async def scenario(dht: SwarmDHT) -> None:
         listed = await StandbyRelays(dht, RUN).current()
         assert listed == [relay], listed
-        await publish(dht, ids["home0"], NodeState.READY, STEP, "closed")
-        await publish(dht, ids["home1"], NodeState.SYNCING, STEP, "closed")
-        await publish(dht, ids["public"], NodeState.READY, STEP, "open")
-        await publish(dht, ids["late"], NodeState.TRAINING, STEP, "closed")
+        await publish(dht, ids["home0"], state=NodeState.READY, step=STEP, reach="closed")
+        await publish(dht, ids["home1"], state=NodeState.SYNCING, step=STEP, reach="closed")
+        await publish(dht, ids["public"], state=NodeState.READY, step=STEP, reach="open")
+        await publish(dht, ids["late"], state=NodeState.TRAINING, step=STEP, reach="closed")
         (r0, w0), (r1, w1) = await asyncio.gather(
-            open_relayed(ids["home0"], relay, request("home0", "home1", "send"), 10.0),
-            open_relayed(ids["home1"], relay, request("home0", "home1", "accept"), 10.0),
+            open_relayed(ids["home0"], relay, request=request("home0", "home1", "send"), timeout=10.0),
+            open_relayed(ids["home1"], relay, request=request("home0", "home1", "accept"), timeout=10.0),
         )
         payload = bytes(range(256)) * 1024
         w0.write(payload)
@@ -136,6 +145,7 @@ def test_a_relaying_bootstrap_splices_its_runs_ends_behind_nat_and_refuses_every
     assert relayed is not None and relayed.groups() == ("1", str(2 * 256 * 1024)), swarm.log("bootstrap")
 
 
+@pytest.mark.procs
 def test_relay_flags_that_do_not_hold_are_refused_in_one_line(tmp_path: Path) -> None:
     identity = str(tmp_path / "boot")
     assert_one_line_error(
@@ -162,29 +172,37 @@ def test_relay_flags_that_do_not_hold_are_refused_in_one_line(tmp_path: Path) ->
 def test_an_election_lists_standby_relays_only_where_no_member_can_relay() -> None:
     keys = [bytes([i]) * 32 for i in range(1, 5)]
     standby = [
-        Member(bytes([9]) * 32, "203.0.113.9", 7000),
-        Member(bytes([8]) * 32, "203.0.113.8", 7000),
+        Member(key=bytes([9]) * 32, host="203.0.113.9", port=7000),
+        Member(key=bytes([8]) * 32, host="203.0.113.8", port=7000),
     ]
 
     def beat(key: bytes, reach: str) -> Heartbeat:
         addr = f"192.168.{key[0]}.2:7000"
         return Heartbeat(
-            RUN, key, 1, 0.0, get_dht_time() + 60, NodeState.READY, STEP, data_addr=addr, data_reach=reach
+            run_id=RUN,
+            node_key=key,
+            seq=1,
+            timestamp=0.0,
+            expiration=get_dht_time() + 60,
+            state=NodeState.READY,
+            outer_step=STEP,
+            data_addr=addr,
+            data_reach=reach,
         )
 
     homes = [beat(key, "closed") for key in keys[:3]]
-    election = decide(homes, STEP, True, standby=standby)
+    election = decide(homes, STEP, deadline_passed=True, standby=standby)
     assert election is not None and [r.key for r in election.relays] == sorted(r.key for r in standby)
     # the digest covers them: a node that knows another relay set elects another membership
-    other = decide(homes, STEP, True, standby=standby[:1])
+    other = decide(homes, STEP, deadline_passed=True, standby=standby[:1])
     assert other is not None and other.digest != election.digest
     assert election.digest == membership_digest(STEP, election.members, election.relays)
     # every edge goes through one of them, the same for both ends
     a, b = election.members[0].key, election.members[1].key
-    assert relay_for(STEP, election.members, a, b, election.relays) in standby
+    assert relay_for(STEP, election.members, sender=a, receiver=b, standby=election.relays) in standby
     # one member that can be dialed relays the others: no standby relay in the digest
-    with_public = decide([*homes, beat(keys[3], "open")], STEP, True, standby=standby)
+    with_public = decide([*homes, beat(keys[3], "open")], STEP, deadline_passed=True, standby=standby)
     assert with_public is not None and with_public.relays == ()
     assert with_public.digest == membership_digest(STEP, with_public.members)
-    relay = relay_for(STEP, with_public.members, a, b, standby)
+    relay = relay_for(STEP, with_public.members, sender=a, receiver=b, standby=standby)
     assert relay is not None and relay.key == keys[3]

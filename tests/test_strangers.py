@@ -17,9 +17,9 @@ from p2ptrain.comm.net.server import DataPlaneServer
 from p2ptrain.config import CommConfig
 from p2ptrain.identity import load_or_create_identity
 from p2ptrain.swarm.crash_watch import answers_hello
-from tests.helpers import LocalSwarm, cli, data_port, metrics, read_address, wait_until
-from tests.stranger import REFUSALS, refuse_every_hello
-from tests.test_drill import DRILL, assert_agreement, drill_args, finish, start_drill
+from tests.support.drills import DRILL, assert_agreement, drill_args, finish, start_drill
+from tests.support.helpers import LocalSwarm, cli, data_port, metrics, read_address, wait_until
+from tests.support.stranger import REFUSALS, refuse_every_hello
 
 STEPS = 15
 """Long enough for a stranger tried once, then left out for 2, 4 and 8 steps."""
@@ -35,7 +35,7 @@ def start_stranger(swarm: LocalSwarm, mode: str) -> str:
         [
             sys.executable,
             "-m",
-            "tests.stranger",
+            "tests.support.stranger",
             "--peer",
             swarm.bootstrap_addr,
             "--mode",
@@ -43,7 +43,7 @@ def start_stranger(swarm: LocalSwarm, mode: str) -> str:
             "--address-file",
             str(key_file),
         ],
-        swarm.root / f"stranger-{mode}.log",
+        log_path=swarm.root / f"stranger-{mode}.log",
     )
     return read_address(key_file, timeout=60)
 
@@ -126,7 +126,9 @@ def test_a_flood_on_one_nodes_data_port_does_not_keep_it_out_of_the_steps(
         target = f"127.0.0.1:{data_port(swarm, 'node0', timeout=120)}"
         flood = ["--mode", mode, "--count", "500", "--target", target, "--claim", claim]
         swarm.children.spawn(
-            "flooder", [sys.executable, "-m", "tests.flooder", *flood], swarm.root / "flooder.log"
+            "flooder",
+            [sys.executable, "-m", "tests.support.flooder", *flood],
+            log_path=swarm.root / "flooder.log",
         )
         wait_until(lambda: flood_counts(swarm)[0] > 0, timeout=60, what="the flood")
 
@@ -180,8 +182,8 @@ def test_two_thousand_slow_http_connections_leave_the_sidecar_up_and_serving(swa
     wait_until(lambda: get(url) == 200, timeout=120, what="the sidecar")
     swarm.children.spawn(
         "slowloris",
-        [sys.executable, "-m", "tests.slowloris", "--target", f"127.0.0.1:{port}", "--count", "2000"],
-        swarm.root / "slowloris.log",
+        [sys.executable, "-m", "tests.support.slowloris", "--target", f"127.0.0.1:{port}", "--count", "2000"],
+        log_path=swarm.root / "slowloris.log",
     )
     wait_until(
         lambda: closed_by_the_node(swarm) > 500, timeout=60, what="the node closing the attack's connections"
@@ -225,8 +227,8 @@ def test_hellos_forged_in_a_members_name_hold_no_slots_of_the_node_they_flood(sw
     target = f"127.0.0.1:{data_port(swarm, 'node0', timeout=60)}"
     flood = ["--mode", "forged", "--claim", claimed, "--count", "2000", "--target", target]
     flood += ["--learn-source", "127.0.0.3"]
-    flooder = [sys.executable, "-m", "tests.flooder", *flood]
-    swarm.children.spawn("flooder", flooder, swarm.root / "flooder.log")
+    flooder = [sys.executable, "-m", "tests.support.flooder", *flood]
+    swarm.children.spawn("flooder", flooder, log_path=swarm.root / "flooder.log")
     logs = finish(swarm, names)
     assert re.search(r"step [1-9]", swarm.log("flooder")), "the flood never learned node0's step"
     assert_agreement(logs, range(STEPS))

@@ -6,7 +6,7 @@ import signal
 import time
 
 from p2ptrain.procs import free_port
-from tests.helpers import LocalSwarm, read_address, wait_until
+from tests.support.helpers import LocalSwarm, read_address, wait_until
 
 
 def test_bootstrap_and_three_nodes_see_each_other(swarm: LocalSwarm) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -22,16 +24,23 @@ from p2ptrain.node.checkpoint_copies import flush_leftovers
 from p2ptrain.node.rank_launcher import remove_stale_buffers
 from p2ptrain.procs import command_line, descendants, is_alive
 from p2ptrain.train.metrics import read_metrics
-from tests.helpers import LIGHT, LIGHT_SETTINGS, LocalSwarm, assert_one_line_error, cli, wait_until
+from tests.support.helpers import (
+    LIGHT,
+    LIGHT_SETTINGS,
+    LocalSwarm,
+    assert_one_line_error,
+    cli,
+    outer_records,
+    wait_until,
+)
+
+pytestmark = pytest.mark.procs
+"""Every test here starts processes."""
 
 SHORT = ["--set", "train.max_steps=30"]  # 3 outer steps of H=10 on the debug config
 SOLO = [*LIGHT, "--set", "train.inner_steps=5", "--set", "train.max_steps=15"]
 """3 outer steps of H=5 (of the tests' light batches): alone, what is tested is the outer steps
 (checkpoints, resume, export), not how long each inner phase is."""
-
-
-def outer_records(work_dir: Path) -> list[dict]:
-    return [record for record in read_metrics(work_dir / "metrics.jsonl") if record["kind"] == "outer"]
 
 
 def solo_node(work_dir: Path, **popen: Any) -> subprocess.Popen:
@@ -51,7 +60,7 @@ def rank_pids(agent_pid: int) -> dict[int, int]:
     return found
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 @pytest.mark.parametrize(
     ("overlap", "merge_after", "on_arrival"), [(False, 0, False), (True, 4, False), (True, 1, True)]
 )
@@ -93,7 +102,7 @@ def test_two_nodes_of_two_ranks_hold_the_same_params_after_every_outer_step(
         print("taken after inner steps (a, b):", taken)
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_a_nan_contribution_is_left_out_and_another_config_is_refused(swarm: LocalSwarm) -> None:
     swarm.start_bootstrap()
     # 6 outer steps: a and b must still be training when c reaches its first outer step
@@ -116,7 +125,7 @@ def test_a_nan_contribution_is_left_out_and_another_config_is_refused(swarm: Loc
     assert all(math.isfinite(r["loss"]) for r in a + b)
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_a_node_that_comes_after_every_node_finished_and_left_is_told_the_run_is_over(
     swarm: LocalSwarm,
 ) -> None:
@@ -147,7 +156,7 @@ def test_a_node_that_comes_after_every_node_finished_and_left_is_told_the_run_is
     )
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_alone_then_export_to_hugging_face(tmp_path: Path) -> None:
     work = tmp_path / "node"
     remote = f'checkpoint.remote="file://{tmp_path}/bucket/run"'
@@ -169,39 +178,146 @@ def test_alone_then_export_to_hugging_face(tmp_path: Path) -> None:
         "not a checkpoint folder",
     )
 
-    resumed = cli("join", "--config", "debug", "--work-dir", str(work), "--resume", "latest",
-                  *SOLO[:-2], "--set", "train.max_steps=20", timeout=180)  # fmt: skip
+    resumed = cli(
+        "join",
+        "--config",
+        "debug",
+        "--work-dir",
+        str(work),
+        "--resume",
+        "latest",
+        *SOLO[:-2],
+        "--set",
+        "train.max_steps=20",
+        timeout=180,
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed at outer step 3" in resumed.stdout and "finished after 4 outer steps" in resumed.stdout
     checkpoints = sorted((work / "checkpoints").glob("step-*"))
 
-    exported = cli("export", str(work), str(tmp_path / "hf"))
+    out = tmp_path / "hf-model"
+    exported = export_with_umask(0o022, str(work), str(out))
     assert exported.returncode == 0, exported.stderr
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["num_key_value_heads"] == 2
+    assert config["eos_token_id"] == 0  # the bytes tokenizer's EOS, put between documents
+    files = {
+        "model.safetensors",
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
+    assert {path.name for path in out.iterdir()} == files
+    assert {path.name: stat.S_IMODE(path.stat().st_mode) for path in out.iterdir()} == dict.fromkeys(
+        files, 0o644
+    )
     transformers = pytest.importorskip("transformers", reason="install 'p2ptrain[hf]' to check loading")
     from p2ptrain.config import load_config
     from p2ptrain.train.checkpoint import load_params
     from p2ptrain.train.model import Transformer
 
-    hf_model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert tokenizer.eos_token_id == 0 and hf_model.generation_config.eos_token_id == 0
     ours = Transformer(load_config("debug", overrides=list(LIGHT_SETTINGS)).model)
     ours.load_state_dict(load_params(checkpoints[-1])[0])
     tokens = torch.randint(0, 256, (2, 48))
     with torch.no_grad():
         torch.testing.assert_close(hf_model(tokens).logits, ours(tokens), rtol=1e-4, atol=1e-4)
+    # the tokenizer makes the ids training made of a text (one per UTF-8 byte; "<0x00>" typed in a
+    # text is six bytes, not EOS), and transformers' logits on them are ours
+    text = "def naïve(x):\n    return '<0x00>' + x\0"
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    assert ids[0].tolist() == list(text.encode()) and tokenizer.decode(ids[0]) == text
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(ids).logits, ours(ids), rtol=1e-4, atol=1e-4)
+        # generate: transformers' greedy tokens are our model's, and decode to text
+        prompt = tokenizer("def main(", return_tensors="pt").input_ids
+        generated = hf_model.generate(prompt, max_new_tokens=8, do_sample=False)[0]
+        greedy = prompt[0].tolist()
+        while len(greedy) < len(generated):  # it stops at EOS (id 0), if it comes
+            greedy.append(int(ours(torch.tensor([greedy]))[0, -1].argmax()))
+    assert generated.tolist() == greedy
+    assert tokenizer.decode(generated, skip_special_tokens=True).startswith("def main(")
+    # the lines the README gives a researcher (and docs/02) run as they are, beside the export
+    lines = generation_lines(ROOT / "README.md")
+    assert lines == generation_lines(ROOT / "docs" / "02-running-a-node.md")
+    ran = subprocess.run(
+        [sys.executable, "-c", lines], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert ran.returncode == 0 and ran.stdout.startswith("def main(") and len(ran.stdout) > 12, ran
 
-    assert_one_line_error(cli("export", str(tmp_path), str(tmp_path / "x")), "no checkpoint there")
+    # a run trained with a tokenizer.json: its copy, without the BOS its post-processor would add
+    hf_tokenizer = tokenizer_json(tmp_path / "tokenizer.json")
+    with_file = export_with_umask(
+        0o027, str(work), str(tmp_path / "hf2"), "--set", f'data.tokenizer="{tmp_path / "tokenizer.json"}"'
+    )
+    assert with_file.returncode == 0, with_file.stderr
+    assert stat.S_IMODE((tmp_path / "hf2" / "model.safetensors").stat().st_mode) == 0o640  # the umask's
+    copied = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf2"))
+    for text in ["the quick brown fox", "fox<|endoftext|>the dog"]:
+        assert copied(text).input_ids == hf_tokenizer.encode(text, add_special_tokens=False).ids
+    assert hf_tokenizer.encode("fox").ids[0] == 0  # the post-processor that was left out
+    assert copied.eos_token_id == 0
+    assert json.loads((tmp_path / "hf2" / "generation_config.json").read_text())["eos_token_id"] == 0
+
+    # a folder of node work dirs (a demo's) names them
+    assert_one_line_error(
+        cli("export", str(tmp_path), str(tmp_path / "x")),
+        f"{tmp_path}: no checkpoint here; node folders: node/ — export one of them",
+    )
+    (tmp_path / "nothing").mkdir()
+    assert_one_line_error(
+        cli("export", str(tmp_path / "nothing"), str(tmp_path / "x")), "no checkpoint there"
+    )
     assert_one_line_error(cli("export", str(work), str(tmp_path / "y"), "--dtype", "int3"), "--dtype")
 
 
-@pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def export_with_umask(umask: int, *args: str) -> subprocess.CompletedProcess[str]:
+    """`p2ptrain export ARGS` run under `umask` (the child inherits it)."""
+    before = os.umask(umask)
+    try:
+        return cli("export", *args, timeout=120)
+    finally:
+        os.umask(before)
+
+
+def generation_lines(page: Path) -> str:
+    """The Python lines a page gives for generating text from an export (`python - <<'EOF'`)."""
+    found = re.search(r"python - <<'EOF'\n(.*?)\nEOF\n", page.read_text(), re.S)
+    assert found is not None, page
+    return found.group(1)
+
+
+def tokenizer_json(path: Path) -> Any:
+    """A small BPE tokenizer.json whose post-processor puts <|endoftext|> (id 0) before a text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=100, special_tokens=["<|endoftext|>", "[UNK]"])
+    tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 4, trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)]
+    )
+    tokenizer.save(str(path))
+    return tokenizer
+
+
+@pytest.mark.procs
 def test_a_dead_rank_sends_the_deathrattle_and_stops_the_node(swarm: LocalSwarm) -> None:
     swarm.start_bootstrap()
     swarm.start_node("a", None, "--nproc", "2", command="join")
     node = swarm.children.children["a"]
-    wait_until(lambda: any(r["kind"] == "inner" for r in read_metrics(swarm.root / "a" / "metrics.jsonl")),
-               120, what="the first inner step")  # fmt: skip
+    wait_until(
+        lambda: any(r["kind"] == "inner" for r in read_metrics(swarm.root / "a" / "metrics.jsonl")),
+        120,
+        what="the first inner step",
+    )
     ranks = rank_pids(node.pid)
     assert sorted(ranks) == [0, 1]
     os.kill(ranks[1], signal.SIGKILL)
@@ -214,12 +330,15 @@ def test_a_dead_rank_sends_the_deathrattle_and_stops_the_node(swarm: LocalSwarm)
     assert states == {"dead"}
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_sigterm_stops_a_training_node_cleanly(tmp_path: Path) -> None:
     agent = solo_node(tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_until(lambda: any(r["kind"] == "inner" for r in read_metrics(tmp_path / "metrics.jsonl")),
-                   120, what="the first inner step")  # fmt: skip
+        wait_until(
+            lambda: any(r["kind"] == "inner" for r in read_metrics(tmp_path / "metrics.jsonl")),
+            120,
+            what="the first inner step",
+        )
         ranks = rank_pids(agent.pid)
         shared = list(Path("/dev/shm").glob(f"p2ptrain-*-{agent.pid}.grad"))
         assert len(shared) == 1
@@ -235,7 +354,7 @@ def test_sigterm_stops_a_training_node_cleanly(tmp_path: Path) -> None:
         agent.communicate()
 
 
-@pytest.mark.slow
+@pytest.mark.procs
 def test_a_killed_agent_takes_its_ranks_along(tmp_path: Path) -> None:
     agent = solo_node(tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

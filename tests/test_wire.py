@@ -98,7 +98,7 @@ def test_frame_round_trip_over_tcp() -> None:
         return await read_frame(reader, timeout=5)
 
     async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await write_frame(writer, {"kind": "chunk", "step": 3, "index": 7}, memoryview(payload))
+        await write_frame(writer, {"kind": "chunk", "step": 3, "index": 7}, payload=memoryview(payload))
 
     frame, _ = run(with_server(server, client))
     assert isinstance(frame, Frame), frame
@@ -236,11 +236,20 @@ def handshake(
     """(what the listener's accept, what the dialer's dial gave or raised)"""
 
     async def server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Session:
-        return await accept(reader, writer, listener, members, step, digest, timeout=5)
+        return await accept(
+            reader, writer, identity=listener, members=members, step=step, digest=digest, timeout=5
+        )
 
     async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Session:
         return await dial(
-            reader, writer, dialer, expected or listener.public_key, dial_step, dial_digest, 5, lane
+            reader,
+            writer,
+            identity=dialer,
+            expected_peer=expected or listener.public_key,
+            step=dial_step,
+            digest=dial_digest,
+            timeout=5,
+            lane=lane,
         )
 
     return run(with_server(server, client))
@@ -364,11 +373,11 @@ def test_attempts_of_one_step_never_mix(nodes: Nodes) -> None:
     async def main() -> None:
         server = DataPlaneServer(identity=nodes.a, comm=CommConfig(failure_timeout=5.0), setup_timeout=10.0)
         host, port = await server.start()
-        member = Member(nodes.a.public_key, host, port)
+        member = Member(key=nodes.a.public_key, host=host, port=port)
         try:
-            server.expect(5, [nodes.b.public_key], DIGEST)
+            server.expect(5, [nodes.b.public_key], digest=DIGEST)
             server.forget(5)  # attempt 0 failed here
-            current = server.expect(5, [nodes.b.public_key], DIGEST)
+            current = server.expect(5, [nodes.b.public_key], digest=DIGEST)
             assert current.attempt == 1
             with pytest.raises(AttemptBehind) as behind:
                 await dial_member(
@@ -384,7 +393,7 @@ def test_attempts_of_one_step_never_mix(nodes: Nodes) -> None:
             await current.abandoned.wait()  # the dialer moved on: this attempt cannot succeed
             assert "attempt 3" in current.reason and not ahead.done()
             server.forget(5)
-            following = server.expect(5, [nodes.b.public_key], DIGEST)
+            following = server.expect(5, [nodes.b.public_key], digest=DIGEST)
             assert following.attempt == 3
             _, writer, _ = await asyncio.wait_for(ahead, 10)
             _, accepted, _ = await asyncio.wait_for(following.incoming[(nodes.b.public_key, 0)], 10)
@@ -398,7 +407,9 @@ def test_attempts_of_one_step_never_mix(nodes: Nodes) -> None:
 
 def test_garbage_instead_of_a_handshake(nodes: Nodes) -> None:
     async def server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Session:
-        return await accept(reader, writer, nodes.a, {nodes.a.public_key}, 1, DIGEST, timeout=2)
+        return await accept(
+            reader, writer, identity=nodes.a, members={nodes.a.public_key}, step=1, digest=DIGEST, timeout=2
+        )
 
     async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
         writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")

@@ -116,7 +116,9 @@ class RateFloor:
     tripped it and held a joiner's recovery (or the replay of a result) for good."""
 
     def __init__(self, window: float):
-        self.window, self.since, self.got = window, time.monotonic(), 0
+        self.window = window
+        self.since = time.monotonic()
+        self.got = 0
 
     def took(self, count: int) -> None:
         self.got += count
@@ -157,7 +159,7 @@ def _within(manifest: Manifest, max_bytes: int | None, url: str) -> bool:
 
 
 async def _download(
-    session: aiohttp.ClientSession, url: str, manifest: Manifest, digest: str, name: str, target: Path
+    session: aiohttp.ClientSession, url: str, *, manifest: Manifest, digest: str, name: str, target: Path
 ) -> None:
     """Fetch (the rest of) one file into `target`; raises on any problem with this peer."""
     expected = manifest.files[name]
@@ -202,21 +204,24 @@ class MixedCopy(RecoveryError):
 
 
 async def _download_whole(
-    session: aiohttp.ClientSession, url: str, manifest: Manifest, digest: str, name: str, target: Path
+    session: aiohttp.ClientSession, url: str, *, manifest: Manifest, digest: str, name: str, target: Path
 ) -> None:
     """`_download`; a resumed copy that fails its hash comes again from this peer alone, from the
     start. Resumed copies alone, a peer that sent a few wrong bytes (or trickled) before each
     honest peer's turn failed every copy of the file."""
     try:
-        await _download(session, url, manifest, digest, name, target)
+        await _download(session, url, manifest=manifest, digest=digest, name=name, target=target)
     except MixedCopy as exc:
         log.warning("recovery: %s (%s): all of it from %s", name, exc, url)
-        await _download(session, url, manifest, digest, name, target)  # unlinked: from byte 0
+        await _download(
+            session, url, manifest=manifest, digest=digest, name=name, target=target
+        )  # unlinked: from byte 0
 
 
 async def _fetch_set(
     session: aiohttp.ClientSession,
     urls: list[str],
+    *,
     source: str,
     manifest: Manifest,
     digest: str,
@@ -232,7 +237,9 @@ async def _fetch_set(
         for attempt in range(2 * len(sources)):  # every peer, twice: a second try resumes the bytes
             url = sources[(index + attempt) % len(sources)]
             try:
-                await _download_whole(session, url, manifest, digest, name, staging / name)
+                await _download_whole(
+                    session, url, manifest=manifest, digest=digest, name=name, target=staging / name
+                )
                 return
             except (aiohttp.ClientError, asyncio.TimeoutError, RecoveryError, OSError, ValueError) as exc:
                 log.warning("recovery: %s from %s failed (%s); trying the next peer", name, url, exc)
@@ -257,6 +264,7 @@ async def _fetch_set(
 async def _fetch_from(
     session: aiohttp.ClientSession,
     urls: list[str],
+    *,
     source: str,
     manifest: Manifest,
     digest: str,
@@ -268,7 +276,7 @@ async def _fetch_from(
     for stale in staging.iterdir():
         if stale.name not in SHARED_FILES:
             stale.unlink()  # another node's own files: not this manifest's
-    await _fetch_set(session, urls, source, manifest, digest, staging)
+    await _fetch_set(session, urls, source=source, manifest=manifest, digest=digest, staging=staging)
     (staging / MANIFEST_FILE).write_text(manifest.to_json())
     final = dest_dir / checkpoint_name(manifest.outer_step)
     shutil.rmtree(final, ignore_errors=True)
@@ -277,7 +285,7 @@ async def _fetch_from(
 
 
 async def fetch_checkpoint(
-    digest: str, holders: Sequence[Heartbeat], dest_dir: Path, timeout: float, max_bytes: int | None = None
+    digest: str, holders: Sequence[Heartbeat], *, dest_dir: Path, timeout: float, max_bytes: int | None = None
 ) -> Path:
     """Download the checkpoint with `digest` from `holders` into dest_dir/step-N; returns its path.
 
@@ -306,7 +314,9 @@ async def fetch_checkpoint(
         responsive = list(manifests)
         for source, manifest in manifests.items():
             try:
-                return await _fetch_from(session, responsive, source, manifest, digest, dest_dir)
+                return await _fetch_from(
+                    session, responsive, source=source, manifest=manifest, digest=digest, dest_dir=dest_dir
+                )
             except RecoveryError as exc:
                 last_problem = str(exc)
     raise RecoveryError(f"checkpoint {digest[:12]} not recovered from {len(urls)} peer(s): {last_problem}")

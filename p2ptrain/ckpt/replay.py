@@ -46,7 +46,7 @@ class ReplayError(ValueError):
 
 
 def pack_result(
-    step: int, numel: int, block: int, chunks: Sequence[tuple[int, int, quant.Buffer]], bits: int = 8
+    step: int, numel: int, *, block: int, chunks: Sequence[tuple[int, int, quant.Buffer]], bits: int = 8
 ) -> bytes:
     """Serialize the encoded chunks (start, stop, payload) of step `step`'s result."""
     ordered = sorted(chunks, key=lambda chunk: chunk[0])
@@ -55,13 +55,13 @@ def pack_result(
     return b"".join([_HEADER_LENGTH.pack(len(header)), header, *(payload for _, _, payload in ordered)])
 
 
-def max_result_bytes(numel: int, block: int, chunk_values: int, bits: int = 8) -> int:
+def max_result_bytes(numel: int, block: int, *, chunk_values: int, bits: int = 8) -> int:
     """Upper bound on a packed result of `numel` values (for bounded reads)."""
     chunks = numel // max(1, chunk_values) + 64
     return _HEADER_LENGTH.size + MAX_HEADER + quant.payload_size(numel, block, bits) + 8 * chunks
 
 
-def unpack_into(data: bytes, step: int, buffer: np.ndarray, block: int, bits: int = 8) -> None:
+def unpack_into(data: bytes, step: int, *, buffer: np.ndarray, block: int, bits: int = 8) -> None:
     """Decode a packed result of `step` into `buffer` (fp32, the whole vector); ReplayError if the
     data is malformed, of another step, or does not cover the vector exactly once."""
     if len(data) < _HEADER_LENGTH.size:
@@ -86,7 +86,9 @@ def unpack_into(data: bytes, step: int, buffer: np.ndarray, block: int, bits: in
             raise ReplayError(f"chunk [{start}, {stop}) does not continue at {position}")
         length = quant.payload_size(stop - start, block, bits)
         try:
-            encoded = quant.decode_payload(data[offset : offset + length], stop - start, block, bits)
+            encoded = quant.decode_payload(
+                data[offset : offset + length], stop - start, block=block, bits=bits
+            )
         except quant.PayloadError as exc:
             raise ReplayError(str(exc)) from None
         decoded.append((start, stop, encoded))
@@ -97,7 +99,7 @@ def unpack_into(data: bytes, step: int, buffer: np.ndarray, block: int, bits: in
     quant.dequantize_chunks(decoded, buffer)  # only once all of it checked out: the buffer stays intact
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepResult:
     """The encoded chunks (start, stop, payload) of one step's result, as the ring left them."""
 
@@ -129,7 +131,7 @@ class RecentResults:
         result = self._results.get(step)
         if result is None:
             return None
-        return pack_result(step, result.numel, result.block, result.chunks, result.bits)
+        return pack_result(step, result.numel, block=result.block, chunks=result.chunks, bits=result.bits)
 
 
 def result_sources(beats: Iterable[Heartbeat], step: int) -> list[str]:
@@ -138,7 +140,7 @@ def result_sources(beats: Iterable[Heartbeat], step: int) -> list[str]:
     return [b.ckpt_addr.rstrip("/") for b in beats if b.outer_step > step and checkpoint_source(b)]
 
 
-async def fetch_result(urls: Sequence[str], step: int, limit: int, timeout: float) -> bytes | None:
+async def fetch_result(urls: Sequence[str], step: int, *, limit: int, timeout: float) -> bytes | None:
     """The packed result of `step` from the first of `urls` (sidecar base URLs) that serves it."""
     async with aiohttp.ClientSession(timeout=stall_timeout(timeout)) as session:
         for url in urls:
@@ -173,11 +175,15 @@ class ResultCollector:
         self,
         peers: Callable[[], Awaitable[list[Heartbeat]]],
         limit: int,
+        *,
         max_bytes: int,
         timeout: float,
         interval: float,
     ):
-        self._peers, self._limit, self._timeout, self._interval = peers, limit, timeout, interval
+        self._peers = peers
+        self._limit = limit
+        self._timeout = timeout
+        self._interval = interval
         self.max_bytes = max_bytes
         self._results: dict[int, bytes] = {}
         self._task: asyncio.Task[None] | None = None
@@ -222,10 +228,12 @@ class ResultCollector:
                 continue
             # a strict majority past `step` has done its all-reduce (one record claiming a far step, a
             # stranger's, moves nothing on); a member past it keeps its result a while
-            while swarm_ahead(beats, step, b""):
+            while swarm_ahead(beats, step, me=b""):
                 tries[step], step = 0, step + 1
             for wanted in sorted(tries):
-                packed = await fetch_result(result_sources(beats, wanted), wanted, self._limit, self._timeout)
+                packed = await fetch_result(
+                    result_sources(beats, wanted), wanted, limit=self._limit, timeout=self._timeout
+                )
                 if packed is None:
                     tries[wanted] += 1
                     if tries[wanted] >= COLLECT_TRIES:

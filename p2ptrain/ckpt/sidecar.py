@@ -46,6 +46,7 @@ class CheckpointSidecar:
         self,
         checkpoint_dir: Path,
         shared_config: dict[str, Any] | None = None,
+        *,
         results: RecentResults | None = None,
         reach_proof: Callable[[bytes], None] | None = None,
         serve_bytes_per_s: float = 0.0,
@@ -62,6 +63,8 @@ class CheckpointSidecar:
         """Manifests of the checkpoints still in RAM, by digest, oldest first."""
         self._served: Served | None = None
         self._refusals = ThrottledLog(log)
+        self._misses = ThrottledLog(log, level=logging.INFO)
+        """Results asked for that this node does not keep (any more, or yet): routine in every join."""
         app = web.Application()
         app.router.add_get("/manifest", self._manifest)
         app.router.add_get("/config", self._config)
@@ -71,7 +74,7 @@ class CheckpointSidecar:
         self._app = app
 
     async def start(self, host: str, port: int) -> int:
-        self._served, bound = await start_app(self._app, host, port)
+        self._served, bound = await start_app(self._app, host, port=port)
         return bound
 
     async def close(self) -> None:
@@ -117,10 +120,10 @@ class CheckpointSidecar:
         path = (folder / name).resolve()
         if name not in manifest.files or path.parent != folder.resolve() or not path.is_file():
             return self._refuse(request, f"{name!r} is not a file of checkpoint {step}")
-        return await self._send_file(request, path, manifest.digest, self.cap)
+        return await self._send_file(request, path, digest=manifest.digest, cap=self.cap)
 
     async def _send_file(
-        self, request: web.Request, path: Path, digest: str, cap: RateCap | None
+        self, request: web.Request, path: Path, *, digest: str, cap: RateCap | None
     ) -> web.StreamResponse:
         """`path` (or the range asked for) in blocks, each taken from the cap first (if any).
         Never sendfile: a connection the budget evicted in the middle of one (a stranger that stopped
@@ -158,9 +161,15 @@ class CheckpointSidecar:
 
     async def _delta(self, request: web.Request) -> web.Response:
         step = decimal(request.match_info["step"])
-        packed = await asyncio.to_thread(self.results.packed, step) if step is not None else None
+        if step is None:
+            return self._refuse(request, "bad step")
+        packed = await asyncio.to_thread(self.results.packed, step)
         if packed is None:
-            return self._refuse(request, f"no all-reduce result of step {step} kept")
+            # a joiner asks every node past a step: one that dropped it already, or is still at it,
+            # says so; normal in every join, so not a warning
+            reason = f"no all-reduce result of step {step} kept"
+            self._misses.warning("checkpoint sidecar: %s for %s", reason, request.remote)
+            return web.Response(status=404, text=reason)
         return web.Response(body=packed, content_type="application/octet-stream")
 
     def _refuse(self, request: web.Request, reason: str) -> web.Response:

@@ -100,6 +100,7 @@ class StopClock:
 def run_until_signal(
     main: Callable[[asyncio.Event], Coroutine[Any, Any, None]],
     on_force: Callable[[], None],
+    *,
     clock: StopClock | None = None,
     on_ready: Callable[[], None] = lambda: None,
 ) -> None:

@@ -23,7 +23,10 @@ DEFAULT_BOOTSTRAP_IDENTITY = "~/.local/share/p2ptrain/bootstrap"
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--config", "-c", metavar="FILE", help="TOML config file, or a name in configs/ (debug, 20m, …)"
+        "--config",
+        "-c",
+        metavar="FILE",
+        help="TOML config file, or a bundled config's name (debug, 20m, 150m, 1b, 7b, 10b)",
     )
     parser.add_argument(
         "--set",
@@ -125,9 +128,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     boot.add_argument("--dashboard", metavar="[HOST:]PORT", help="serve the status page of --run-id here")
     boot.add_argument(
+        "--config",
+        "-c",
+        metavar="NAME|FILE",
+        help="the run's config: its run id and authority go into the join line this prints, and "
+        "--dashboard and --relay serve that run",
+    )
+    boot.add_argument(
         "--run-id",
-        default="p2ptrain-debug",
-        help="run shown by --dashboard and relayed by --relay (default %(default)s)",
+        help="run whose joins, leaves and steps it prints, shown by --dashboard, relayed by --relay and "
+        "named in the join line (default: the "
+        "--config's run.id, else p2ptrain-debug)",
     )
     boot.add_argument(
         "--run-authority", default="", metavar="KEY", help="run.authority of --run-id, if it is a closed run"
@@ -239,7 +250,14 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(handler=cmd_config_show)
 
     ident = commands.add_parser("identity", help="create (if missing) and print a node or bootstrap identity")
-    ident.add_argument("--identity", required=True, metavar="DIR", help="identity directory")
+    ident.add_argument(
+        "--identity",
+        metavar="DIR",
+        help="identity directory (default: the node's, as join would use it: node.identity, else "
+        "node.work_dir, of --config and --set)",
+    )
+    ident.add_argument("--work-dir", metavar="DIR", help="the node's work directory, as for join")
+    _add_config_args(ident)
     ident.set_defaults(handler=cmd_identity)
 
     admit = commands.add_parser(
@@ -255,11 +273,16 @@ def build_parser() -> argparse.ArgumentParser:
     admit.add_argument("--new", action="store_true", help="create FILE first and print run.authority")
     admit.set_defaults(handler=cmd_admit)
 
-    exp = commands.add_parser("export", help="write a checkpoint as a Hugging Face Llama model")
+    exp = commands.add_parser(
+        "export",
+        help="write a checkpoint as a Hugging Face Llama model with its tokenizer (that of --config and "
+        "--set: data.tokenizer, data.eos_id; default: bytes)",
+    )
     exp.add_argument(
         "checkpoint", metavar="CKPT", help="checkpoint folder, checkpoints folder or node work dir"
     )
-    exp.add_argument("out_dir", metavar="OUT_DIR", help="folder for config.json and model.safetensors")
+    exp.add_argument("out_dir", metavar="OUT_DIR", help="folder for the model's and the tokenizer's files")
+    _add_config_args(exp)
     exp.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (default %(default)s)")
     exp.add_argument(
         "--allow-diverged",

@@ -41,6 +41,7 @@ from p2ptrain.channel import (
 from p2ptrain.ckpt.format import checkpoint_places, checkpoint_step
 from p2ptrain.config import Config
 from p2ptrain.deadline import within
+from p2ptrain.errors import UserError
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.memory_limits import gib
 from p2ptrain.node.checkpoint_copies import (
@@ -49,6 +50,7 @@ from p2ptrain.node.checkpoint_copies import (
     flush_leftovers,
     mark_diverged,
     prune_places,
+    remove_staging,
 )
 from p2ptrain.node.failures import Diverged, TrainingFailed
 from p2ptrain.node.interrupt import LEAVING_GRACE_S, Interrupted, unless
@@ -62,6 +64,12 @@ from p2ptrain.node.rank_launcher import (
 )
 from p2ptrain.node.swarm_link import SoloSwarm, SwarmLink
 from p2ptrain.swarm.dht import SwarmDHT
+from p2ptrain.swarm.records import (
+    OUTER_STEPS_FIELD,
+    STEP_TOKENS_FIELD,
+    TOKENS_RATE_FIELD,
+    TOKENS_TOTAL_FIELD,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -71,6 +79,9 @@ DYING_RANK_S = 10.0
 """How long a closed channel waits for rank 0's exit code (its reason) before it says only that."""
 MAX_RECOVERIES = 5
 """Recoveries in a row without a completed outer step in between before the node gives up."""
+MAX_COPY_FAILURES = 3
+"""Checkpoint copies to disk (or the remote) that fail in a row before the node stops: training on
+would look fine while no checkpoint is kept anywhere (a full disk, a folder gone read-only)."""
 
 
 class TrainingNode:
@@ -78,6 +89,7 @@ class TrainingNode:
         self,
         config: Config,
         identity: NodeIdentity,
+        *,
         dht: SwarmDHT | None,
         stop: asyncio.Event,
         out: TextIO,
@@ -94,13 +106,25 @@ class TrainingNode:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.places = checkpoint_places(config, identity.short_id)
         self.copies: asyncio.Task[None] | None = None
+        self.copy_failures = 0
+        self.failure: UserError | None = None
+        """Why the node stopped itself (raised once it has shut down): the CLI's one line."""
         remove_stale_buffers(identity, self.work_dir)
         self.shared = buffer_path(identity, self.work_dir)
-        self.ranks = RankGroup(config, identity, self.work_dir, nproc or default_nproc(), self.shared)
-        self.swarm: SoloSwarm = (
-            SwarmLink(config, identity, dht, self.places.write_dir) if dht is not None else SoloSwarm()
+        self.ranks = RankGroup(
+            config, identity, work_dir=self.work_dir, nproc=nproc or default_nproc(), shared=self.shared
         )
-        self.view = ProgressView(out, config.train.max_steps)
+        self.swarm: SoloSwarm = (
+            SwarmLink(config, identity, dht=dht, checkpoint_dir=self.places.write_dir)
+            if dht is not None
+            else SoloSwarm()
+        )
+        self.view = ProgressView(
+            out,
+            config.train.max_steps,
+            inner_steps=config.train.inner_steps,
+            interval=config.node.progress_interval,
+        )
         self.vector: np.ndarray | None = None
         self.finished = False
         self.final_step = 0
@@ -112,6 +136,14 @@ class TrainingNode:
         self.joining = False
         self.recoveries = 0
         self.last_rate: float | None = None
+        self.contributed = 0
+        """Tokens of this node in the outer steps whose all-reduce completed since it started."""
+        self.step_tokens: dict[int, int] = {}
+        """Outer step → this node's tokens in its all-reduce, until the step is done (with overlap
+        the next step's sync may complete first)."""
+        self.last_done_at: float | None = None
+        self.outer_steps = -(-config.train.max_steps // config.train.inner_steps)
+        """The run's outer steps (max_steps counts inner steps), for the status page's progress."""
         """Megabits per second this node sent in its last all-reduce (for `status`)."""
         self.last_step_done = -1
         self.first_ready = True
@@ -120,6 +152,20 @@ class TrainingNode:
 
     def say(self, text: str) -> None:
         self.view.say(f"node {self.identity.short_id}: {text}")
+
+    def _progress_fields(self, step: int) -> dict[str, Any]:
+        """The run's progress as this node's record tells it after `step` (for the status page)."""
+        now = time.monotonic()
+        tokens = self.step_tokens.pop(step, 0)
+        fields: dict[str, Any] = {
+            OUTER_STEPS_FIELD: self.outer_steps,
+            TOKENS_TOTAL_FIELD: self.contributed,
+            STEP_TOKENS_FIELD: tokens,
+        }
+        if self.last_done_at is not None and now > self.last_done_at:
+            fields[TOKENS_RATE_FIELD] = round(tokens / (now - self.last_done_at), 1)
+        self.last_done_at = now
+        return fields
 
     async def _guarded(self, work: Coroutine[Any, Any, T]) -> T:
         """Await `work`, unless the node is told to stop or a rank dies first (then Interrupted)."""
@@ -164,7 +210,8 @@ class TrainingNode:
         async def copy() -> None:
             if previous is not None:
                 await asyncio.shield(previous)
-            keep, remote = self.config.checkpoint.keep, self.config.checkpoint.remote
+            keep = self.config.checkpoint.keep
+            remote = self.config.checkpoint.remote
             try:
                 on_disk = folder
                 if self.places.staging is not None:
@@ -174,8 +221,19 @@ class TrainingNode:
                 if remote:
                     seconds = await asyncio.to_thread(copy_to_remote, remote, on_disk)
                     log.info("uploaded %s to %s in %.2f s", folder.name, remote, seconds)
-            except Exception as exc:  # reported, never fatal: the RAM copy is still served
+            # fsspec raises errors of its own too. The RAM copy is still served; a few failures in
+            # a row stop the node.
+            except Exception as exc:
+                self.copy_failures += 1
                 self.say(f"could not copy {folder.name}: {exc}")
+                if self.copy_failures >= MAX_COPY_FAILURES and self.failure is None:
+                    self.failure = UserError(
+                        f"stopped: {self.copy_failures} checkpoint copies in a row failed ({exc}); "
+                        f"fix checkpoint.dir {self.places.disk} (or checkpoint.remote) and resume"
+                    )
+                    self.stop.set()
+            else:
+                self.copy_failures = 0
             await asyncio.to_thread(prune_places, self.places, keep)
 
         self.copies = asyncio.ensure_future(copy())
@@ -213,8 +271,13 @@ class TrainingNode:
         # no all-reduce completed: if the swarm moved on meanwhile, catch up now
         if members == 0 and await self._catch_up_if_off_track(message.outer_step, channel):
             return
-        if averaged.sync_s > 0 and averaged.bytes_sent:
-            self.last_rate = round(8 * averaged.bytes_sent / averaged.sync_s / 1e6, 1)
+        if averaged.allreduce_s > 0 and averaged.bytes_sent:
+            # the transfer's rate (sync_s also counts the wait for the others and the elections)
+            self.last_rate = round(8 * averaged.bytes_sent / averaged.allreduce_s / 1e6, 1)
+        if members > 0:
+            self.contributed += message.tokens
+            self.step_tokens = {s: t for s, t in self.step_tokens.items() if s >= message.outer_step - 2}
+            self.step_tokens[message.outer_step] = message.tokens
         if self.joining and members > 1:
             self.joining = False
             join_s = time.monotonic() - self.started
@@ -246,7 +309,7 @@ class TrainingNode:
             if not self.joining:
                 # a joiner's first step has no inner phase and weight 0: it stays `joining` until it
                 # is ready, so nobody waits for it (if the step is done by then, it replays it)
-                await self.swarm.training(message.start_step)
+                await self.swarm.training(message.start_step, extra={OUTER_STEPS_FIELD: self.outer_steps})
         elif isinstance(message, Progress):
             self.view.inner(message)
             self.ranks.sample_memory()
@@ -261,10 +324,12 @@ class TrainingNode:
         elif isinstance(message, StepDone):
             self.last_step_done = message.outer_step
             self.recoveries = 0
-            self.params_hash, self.loaded_step = message.params_hash, None
+            self.params_hash = message.params_hash
+            self.loaded_step = None
             extra = {"loss": message.loss} if message.loss == message.loss else {}
             if self.last_rate is not None:
                 extra["allreduce_mbps"] = self.last_rate
+            extra.update(self._progress_fields(message.outer_step))
             await self.swarm.training(message.outer_step + 1, params_hash=message.params_hash, extra=extra)
             self.view.outer(message)
         elif isinstance(message, CheckpointWritten):
@@ -395,4 +460,10 @@ class TrainingNode:
                     await within(asyncio.shield(self.copies), COPY_WAIT)
             if self.diverged:
                 await asyncio.to_thread(mark_diverged, self.places, self.diverged)
-            await asyncio.to_thread(flush_leftovers, self.places, self.config.checkpoint.keep)
+            try:
+                await asyncio.to_thread(flush_leftovers, self.places, self.config.checkpoint.keep)
+            except OSError as exc:  # nowhere to keep them: RAM (gigabytes of a real model) is freed
+                self.say(f"checkpoints staged in RAM not copied ({exc}); freeing {self.places.staging}")
+                await asyncio.to_thread(remove_staging, self.places)
+        if self.failure is not None:
+            raise self.failure

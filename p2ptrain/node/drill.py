@@ -22,6 +22,7 @@ import numpy as np
 
 from p2ptrain.config import Config
 from p2ptrain.deadline import within
+from p2ptrain.errors import cannot_listen
 from p2ptrain.identity import NodeIdentity, short_id
 from p2ptrain.node.data_server import node_server
 from p2ptrain.node.interrupt import Interrupted, unless
@@ -47,18 +48,21 @@ class DrillPlan:
 async def run_drill(
     config: Config,
     identity: NodeIdentity,
+    *,
     dht: SwarmDHT,
     stop: asyncio.Event,
-    *,
     out: TextIO,
     plan: DrillPlan,
     log_path: Path,
 ) -> None:
     server = node_server(config, identity)
-    _, port = await server.start(config.node.data_host, config.node.data_port)
+    try:
+        _, port = await server.start(config.node.data_host, config.node.data_port)
+    except OSError as exc:
+        raise cannot_listen("node.data_port", config.node.data_host, config.node.data_port, exc) from None
     publisher = HeartbeatPublisher.for_run(dht, identity, config, data_addr=data_address(config, port))
     await publisher.publish(state=NodeState.TRAINING, outer_step=0)
-    sync = OuterSync(config, dht, publisher, server)
+    sync = OuterSync(config, dht, publisher=publisher, server=server)
     keeper = asyncio.create_task(keep_alive(publisher, config.swarm.heartbeat_interval, stop))
     rng = random.Random(identity.public_key)
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -67,10 +71,12 @@ async def run_drill(
         file=out,
         flush=True,
     )
-    reachability = Reachability(config, server, publisher, sync.view, dht, sync.standby)
+    reachability = Reachability(
+        config, server, publisher=publisher, view=sync.view, dht=dht, standby=sync.standby
+    )
     rechecks: asyncio.Task[None] | None = None
     try:
-        await wait_for_nodes(config, sync.view, stop, out, plan.min_nodes)
+        await wait_for_nodes(config, sync.view, stop=stop, out=out, count=plan.min_nodes)
         with contextlib.suppress(Interrupted):
             await unless(reachability.first_probe(), stop.wait())
         rechecks = asyncio.create_task(reachability.run(stop))

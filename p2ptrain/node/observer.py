@@ -27,9 +27,9 @@ log = logging.getLogger(__name__)
 async def run_node(
     config: Config,
     identity: NodeIdentity,
+    *,
     dht: SwarmDHT,
     stop: asyncio.Event,
-    *,
     out: TextIO,
     table_every: float = 10.0,
 ) -> None:
@@ -46,7 +46,13 @@ async def run_node(
     if config.node.dashboard:
         from p2ptrain.web.dashboard import serve_dashboard
 
-        page = await serve_dashboard(config.node.dashboard, view.read, config.run.id, out)
+        page = await serve_dashboard(
+            config.node.dashboard,
+            view.read,
+            run_id=config.run.id,
+            out=out,
+            authority=config.run.authority_key,
+        )
     try:
         while not stop.is_set():
             if not await publisher.publish(state=NodeState.IDLE):

@@ -43,6 +43,7 @@ from p2ptrain.swarm.election import (
 from p2ptrain.swarm.evidence import Offences, Refusers
 from p2ptrain.swarm.membership import HeartbeatPublisher, SwarmView, live
 from p2ptrain.swarm.records import Heartbeat, NodeState
+from p2ptrain.swarm.roster import Roster
 from p2ptrain.swarm.standby import StandbyRelays
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,12 @@ class StepGivenUp(RuntimeError):
     it); the vector is unchanged."""
 
 
-@dataclass
+LONE_GRACE_BEATS = 2
+"""A node with no other node of its run in view waits this many heartbeat intervals for one, not
+the whole straggler deadline (election.elect's `lone_grace`)."""
+
+
+@dataclass(kw_only=True)
 class SyncResult:
     election: Election
     stats: ReduceStats
@@ -76,6 +82,7 @@ class OuterSync:
         self,
         config: Config,
         dht: SwarmDHT,
+        *,
         publisher: HeartbeatPublisher,
         server: DataPlaneServer,
     ):
@@ -84,11 +91,16 @@ class OuterSync:
         self.publisher = publisher
         self.server = server
         self.view = SwarmView.for_run(dht, config)
-        self.standby = StandbyRelays(dht, config.run.id, config.run.authority_key)
+        self.roster = Roster(
+            config.run.id, timeout=config.swarm.heartbeat_timeout, me=publisher.current.node_key
+        )
+        """Who of the run joined and who left, and why: logged once per departure (roster.py)."""
+        self.view.roster = self.roster
+        self.standby = StandbyRelays(dht, config.run.id, authority=config.run.authority_key)
         """The run's standby relays (bootstrap --relay), for steps whose members are all behind NAT."""
         self.faults = Faults.from_env()
         self.extras = RecordExtras()
-        self.crashes = CrashWatch()
+        self.crashes = CrashWatch(on_crash=self.roster.crashed)
         self.offences = Offences()
         self._last_members: tuple[int, frozenset[bytes]] = (-1, frozenset())
         """The last step this node completed and its members."""
@@ -167,7 +179,7 @@ class OuterSync:
         started, waiting = time.monotonic(), False
         while time.monotonic() < started + self.config.swarm.election_timeout:
             beats = [beat for beat in await self.reads.records() if beat.node_key not in named]
-            if not swarm_still_at(self.crashes.alive(beats), step, me, self.view.finished):
+            if not swarm_still_at(self.crashes.alive(beats), step, me=me, finished=self.view.finished):
                 if waiting:
                     waited = time.monotonic() - started
                     log.info("the others are done with outer step %d after %.1f s", step, waited)
@@ -194,7 +206,8 @@ class OuterSync:
 
     async def _straggle(self, step: int) -> None:
         """P2PTRAIN_INJECT_LATE: be `late_seconds` later than the first other node ready for `step`."""
-        me, deadline = self.publisher.current.node_key, time.monotonic() + self.config.swarm.election_timeout
+        me = self.publisher.current.node_key
+        deadline = time.monotonic() + self.config.swarm.election_timeout
         while time.monotonic() < deadline:
             beats = live(await self.view.read())
             if any(beat.node_key != me for beat in ready_for(beats, step)):
@@ -232,24 +245,25 @@ class OuterSync:
         try:
             if step == self.faults.give_up_step:
                 raise StepGivenUp(f"fault injection: outer step {step} given up")
-            extra = self.extras.extra_for(self.publisher.current.extra, step, named)
+            extra = self.extras.extra_for(self.publisher.current.extra, step, named=named)
             self.reads.start()  # the election's first read, beside our ready record's store
             await self._announce(step, state=NodeState.READY, outer_step=step, tokens=tokens, extra=extra)
-            result = await self._attempts(step, vector, named, tried, ready_at)
+            result = await self._attempts(step, vector, named=named, tried=tried, ready_at=ready_at)
         except StepGivenUp as exc:
-            self.offences.step_done(step, (), named - ignored)
+            self.offences.step_done(step, (), named=named - ignored)
             await self._leave(step, exc, named)
             raise
         finally:
             self.reads.stop()  # the step is over: a read under way is of no use now
         members = result.election.keys
-        self.offences.step_done(step, members, named - ignored, tried.difference(members))
+        self.roster.took_part(members)
+        self.offences.step_done(step, members, named=named - ignored, failed=tried.difference(members))
         self._last_members = (step, frozenset(members))
         result.ready_time = ready_time
         return result
 
     async def _attempts(
-        self, step: int, vector: np.ndarray, named: set[bytes], tried: set[bytes], ready_at: float
+        self, step: int, vector: np.ndarray, *, named: set[bytes], tried: set[bytes], ready_at: float
     ) -> SyncResult:
         """Elect and all-reduce until an attempt completes; `named` collects whom we blame, `tried`
         every member of our attempts."""
@@ -265,8 +279,8 @@ class OuterSync:
                 election = await elect(
                     lambda: self._live_heartbeats(step),
                     step,
-                    swarm.straggler_deadline,
-                    swarm.election_timeout,
+                    straggler_deadline=swarm.straggler_deadline,
+                    timeout=swarm.election_timeout,
                     poll_interval=min(0.25, swarm.heartbeat_interval),
                     me=me,
                     finished=self.view.finished,
@@ -274,11 +288,14 @@ class OuterSync:
                     max_tokens=self.config.max_tokens(),
                     pause=self.reads.pause,
                     standby=standby,
+                    lone_grace=LONE_GRACE_BEATS * swarm.heartbeat_interval,
                 )
             except LeftOut as exc:
                 raise StepGivenUp(str(exc)) from None
             except (TimeoutError, SwarmAhead) as exc:
                 raise StepGivenUp(str(exc)) from None
+            if election.left_out:
+                self.roster.left_out(step, election.left_out)
             if me in election.left_out:
                 raise StepGivenUp(f"left out of outer step {step}: {election.left_out[me]}")
             if me not in election.keys:
@@ -334,7 +351,7 @@ class OuterSync:
                     ):
                         log.warning("naming %s in the evidence of step %d", short_id(culprit), step)
                         named.add(culprit)
-                extra = self.extras.extra_for(self.publisher.current.extra, step, named, report=True)
+                extra = self.extras.extra_for(self.publisher.current.extra, step, named=named, report=True)
                 await self._announce(step, state=NodeState.READY, extra=extra)
                 await asyncio.sleep(max(0.0, next_attempt_at - time.monotonic()))
                 continue
@@ -347,7 +364,9 @@ class OuterSync:
                     short_id(key),
                     chunks,
                 )
-            return SyncResult(election, stats, attempt, election_s=elected_at - ready_at)
+            return SyncResult(
+                election=election, stats=stats, attempts=attempt, election_s=elected_at - ready_at
+            )
         raise StepGivenUp(
             f"step {step}: no all-reduce completed in {attempt} attempts within "
             f"{swarm.election_timeout:.0f} s ({last_error})"

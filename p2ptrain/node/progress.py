@@ -1,8 +1,12 @@
-"""What a training node prints: a live progress bar on a terminal, one line per outer step always."""
+"""What a training node prints: a live progress bar on a terminal, else a progress line every
+`node.progress_interval` seconds (a service's log would otherwise say nothing for a whole inner
+phase, minutes on the bigger configs); one line per outer step either way."""
 
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from typing import TextIO
 
 from rich.console import Console
@@ -13,11 +17,25 @@ from p2ptrain.channel import StepDone
 
 
 class ProgressView:
-    def __init__(self, out: TextIO, max_steps: int):
+    def __init__(
+        self,
+        out: TextIO,
+        max_steps: int,
+        *,
+        inner_steps: int,
+        interval: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.out = out
         self.console = Console(file=out, highlight=False)
         self.bar: Progress | None = None
         self.notes: dict[int, tuple[int, str]] = {}
+        self.inner_steps = inner_steps
+        self.interval = interval
+        self._clock = clock
+        self._last_line = -math.inf
+        self._phase = (-1, 0)
+        """(outer step, the global inner step before its first one): where the inner phase began."""
         if self.console.is_terminal:
             self.bar = Progress(
                 TextColumn("{task.description}"),
@@ -28,6 +46,7 @@ class ProgressView:
                 TimeRemainingColumn(),
                 console=self.console,
             )
+            # train.max_steps counts the inner steps of the whole run, as Progress.inner_step does
             self.task = self.bar.add_task("inner steps", total=max_steps, loss="-", rate="-")
             self.bar.start()
 
@@ -46,6 +65,18 @@ class ProgressView:
                 loss=f"{progress.loss:.3f}",
                 rate=f"{progress.tokens_per_s:,.0f}",
             )
+            return
+        if progress.outer_step != self._phase[0]:
+            self._phase = (progress.outer_step, progress.inner_step - 1)
+        now = self._clock()
+        if now - self._last_line < self.interval:
+            return
+        self._last_line = now
+        in_phase = progress.inner_step - self._phase[1]
+        self.say(
+            f"outer step {progress.outer_step}, inner step {in_phase}/{self.inner_steps}, "
+            f"loss {progress.loss:.3f}, {progress.tokens_per_s:,.0f} tok/s"
+        )
 
     def note(self, outer_step: int, members: int, note: str) -> None:
         self.notes[outer_step] = (members, note)

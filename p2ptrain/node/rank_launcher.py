@@ -63,6 +63,7 @@ class RankGroup:
         self,
         config: Config,
         identity: NodeIdentity,
+        *,
         work_dir: Path,
         nproc: int,
         shared: Path,

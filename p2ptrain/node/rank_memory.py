@@ -25,7 +25,7 @@ NEAR_LIMIT = 0.9
 """A SIGKILLed rank whose peak resident memory reached this share of the limit ran out of memory."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RankMemoryWatch:
     """What the agent knows of one rank's memory: its cgroup, the OOM kills there when it started,
     and the highest peak RSS seen (sampled while it runs: /proc is gone once it died)."""
@@ -39,7 +39,9 @@ class RankMemoryWatch:
     @classmethod
     def start(cls, pid: int) -> RankMemoryWatch:
         folder = cgroup_memory_folder(pid)
-        return cls(pid, folder, cgroup_oom_kills(folder), 0, ram_total(pid))
+        return cls(
+            pid=pid, cgroup=folder, kills_at_start=cgroup_oom_kills(folder), peak=0, limit=ram_total(pid)
+        )
 
     def sample(self) -> None:
         self.peak = max(self.peak, peak_rss(self.pid) or 0)

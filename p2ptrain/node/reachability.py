@@ -85,6 +85,7 @@ class Reachability:
         self,
         config: Config,
         server: DataPlaneServer,
+        *,
         publisher: HeartbeatPublisher,
         view: SwarmView,
         dht: SwarmDHT,

@@ -28,7 +28,7 @@ class RecordExtras:
             self.links.pop(next(iter(self.links)))
 
     def extra_for(
-        self, current: Mapping[str, Any], step: int, named: Collection[bytes], report: bool = False
+        self, current: Mapping[str, Any], step: int, *, named: Collection[bytes], report: bool = False
     ) -> dict[str, Any]:
         """The `current` extra fields with our slow links and the members we name for `step`:
         `report` after a failed attempt, even if we name no one."""

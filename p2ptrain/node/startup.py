@@ -53,6 +53,8 @@ def check_admission(config: Config, identity: NodeIdentity) -> None:
             "('p2ptrain admit KEY') and pass the ticket with --set node.ticket=TICKET"
         )
     try:
-        check_admits(parse_ticket_text(config.node.ticket), identity.public_key, authority, time.time())
+        check_admits(
+            parse_ticket_text(config.node.ticket), identity.public_key, authority=authority, now=time.time()
+        )
     except TicketError as exc:
         raise UserError(f"node.ticket: {exc}") from None

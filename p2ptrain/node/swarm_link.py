@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import statistics
 import time
@@ -43,11 +44,13 @@ from p2ptrain.ckpt.replay import (
 from p2ptrain.ckpt.sidecar import CheckpointSidecar
 from p2ptrain.config import Config, parameter_count
 from p2ptrain.deadline import within
+from p2ptrain.errors import cannot_listen
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.identity import short_id as short_key
 from p2ptrain.node.config_check import refuse_other_settings
 from p2ptrain.node.data_server import node_server
 from p2ptrain.node.interrupt import Interrupted, unless
+from p2ptrain.node.loneliness import LoneWatch
 from p2ptrain.node.outer_sync import OuterSync, StepGivenUp
 from p2ptrain.node.reachability import Reachability, data_address
 from p2ptrain.swarm.dht import SwarmDHT
@@ -111,7 +114,7 @@ class SoloSwarm:
 class SwarmLink(SoloSwarm):
     networked = True
 
-    def __init__(self, config: Config, identity: NodeIdentity, dht: SwarmDHT, checkpoint_dir: Path):
+    def __init__(self, config: Config, identity: NodeIdentity, *, dht: SwarmDHT, checkpoint_dir: Path):
         self.config = config
         self.identity = identity
         self.dht = dht
@@ -120,7 +123,7 @@ class SwarmLink(SoloSwarm):
         self.sidecar = CheckpointSidecar(
             checkpoint_dir,
             config.shared(),
-            self.results,
+            results=self.results,
             reach_proof=self.server.reach.proof_arrived,
             serve_bytes_per_s=config.node.serve_mbps * 1e6 / 8,
         )
@@ -130,12 +133,20 @@ class SwarmLink(SoloSwarm):
         self.sync: OuterSync | None = None
         self._keeper: asyncio.Task[None] | None = None
         self._rechecks: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
         self.dashboard: Dashboard | None = None
+        self.lonely = LoneWatch(run_id=config.run.id, authority=config.run.authority)
 
     async def start(self, stop: asyncio.Event, out: TextIO) -> None:
         node = self.config.node
-        _, port = await self.server.start(node.data_host, node.data_port)
-        ckpt_port = await self.sidecar.start(node.data_host, node.ckpt_port)
+        try:
+            _, port = await self.server.start(node.data_host, node.data_port)
+        except OSError as exc:
+            raise cannot_listen("node.data_port", node.data_host, node.data_port, exc) from None
+        try:
+            ckpt_port = await self.sidecar.start(node.data_host, node.ckpt_port)
+        except OSError as exc:
+            raise cannot_listen("node.ckpt_port", node.data_host, node.ckpt_port, exc) from None
         data_addr = data_address(self.config, port)
         ckpt_addr = node.ckpt_announce or f"http://{data_addr.rpartition(':')[0]}:{ckpt_port}"
         self.publisher = HeartbeatPublisher.for_run(
@@ -143,22 +154,46 @@ class SwarmLink(SoloSwarm):
         )
         await self.publisher.publish(state=NodeState.JOINING)
         print(f"checkpoints served on port {ckpt_port} (announced as {ckpt_addr})", file=out, flush=True)
-        self.sync = OuterSync(self.config, self.dht, self.publisher, self.server)
+        self.sync = OuterSync(self.config, self.dht, publisher=self.publisher, server=self.server)
         self._keeper = asyncio.create_task(
             keep_alive(self.publisher, self.config.swarm.heartbeat_interval, stop)
         )
         if node.dashboard:
             self.dashboard = await serve_dashboard(
-                node.dashboard, self.sync.view.read, self.config.run.id, out
+                node.dashboard,
+                self.sync.view.read,
+                run_id=self.config.run.id,
+                out=out,
+                authority=self.config.run.authority_key,
             )
-        await wait_for_nodes(self.config, self.sync.view, stop, out, self.config.swarm.wait_nodes)
+        await wait_for_nodes(
+            self.config, self.sync.view, stop=stop, out=out, count=self.config.swarm.wait_nodes
+        )
         reachability = Reachability(
-            self.config, self.server, self.publisher, self.sync.view, self.dht, self.sync.standby
+            self.config,
+            self.server,
+            publisher=self.publisher,
+            view=self.sync.view,
+            dht=self.dht,
+            standby=self.sync.standby,
         )
         with contextlib.suppress(Interrupted):
             await unless(reachability.first_probe(), stop.wait())
         self._rechecks = asyncio.create_task(reachability.run(stop))
+        self._watcher = asyncio.create_task(self._watch_peers(stop))
         await self._check_config()
+
+    async def _watch_peers(self, stop: asyncio.Event) -> None:
+        """Read the records every half heartbeat timeout where nothing else did (an inner phase
+        reads none for minutes), so the node says who left when it happens (the view's roster)."""
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await within(stop.wait(), self.config.swarm.heartbeat_timeout / 2)
+            if not stop.is_set():
+                try:
+                    await self._view().read(cached=True)  # no DHT round trip after a recent read
+                except Exception as exc:  # only what the node logs about its peers depends on it
+                    log.debug("reading the swarm's records failed: %s", exc)
 
     def _view(self) -> SwarmView:
         assert self.sync is not None, "start() first"
@@ -169,13 +204,16 @@ class SwarmLink(SoloSwarm):
 
     async def _peers(self) -> list[Heartbeat]:
         """Live, active members of this run with this config, other than this node."""
-        me, digest = self.identity.public_key, self.config.digest()
+        me = self.identity.public_key
+        digest = self.config.digest()
         beats = live(await self._view().read())
         return [b for b in beats if b.node_key != me and b.state in ACTIVE and b.config_digest == digest]
 
     async def first_step(self, step: int, stop: asyncio.Event) -> None:
         """Before this node's first step in a run that starts: wait for the nodes still starting."""
-        await wait_for_first_step(self.config, self._view(), stop, step, self.identity.public_key)
+        await wait_for_first_step(
+            self.config, self._view(), stop=stop, step=step, me=self.identity.public_key
+        )
 
     async def training(self, outer_step: int, **fields: Any) -> None:
         assert self.publisher is not None
@@ -192,11 +230,23 @@ class SwarmLink(SoloSwarm):
             log.warning("outer step %d given up: %s", step, exc)
             return Averaged(step, 0), f"given up: {exc}"
         seconds = time.monotonic() - started
+        members = len(result.election.members)
+        warning = self.lonely.step_done(members)
+        if warning is not None:
+            log.warning("%s", warning)
         comm = self.config.comm
-        self.results.add(step, StepResult(vector.shape[0], comm.quant_block, result.stats.result, comm.bits))
+        self.results.add(
+            step,
+            StepResult(
+                numel=vector.shape[0], block=comm.quant_block, chunks=result.stats.result, bits=comm.bits
+            ),
+        )
         ring = [short_key(member.key) for member in result.election.members]
         averaged = Averaged(step, len(ring), ring, seconds, result.stats.bytes_sent)
         averaged.relayed_bytes = self.server.relay.bytes_relayed
+        averaged.allreduce_s = result.stats.seconds
+        if members == 1:
+            return averaged, f"alone: waited {result.election_s:.1f} s for other nodes of the run"
         return averaged, f"sync {seconds:.2f} s, {result.stats.bytes_sent / 1e6:.2f} MB sent"
 
     async def checkpoint_saved(self, folder: Path, outer_step: int) -> None:
@@ -209,7 +259,7 @@ class SwarmLink(SoloSwarm):
     async def off_track(self, step: int, params_hash: str) -> str | None:
         """Why this node, about to sync `step`, is off the swarm's track (None when it is on it)."""
         peers = await self._peers()
-        if swarm_ahead(peers, step, self.identity.public_key, self._view().finished):
+        if swarm_ahead(peers, step, me=self.identity.public_key, finished=self._view().finished):
             return f"the swarm is past outer step {step}"
         self._stop_collecting()  # in time for this step: nothing left to replay
         at_step = [b for b in peers if b.outer_step == step]
@@ -225,7 +275,7 @@ class SwarmLink(SoloSwarm):
         member that did it, into `vector`; False (vector unchanged) when the swarm is not ahead or
         no member still keeps that result."""
         peers = await self._peers()
-        if not swarm_ahead(peers, step, self.identity.public_key, self._view().finished):
+        if not swarm_ahead(peers, step, me=self.identity.public_key, finished=self._view().finished):
             return False
         # announce the step we aim for at once, so the others, soon ready for it, wait for us
         await self.training(step + 1)
@@ -234,7 +284,7 @@ class SwarmLink(SoloSwarm):
             return True
         limit = self._result_limit(vector.shape[0])
         packed = await fetch_result(
-            result_sources(peers, step), step, limit, self.config.checkpoint.fetch_timeout
+            result_sources(peers, step), step, limit=limit, timeout=self.config.checkpoint.fetch_timeout
         )
         return packed is not None and await self._decode(packed, step, vector)
 
@@ -242,7 +292,8 @@ class SwarmLink(SoloSwarm):
         """Step `step`'s packed result into `vector`; False (vector unchanged) if it does not decode."""
         comm = self.config.comm
         try:
-            await asyncio.to_thread(unpack_into, packed, step, vector, comm.quant_block, comm.bits)
+            unpack = functools.partial(unpack_into, buffer=vector, block=comm.quant_block, bits=comm.bits)
+            await asyncio.to_thread(unpack, packed, step)
         except ReplayError as exc:
             log.warning("result of step %d refused: %s", step, exc)
             return False
@@ -250,7 +301,7 @@ class SwarmLink(SoloSwarm):
 
     def _result_limit(self, numel: int) -> int:
         comm = self.config.comm
-        return max_result_bytes(numel, comm.quant_block, comm.chunk_bytes // 4, comm.bits)
+        return max_result_bytes(numel, comm.quant_block, chunk_values=comm.chunk_bytes // 4, bits=comm.bits)
 
     def _collect_results(self, holders: list[Heartbeat]) -> None:
         """While the checkpoint downloads, collect the results of the steps the swarm takes meanwhile,
@@ -261,9 +312,9 @@ class SwarmLink(SoloSwarm):
             self.collector = ResultCollector(
                 self._peers,
                 self._result_limit(numel),
-                8 * numel,
-                self.config.checkpoint.fetch_timeout,
-                self.config.swarm.heartbeat_interval,
+                max_bytes=8 * numel,
+                timeout=self.config.checkpoint.fetch_timeout,
+                interval=self.config.swarm.heartbeat_interval,
             )
         # the median: a stranger announcing the same digest at step 0 cannot send it back to the start
         self.collector.start(statistics.median_low(b.outer_step for b in holders) - 1)
@@ -302,7 +353,9 @@ class SwarmLink(SoloSwarm):
                 try:
                     bound = max_checkpoint_bytes(parameter_count(self.config.model))
                     timeout = self.config.checkpoint.fetch_timeout
-                    return await fetch_checkpoint(digest, holders, dest, timeout, bound)
+                    return await fetch_checkpoint(
+                        digest, holders, dest_dir=dest, timeout=timeout, max_bytes=bound
+                    )
                 except RecoveryError as exc:
                     if time.monotonic() > deadline:
                         raise
@@ -343,7 +396,8 @@ class SwarmLink(SoloSwarm):
         """Live nodes of this run that have not finished it yet (a finished node waits for them);
         one whose data port refuses connections has crashed and is not waited for."""
         assert self.sync is not None
-        me, digest = self.identity.public_key, self.config.digest()
+        me = self.identity.public_key
+        digest = self.config.digest()
         pending = [
             b
             for b in live(await self._view().read())
@@ -354,7 +408,7 @@ class SwarmLink(SoloSwarm):
 
     async def close(self, out: TextIO, short_id: str) -> None:
         self._stop_collecting()
-        for task in (self._keeper, self._rechecks):
+        for task in (self._keeper, self._rechecks, self._watcher):
             if task is not None:
                 task.cancel()
         if self.sync is not None:

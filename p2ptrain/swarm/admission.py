@@ -33,7 +33,7 @@ class TicketError(ValueError):
     """A ticket that does not parse, verify or apply; the message says which."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Ticket:
     """The authority's word that `node_key` may take part in its run until `expires` (Unix time)."""
 
@@ -55,7 +55,7 @@ class Ticket:
 
 
 def issue_ticket(authority: NodeIdentity, node_key: bytes, expires: float) -> Ticket:
-    unsigned = Ticket(authority.public_key, node_key, float(expires))
+    unsigned = Ticket(authority=authority.public_key, node_key=node_key, expires=float(expires))
     return replace(unsigned, signature=authority.sign(unsigned.message()))
 
 
@@ -84,30 +84,45 @@ def read_ticket(data: bytes) -> Ticket:
             raise TicketError("ticket with a malformed key or signature")
     if not isinstance(expires, float) or expires != expires:
         raise TicketError("ticket with a malformed expiry")
-    return Ticket(authority, node_key, expires, signature)
+    return Ticket(authority=authority, node_key=node_key, expires=expires, signature=signature)
 
 
 def parse_ticket_text(text: str) -> Ticket:
-    """The ticket `p2ptrain admit` printed, verified."""
+    """The ticket `p2ptrain admit` printed, verified. A person pasted it: what is wrong is said in
+    their words (cut short, changed, the wrong line), not in the encoding's."""
     text = text.strip()
     if not text.startswith(TICKET_PREFIX):
-        raise TicketError(f"not an admission ticket (those start with {TICKET_PREFIX!r})")
+        raise TicketError(
+            f"not an admission ticket: those start with {TICKET_PREFIX!r}, as `p2ptrain admit` prints them"
+        )
     body = text[len(TICKET_PREFIX) :]
     try:
-        data = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
-    except (binascii.Error, ValueError):
-        raise TicketError("admission ticket is not valid base64 (cut short when copied?)") from None
-    return decode_ticket(data)
+        ticket = read_ticket(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
+    except (binascii.Error, ValueError):  # TicketError is a ValueError
+        raise TicketError(
+            "not a ticket `p2ptrain admit` printed (it does not decode; cut short or changed when "
+            "copied?): copy the whole line it printed"
+        ) from None
+    if not verify(ticket.authority, ticket.signature, ticket.message()):
+        raise TicketError(
+            "the ticket was changed after `p2ptrain admit` signed it (its signature does not match): "
+            "copy the whole line it printed, or ask the run's operator for a new one"
+        )
+    return ticket
 
 
-def check_admits(ticket: Ticket, node_key: bytes, authority: bytes, now: float) -> None:
+def check_admits(ticket: Ticket, node_key: bytes, *, authority: bytes, now: float) -> None:
     """Raise TicketError unless `ticket` lets `node_key` into the run of `authority` at `now`."""
     if ticket.authority != authority:
         raise TicketError(
-            f"ticket from authority {short_id(ticket.authority)}, the run's is {short_id(authority)}"
+            f"ticket signed by authority {short_id(ticket.authority)}, but the run's (run.authority) is "
+            f"{short_id(authority)}"
         )
     if ticket.node_key != node_key:
-        raise TicketError(f"ticket admits {short_id(ticket.node_key)}, not {short_id(node_key)}")
+        raise TicketError(
+            f"ticket admits node {short_id(ticket.node_key)}, not node {short_id(node_key)} (a ticket "
+            "admits the one node key it was issued for)"
+        )
     if ticket.expires <= now:
         raise TicketError(f"ticket of {short_id(node_key)} expired {now - ticket.expires:.0f} s ago")
 
@@ -119,7 +134,10 @@ def parse_public_key(text: str, what: str) -> bytes:
     except ValueError:
         key = b""
     if len(key) != PUBLIC_KEY_BYTES:
-        raise TicketError(f"{what} {text[:80]!r} is not an Ed25519 public key (64 hex digits)")
+        raise TicketError(
+            f"{what} {text[:80]!r} is not a key: 64 hex digits, as `p2ptrain identity` prints a node's "
+            "(after 'node key') and `p2ptrain admit --new` the run's authority"
+        )
     return key
 
 
@@ -132,7 +150,7 @@ def run_credentials(authority: bytes | None, ticket_text: str) -> Credentials | 
         if not data:
             return "it showed no admission ticket"
         try:
-            check_admits(decode_ticket(data), peer, authority, time.time())
+            check_admits(decode_ticket(data), peer, authority=authority, now=time.time())
         except TicketError as exc:
             return str(exc)
         return None

@@ -19,7 +19,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from p2ptrain.comm.net.reach import can_be_dialed
 from p2ptrain.comm.reduce.connect import refuses_connections
@@ -50,7 +50,13 @@ async def answers_hello(address: str, identity: NodeIdentity, timeout: float = P
     writer = None
     try:
         reader, writer = await within(asyncio.open_connection(*parsed), timeout)
-        hello = hello_header(identity, PROBE_STEP, bytes(32), secrets.token_bytes(NONCE_BYTES), bytes(32))
+        hello = hello_header(
+            identity,
+            PROBE_STEP,
+            digest=bytes(32),
+            nonce=secrets.token_bytes(NONCE_BYTES),
+            ephemeral=bytes(32),
+        )
         await write_frame(writer, hello, timeout=timeout)
         answer = await read_frame(reader, timeout, 4096)
     except (OSError, asyncio.TimeoutError, WireError):
@@ -70,9 +76,17 @@ async def port_refuses(address: str, timeout: float = PROBE_TIMEOUT) -> bool:
 class CrashWatch:
     """Probes the data ports of the nodes a step waits for; `alive` leaves out those that refused."""
 
-    def __init__(self, interval: float = PROBE_INTERVAL, timeout: float = PROBE_TIMEOUT):
+    def __init__(
+        self,
+        interval: float = PROBE_INTERVAL,
+        timeout: float = PROBE_TIMEOUT,
+        *,
+        on_crash: Callable[[Heartbeat, str], None] | None = None,
+    ):
         self.interval = interval
         self.timeout = timeout
+        self.on_crash = on_crash
+        """Told of each node found gone, with why (a node's roster logs it once); else a log line."""
         self._crashed: dict[bytes, str] = {}
         """node key → the data address that refused connections."""
         self._last_probe: dict[bytes, float] = {}
@@ -110,11 +124,11 @@ class CrashWatch:
             refused = await port_refuses(beat.data_addr, self.timeout)
             known = self._crashed.get(beat.node_key) == beat.data_addr
             if refused and not known:
-                log.warning(
-                    "%s is gone: its data port %s refuses connections",
-                    short_id(beat.node_key),
-                    beat.data_addr,
-                )
+                why = f"crashed: its data port {beat.data_addr} refuses connections"
+                if self.on_crash is not None:
+                    self.on_crash(beat, why)
+                else:
+                    log.warning("%s is gone (%s)", short_id(beat.node_key), why)
                 self._crashed[beat.node_key] = beat.data_addr
             elif not refused and known:
                 log.info("%s: its data port takes connections again", short_id(beat.node_key))

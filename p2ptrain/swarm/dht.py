@@ -42,7 +42,7 @@ from p2ptrain.swarm.dht_process import (
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DHTSettings:
     peers: Sequence[str] = ()
     listen: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",)
@@ -131,7 +131,7 @@ class SwarmDHT:
             raise NetworkError(f"the DHT did not tell its addresses: {exc or 'timed out'}") from None
 
     async def store(
-        self, key: str, subkey: bytes, value: bytes, expiration: float, timeout: float | None = None
+        self, key: str, subkey: bytes, *, value: bytes, expiration: float, timeout: float | None = None
     ) -> bool:
         """Store one subkey of `key`; False when no replica accepted it within the timeout.
 
@@ -142,7 +142,9 @@ class SwarmDHT:
         self.traffic.stored += len(key) + len(subkey) + len(value)
         self.traffic.calls += 1
         try:
-            return bool(await self._ask(Store(key, subkey, value, expiration), timeout))
+            return bool(
+                await self._ask(Store(key=key, subkey=subkey, value=value, expiration=expiration), timeout)
+            )
         except asyncio.TimeoutError:
             log.warning("DHT store of %s timed out after %.1f s", key, timeout)
             return False
@@ -203,7 +205,9 @@ class SwarmDHT:
             await asyncio.to_thread(self._stop, client, client.pid)
             return False
         self._retired.append((self._dht, self._pid))
-        self._dht, self._pid, self.settings = client, client.pid, settings
+        self._dht = client
+        self._pid = client.pid
+        self.settings = settings
         self._retiring = asyncio.create_task(self._retire_later())
         log.warning("DHT goes on as a client (nobody can dial this node): peer %s", self.peer_id)
         return True
@@ -280,7 +284,7 @@ def _start_once(settings: DHTSettings) -> DHTProcess:
         kwargs["identity_path"] = str(settings.p2p_key)
     before = _socket_files()
     try:
-        return DHTProcess.start(settings.peers, settings.validators, kwargs)
+        return DHTProcess.start(settings.peers, settings.validators, node_options=kwargs)
     except P2PDaemonError:
         _remove_dead_sockets(_socket_files() - before)  # hivemind leaves them when p2pd fails
         raise

@@ -37,7 +37,7 @@ from p2ptrain import procs
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Store:
     key: str
     subkey: bytes
@@ -96,6 +96,7 @@ class DHTProcess:
         cls,
         initial_peers: Sequence[str],
         validators: Sequence[RecordValidatorBase],
+        *,
         node_options: dict[str, Any],
         startup_timeout: float = 120.0,
     ) -> DHTProcess:
@@ -105,11 +106,15 @@ class DHTProcess:
         the child exits or stays silent past `startup_timeout`.
         """
         ours, theirs = multiprocessing.Pipe(duplex=True)
+        serve = partial(
+            _serve,
+            parent_pid=os.getpid(),
+            initial_peers=list(initial_peers),
+            validators=list(validators),
+            node_options=node_options,
+        )
         process = multiprocessing.get_context("fork").Process(
-            target=_serve,
-            args=(theirs, ours, os.getpid(), list(initial_peers), list(validators), node_options),
-            name="p2ptrain-dht",
-            daemon=True,
+            target=serve, args=(theirs, ours), name="p2ptrain-dht", daemon=True
         )
         process.start()
         theirs.close()
@@ -205,6 +210,7 @@ def _reap(process: multiprocessing.process.BaseProcess, timeout: float) -> None:
 def _serve(
     pipe: Connection,
     parents_end: Connection,
+    *,
     parent_pid: int,
     initial_peers: list[str],
     validators: list[RecordValidatorBase],
@@ -223,7 +229,9 @@ def _serve(
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     try:
-        loop.run_until_complete(_serve_node(pipe, initial_peers, validators, node_options))
+        loop.run_until_complete(
+            _serve_node(pipe, initial_peers, validators=validators, node_options=node_options)
+        )
     finally:
         loop.close()
 
@@ -231,6 +239,7 @@ def _serve(
 async def _serve_node(
     pipe: Connection,
     initial_peers: list[str],
+    *,
     validators: list[RecordValidatorBase],
     node_options: dict[str, Any],
 ) -> None:

@@ -50,7 +50,7 @@ LINKS_FIELD = "links"
 LINK_PREFIX_HEX = 16
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Election:
     step: int
     members: list[Member]
@@ -224,7 +224,7 @@ IN_STEPS = (NodeState.TRAINING, NodeState.READY, NodeState.SYNCING)
 
 
 def _others_at_or_past(
-    heartbeats: Iterable[Heartbeat], step: int, me: bytes, ignored: Collection[bytes]
+    heartbeats: Iterable[Heartbeat], step: int, *, me: bytes, ignored: Collection[bytes]
 ) -> bool:
     """Another live node is at `step` (one the evidence leaves out, `ignored`, aside), or in the
     steps (or finished) past it: then the step was taken or given up without us, and taking it
@@ -240,9 +240,15 @@ def _others_at_or_past(
     )
 
 
+def _others_in_the_run(heartbeats: Iterable[Heartbeat], me: bytes) -> bool:
+    """Another node of the run is joining or in the steps: a possible member of a step soon."""
+    return any(beat.node_key != me and beat.state in (NodeState.JOINING, *IN_STEPS) for beat in heartbeats)
+
+
 def decide(
     heartbeats: Sequence[Heartbeat],
     step: int,
+    *,
     deadline_passed: bool,
     throughput: Throughput | None = None,
     in_transit: Collection[bytes] = (),
@@ -264,7 +270,7 @@ def decide(
     if not ready or (expected and (not deadline_passed or 2 * len(ready) <= len(ready) + len(expected))):
         return None
     if len(ready) == 1 and (
-        not deadline_passed or _others_at_or_past(heartbeats, step, ready[0].node_key, excluded)
+        not deadline_passed or _others_at_or_past(heartbeats, step, me=ready[0].node_key, ignored=excluded)
     ):
         # Alone in this view: a one-member "all-reduce" has no handshake that would reveal a
         # disagreement, so never go solo while any other live node is at this step (its ready record
@@ -281,11 +287,13 @@ def decide(
         assert address is not None, "ready_for keeps only records with a usable address"
         host, port = address
         tokens = by_key[key].tokens if max_tokens is None else min(by_key[key].tokens, max_tokens)
-        members.append(Member(key, host, port, float(tokens), key not in behind_nat))
+        members.append(
+            Member(key=key, host=host, port=port, weight=float(tokens), reachable=key not in behind_nat)
+        )
     relays = (
         () if len(members) < 2 or behind_nat != set(by_key) else tuple(sorted(standby, key=lambda r: r.key))
     )
-    return Election(step, members, dict(excluded), relays)
+    return Election(step=step, members=members, left_out=dict(excluded), relays=relays)
 
 
 def keep_apart(order: list[bytes], behind_nat: Collection[bytes]) -> list[bytes]:
@@ -318,7 +326,7 @@ class LeftOut(Exception):
 
 
 def swarm_ahead(
-    heartbeats: Iterable[Heartbeat], step: int, me: bytes, finished: Mapping[bytes, int] | None = None
+    heartbeats: Iterable[Heartbeat], step: int, *, me: bytes, finished: Mapping[bytes, int] | None = None
 ) -> bool:
     """Step `step` has been taken without this node: a strict majority of the run's other nodes —
     those in the steps, those that finished it (still here, or gone: `finished`, node → its last
@@ -332,7 +340,7 @@ def swarm_ahead(
 
 
 def swarm_still_at(
-    heartbeats: Iterable[Heartbeat], step: int, me: bytes, finished: Mapping[bytes, int] | None = None
+    heartbeats: Iterable[Heartbeat], step: int, *, me: bytes, finished: Mapping[bytes, int] | None = None
 ) -> bool:
     """Others are still at `step` (or before it) and no strict majority is past it: the mirror of
     swarm_ahead, for a node that gave `step` up or was left out of it.
@@ -369,6 +377,7 @@ def _past(position: Mapping[bytes, tuple[int, bool]], step: int) -> int:
 async def elect(
     read: Callable[[], Awaitable[list[Heartbeat]]],
     step: int,
+    *,
     straggler_deadline: float,
     timeout: float,
     poll_interval: float = 0.25,
@@ -379,8 +388,15 @@ async def elect(
     max_tokens: int | None = None,
     pause: Callable[[float], Awaitable[None]] = asyncio.sleep,
     standby: Sequence[Member] = (),
+    lone_grace: float | None = None,
 ) -> Election:
     """Poll the heartbeats (via `read`) until `decide` gives the members of `step`.
+
+    `lone_grace` (given `me`): where no other node of the run is in the view at all, joining or in
+    the steps, the straggler deadline shrinks to this. The deadline waits for ready records still on
+    their way from nodes the view knows; with none known, a run of one node would otherwise pay
+    the whole deadline every step (a node unseen by now is unseen for the whole deadline too, so
+    waiting longer forks nothing that going on after the grace would not).
 
     The DHT offers no change notification across processes, hence the bounded poll; `pause`
     waits between reads (at most `poll_interval`: the node's cuts it short when a member that has
@@ -394,7 +410,7 @@ async def elect(
     first_ready: float | None = None
     while True:
         heartbeats = await read()
-        if me is not None and swarm_ahead(heartbeats, step, me, finished):
+        if me is not None and swarm_ahead(heartbeats, step, me=me, finished=finished):
             raise SwarmAhead(f"the swarm is past outer step {step}")
         ready = ready_for(heartbeats, step)
         excluded = left_out(ready, step)
@@ -403,11 +419,14 @@ async def elect(
         now = clock()
         if first_ready is None and ready:
             first_ready = now
-        passed = first_ready is not None and now - first_ready >= straggler_deadline
+        deadline = straggler_deadline
+        if lone_grace is not None and me is not None and not _others_in_the_run(heartbeats, me):
+            deadline = min(deadline, lone_grace)
+        passed = first_ready is not None and now - first_ready >= deadline
         election = decide(
             heartbeats,
             step,
-            passed,
+            deadline_passed=passed,
             in_transit=in_transit,
             max_tokens=max_tokens,
             excluded=excluded,

@@ -124,7 +124,7 @@ class Offences:
     _until: dict[bytes, int] = field(default_factory=dict)
 
     def step_done(
-        self, step: int, members: Iterable[bytes], named: Iterable[bytes], failed: Iterable[bytes] = ()
+        self, step: int, members: Iterable[bytes], *, named: Iterable[bytes], failed: Iterable[bytes] = ()
     ) -> None:
         """After `step`: who took part in it (cleared), whom this node named in it, and who else
         was tried in it here and failed (left out by someone else's evidence)."""

@@ -41,6 +41,7 @@ from p2ptrain.swarm.records import (
     heartbeat_key,
     relays_key,
 )
+from p2ptrain.swarm.roster import Roster
 from p2ptrain.untrusted import ThrottledLog
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ class HeartbeatPublisher:
     `ttl` is the record's life in the DHT (`SwarmConfig.record_lifetime`), not the liveness timeout.
     """
 
-    def __init__(self, dht: SwarmDHT, identity: NodeIdentity, run_id: str, ttl: float, **fields: Any):
+    def __init__(self, dht: SwarmDHT, identity: NodeIdentity, *, run_id: str, ttl: float, **fields: Any):
         self._dht = dht
         self._identity = identity
         self._ttl = ttl
@@ -83,7 +84,7 @@ class HeartbeatPublisher:
         return cls(
             dht,
             identity,
-            config.run.id,
+            run_id=config.run.id,
             ttl=config.swarm.record_lifetime,
             config_digest=config.digest(),
             ticket=ticket,
@@ -133,8 +134,8 @@ class HeartbeatPublisher:
         return await self._dht.store(
             record.key,
             record.node_key,
-            signed if signed is not None else record.sign(self._identity),
-            record.expiration,
+            value=signed if signed is not None else record.sign(self._identity),
+            expiration=record.expiration,
             timeout=timeout,
         )
 
@@ -207,6 +208,7 @@ class VerifiedRecords:
 async def read_heartbeats(
     dht: SwarmDHT,
     run_id: str,
+    *,
     refusals: ThrottledLog | None = None,
     verified: VerifiedRecords | None = None,
     authority: bytes | None = None,
@@ -223,12 +225,14 @@ async def read_heartbeats(
     found = await dht.get(heartbeat_key(run_id, authority))
     if not found:
         return []
-    beats = decode_all(found.items(), run_id, refusals, verified or VerifiedRecords(), authority)
+    beats = decode_all(
+        found.items(), run_id, refusals=refusals, verified=verified or VerifiedRecords(), authority=authority
+    )
     return [beat for beat in beats if beat.state is not NodeState.RELAY]  # those live under relays_key
 
 
 async def read_relays(
-    dht: SwarmDHT, run_id: str, authority: bytes | None = None, refusals: ThrottledLog | None = None
+    dht: SwarmDHT, run_id: str, *, authority: bytes | None = None, refusals: ThrottledLog | None = None
 ) -> list[Heartbeat]:
     """The run's standby relays (`p2ptrain bootstrap --relay`): records in state `relay` under the
     run's relays key, valid and unexpired (a relay that stops lets its record expire)."""
@@ -236,13 +240,16 @@ async def read_relays(
     if not found:
         return []
     refusals = refusals or ThrottledLog(log, interval=0.0)
-    beats = decode_all(found.items(), run_id, refusals, VerifiedRecords(), authority)
+    beats = decode_all(
+        found.items(), run_id, refusals=refusals, verified=VerifiedRecords(), authority=authority
+    )
     return [beat for beat in beats if beat.state is NodeState.RELAY]
 
 
 def decode_all(
     items: Iterable[tuple[bytes, Any]],
     run_id: str,
+    *,
     refusals: ThrottledLog,
     verified: VerifiedRecords,
     authority: bytes | None = None,
@@ -293,6 +300,7 @@ class SwarmView:
         self,
         dht: SwarmDHT,
         run_id: str,
+        *,
         timeout: float,
         clock: Callable[[], float] = time.monotonic,
         authority: bytes | None = None,
@@ -310,17 +318,25 @@ class SwarmView:
         self._verified = VerifiedRecords()
         self._last_read: list[Heartbeat] = []
         self._read_at = -math.inf
+        self.roster: Roster | None = None
+        """Given one, every judged read goes to it too: who joined and who left, and why (roster.py)."""
 
     @classmethod
     def for_run(cls, dht: SwarmDHT, config: Config) -> SwarmView:
-        return cls(dht, config.run.id, config.swarm.heartbeat_timeout, authority=config.run.authority_key)
+        return cls(
+            dht, config.run.id, timeout=config.swarm.heartbeat_timeout, authority=config.run.authority_key
+        )
 
     async def read(self, cached: bool = False) -> list[Heartbeat]:
         """Every heartbeat in the DHT whose sender is not silent, ordered by node key. `cached`:
         the last read's records again, without a DHT round trip (with what was `offer`ed since)."""
         if not cached or not self.fresh():
             self._last_read = await read_heartbeats(
-                self._dht, self.run_id, self._refusals, self._verified, self.authority
+                self._dht,
+                self.run_id,
+                refusals=self._refusals,
+                verified=self._verified,
+                authority=self.authority,
             )
             self._read_at = self._clock()
         return self.judge(self._last_read)
@@ -360,6 +376,8 @@ class SwarmView:
             known = self._newest.get(beat.node_key)
             newest[beat.node_key] = known if known and known[0].seq >= beat.seq else (beat, now)
         self._newest = newest  # nodes gone from the DHT are forgotten
+        if self.roster is not None:
+            self.roster.update(beat for beat, _ in newest.values())
         for beat, _ in newest.values():
             if finished_run(beat):
                 self.finished[beat.node_key] = max(self.finished.get(beat.node_key, 0), beat.outer_step)
@@ -378,16 +396,18 @@ def live(heartbeats: list[Heartbeat]) -> list[Heartbeat]:
     return [beat for beat in heartbeats if beat.state is not NodeState.DEAD]
 
 
-EMPTY_READ_RETRIES, EMPTY_READ_PAUSE = 2, 1.0
-"""`status` reads again (after a pause) when a read found no record at all: a fresh DHT client's
-first get may time out on a busy peer, and would show a live run as empty."""
+EMPTY_READ_RETRIES = 2
+"""`status` reads again, at once, when a read found no record at all: a fresh DHT client's first
+get may time out on a busy peer, and would show a live run as empty. No pause before it: a get
+that timed out has waited its dht_timeout already, and one that found nothing in a run without
+nodes would only wait for nothing (it made `status` of an empty run take 5 s instead of 1)."""
 GONE, SILENT = "gone", "silent"
 """What `status` shows instead of a record's state: its data port refuses connections (the process
 is gone), or its heartbeat did not advance while `status` watched (stopped, frozen, cut off)."""
 
 
 async def observe(
-    dht: SwarmDHT, run_id: str, watch: float, authority: bytes | None = None
+    dht: SwarmDHT, run_id: str, *, watch: float, authority: bytes | None = None
 ) -> tuple[list[Heartbeat], dict[bytes, str]]:
     """The run's records, and a verdict for the nodes that are not what their record says.
 
@@ -398,17 +418,16 @@ async def observe(
     for _ in range(EMPTY_READ_RETRIES):  # a DHT get that timed out reads as empty: not "no nodes"
         if first:
             break
-        await asyncio.sleep(EMPTY_READ_PAUSE)
         first = await read_heartbeats(dht, run_id, authority=authority)
     candidates = [
         beat for beat in first if beat.state is not NodeState.DEAD and can_be_dialed(beat.data_reach)
     ]
     probes = asyncio.gather(*(port_refuses(beat.data_addr) for beat in candidates))
-    if watch > 0:
+    if watch > 0 and candidates:
         await asyncio.sleep(watch)
     refused = await probes
     verdicts = {beat.node_key: GONE for beat, gone in zip(candidates, refused, strict=True) if gone}
-    if watch <= 0:
+    if watch <= 0 or not candidates:  # nobody whose heartbeat a second read could find stopped
         return first, verdicts
     second = {beat.node_key: beat for beat in await read_heartbeats(dht, run_id, authority=authority)}
     for beat in candidates:

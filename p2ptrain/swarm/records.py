@@ -48,6 +48,18 @@ class NodeState(str, enum.Enum):
 FINISHED_FIELD = "finished"
 """`extra` field of the deathrattle of a node that finished the run: True. Its outer_step is then
 the run's last, so nodes still behind it know the swarm went past their step."""
+OUTER_STEPS_FIELD = "outer_steps"
+"""`extra` of a training node: its run's outer steps, train.max_steps (the inner steps of the whole
+run) over train.inner_steps, rounded up; more where train.time_box cuts inner phases short. The
+status page shows the run's progress from it (a bootstrap peer reads no run config)."""
+TOKENS_TOTAL_FIELD = "tokens_total"
+"""`extra`: tokens the node has contributed to completed outer steps since it started (the
+`tokens` field is its weight in the current step only)."""
+STEP_TOKENS_FIELD = "step_tokens"
+"""`extra`: tokens the node contributed to the outer step it completed last (0: it took it with
+weight 0, catching up)."""
+TOKENS_RATE_FIELD = "tokens_per_s"
+"""`extra`: the node's tokens per second over its last outer step, inner phase and sync together."""
 
 
 class RecordError(ValueError):
@@ -69,7 +81,7 @@ def relays_key(run_id: str, authority: bytes | None = None) -> str:
     return heartbeat_key(run_id, authority).removesuffix("/nodes") + "/relays"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Heartbeat:
     run_id: str
     node_key: bytes
@@ -215,7 +227,7 @@ def check_admitted(heartbeat: Heartbeat, authority: bytes | None, now: float) ->
     if admission is None:
         raise RecordError(f"heartbeat of {short_id(heartbeat.node_key)} without an admission ticket")
     try:
-        check_admits(admission, heartbeat.node_key, authority, now)
+        check_admits(admission, heartbeat.node_key, authority=authority, now=now)
     except TicketError as exc:
         raise RecordError(str(exc)) from None
 
@@ -225,4 +237,12 @@ def record_number(value: Any) -> float | None:
     status page's JSON as `Infinity`, which browsers refuse)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return round(float(value), 4)
+    return None
+
+
+def record_count(value: Any) -> int | None:
+    """A non-negative integer from an untrusted `extra` field of a record, or None; at most 2**53,
+    which the status page's JavaScript still reads exactly."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 2**53:
+        return value
     return None

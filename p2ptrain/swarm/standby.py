@@ -55,6 +55,7 @@ class StandbyRelays:
         self,
         dht: SwarmDHT,
         run_id: str,
+        *,
         authority: bytes | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
@@ -86,12 +87,13 @@ class StandbyRelays:
             self._reading.cancel()
 
     async def _read(self) -> None:
-        beats = await read_relays(self._dht, self._run_id, self._authority, self._refusals)
+        beats = await read_relays(self._dht, self._run_id, authority=self._authority, refusals=self._refusals)
         relays = []
         for beat in live(beats):
             address = parse_address(beat.data_addr)
             if address is not None:
-                relays.append(Member(beat.node_key, *address))
+                host, port = address
+                relays.append(Member(key=beat.node_key, host=host, port=port))
         relays = relays[:MAX_STANDBY]  # the records come ordered by key
         if relays != self._relays:
             names = ", ".join(f"{short_id(r.key)} at {r.host}:{r.port}" for r in relays) or "none"
@@ -126,7 +128,11 @@ class RunEnds:
             await asyncio.sleep(max(0.0, self._read_at + MIN_READ_GAP_S - time.monotonic()))
             started = time.monotonic()
             beats = await read_heartbeats(
-                self._dht, self._run_id, self._refusals, self._verified, self._authority
+                self._dht,
+                self._run_id,
+                refusals=self._refusals,
+                verified=self._verified,
+                authority=self._authority,
             )
             self._records = {beat.node_key: beat for beat in live(beats)}
             self._read_at = started

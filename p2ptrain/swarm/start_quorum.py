@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 async def wait_for_nodes(
-    config: Config, view: SwarmView, stop: asyncio.Event, out: TextIO, count: int
+    config: Config, view: SwarmView, *, stop: asyncio.Event, out: TextIO, count: int
 ) -> None:
     """Return once `count` live nodes are in the swarm table (UserError after election_timeout)."""
     if count <= 1:
@@ -60,7 +60,7 @@ def at_or_past(beat: Heartbeat, step: int) -> bool:
 
 
 async def wait_for_first_step(
-    config: Config, view: SwarmView, stop: asyncio.Event, step: int, me: bytes
+    config: Config, view: SwarmView, *, stop: asyncio.Event, step: int, me: bytes
 ) -> None:
     """Before this node's first outer step `step` of a run that starts: wait until `wait_nodes`
     nodes (this one included) are at that step or past it, while any node is still starting.

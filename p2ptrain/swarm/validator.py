@@ -65,6 +65,7 @@ class HeartbeatValidator(RecordValidatorBase):
         self,
         run_ids: tuple[str, ...] = (),
         max_tracked: int = 65536,
+        *,
         max_lifetime: float = MAX_LIFETIME_ANY_RUN,
         authority: bytes | None = None,
     ):

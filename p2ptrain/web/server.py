@@ -33,7 +33,7 @@ MAX_CONNECTIONS_PER_SOURCE = 32
 REQUEST_TIMEOUT = 10.0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ConnectionBudget:
     total: int = MAX_CONNECTIONS
     per_source: int = MAX_CONNECTIONS_PER_SOURCE
@@ -92,7 +92,8 @@ class _Budgeted(asyncio.Protocol):
             )
             _abort(transport)
             return
-        self._source, self._transport = source, transport
+        self._source = source
+        self._transport = transport
         self._inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
@@ -132,7 +133,7 @@ class Served:
 
 
 async def start_app(
-    app: web.Application, host: str, port: int, budget: ConnectionBudget | None = None
+    app: web.Application, host: str, *, port: int, budget: ConnectionBudget | None = None
 ) -> tuple[Served, int]:
     """Serve `app` on `host`:`port` (0: a free one) within `budget`; returns it and the bound port."""
     runner = web.AppRunner(app, access_log=None, keepalive_timeout=REQUEST_TIMEOUT)

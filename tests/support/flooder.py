@@ -1,6 +1,6 @@
 """A flooding client against one node's data port, run as its own process by the tests.
 
-    python -m tests.flooder --target HOST:PORT --mode idle|hellos|reaches|forged|relays|records
+    python -m tests.support.flooder --target HOST:PORT --mode idle|hellos|reaches|forged|relays|records
                             [--count N] [--source 127.0.0.2] [--claim KEY] [--run-id RUN]
                             [--from-step N] [--learn-source 127.0.0.3]
 
@@ -74,18 +74,34 @@ def hello(step: int = FAR_STEP, key: bytes | None = None) -> bytes:
 def relay_request(step: int, relay: bytes) -> bytes:
     stranger = NodeIdentity(Ed25519PrivateKey.generate(), Path("stranger"))
     request = RelayRequest(
-        step, 0, secrets.token_bytes(32), stranger.public_key, secrets.token_bytes(32), 0, "send", relay
+        step=step,
+        attempt=0,
+        digest=secrets.token_bytes(32),
+        sender=stranger.public_key,
+        receiver=secrets.token_bytes(32),
+        lane=0,
+        role="send",
+        relay=relay,
     )
     return b"".join(bytes(part) for part in encode_frame(request.header(stranger)))
 
 
-def pushed_record(turn: int, run_id: str, claim: bytes, step: int) -> bytes:
+def pushed_record(turn: int, run_id: str, *, claim: bytes, step: int) -> bytes:
     stranger = NodeIdentity(Ed25519PrivateKey.generate(), Path("stranger"))
     if turn % 3 == 0:
         record = secrets.token_bytes(300)
     else:
-        beat = Heartbeat(run_id, stranger.public_key, 2**62, time.time(), time.time() + 60, NodeState.READY,
-                         outer_step=step, data_addr="127.0.0.2:9", tokens=10**6)  # fmt: skip
+        beat = Heartbeat(
+            run_id=run_id,
+            node_key=stranger.public_key,
+            seq=2**62,
+            timestamp=time.time(),
+            expiration=time.time() + 60,
+            state=NodeState.READY,
+            outer_step=step,
+            data_addr="127.0.0.2:9",
+            tokens=10**6,
+        )
         record = beat.sign(stranger)
         if turn % 3 == 2:  # the member's name, the stranger's signature
             forged = msgpack.unpackb(record, raw=False)
@@ -159,7 +175,7 @@ class Flood:
             elif self.args.mode == "records":
                 self.turn += 1
                 claim = bytes.fromhex(self.args.claim)
-                writer.write(pushed_record(self.turn, self.args.run_id, claim, self.step + 1))
+                writer.write(pushed_record(self.turn, self.args.run_id, claim=claim, step=self.step + 1))
             with contextlib.suppress(OSError):
                 await reader.read()  # until the node closes it
             self.held -= 1

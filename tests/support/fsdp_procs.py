@@ -37,7 +37,7 @@ def _worker(
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         group = dist.group.WORLD
-    ctx = RankContext(rank, world, torch.device("cpu"), group)
+    ctx = RankContext(rank=rank, world_size=world, device=torch.device("cpu"), cpu_group=group)
     config = load_config("debug", overrides=TINY + overrides)
     try:
         if mode == "layout":
@@ -57,7 +57,9 @@ def _worker(
             }
         else:
             work = Path(out).parent / f"work-{world}{'-resumed' if resume else ''}"
-            trainer = Trainer(config, b"k" * 32, work, ctx, resume=Path(resume) if resume else None)
+            trainer = Trainer(
+                config, node_key=b"k" * 32, work_dir=work, ctx=ctx, resume=Path(resume) if resume else None
+            )
             trainer.run()
             result = {"params": trainer.outer.params if rank == 0 else None, "loss": trainer.last_loss}
         if rank == 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -48,7 +49,7 @@ def cli(
 
 
 def wait_until(
-    predicate: Callable[[], bool], timeout: float, interval: float = 0.2, what: str = "condition"
+    predicate: Callable[[], bool], timeout: float, *, interval: float = 0.2, what: str = "condition"
 ) -> None:
     """Poll `predicate` (a check of external state, e.g. the DHT) until true; fail after `timeout`."""
     deadline = time.monotonic() + timeout
@@ -112,6 +113,7 @@ class LocalSwarm:
         self,
         name: str = "bootstrap",
         identity: str = "bootstrap",
+        *,
         listen: str = LOOPBACK,
         prefix: tuple[str, ...] = (),
         extra: tuple[str, ...] = (),
@@ -134,7 +136,7 @@ class LocalSwarm:
                 str(address_file),
                 *extra,
             ],
-            self.root / f"{name}.log",
+            log_path=self.root / f"{name}.log",
         )
         self.bootstrap_addr = read_address(address_file)
         return self.bootstrap_addr
@@ -177,7 +179,7 @@ class LocalSwarm:
                 str(address_file),
                 *extra,
             ],
-            self.root / f"{name}.log",
+            log_path=self.root / f"{name}.log",
             # several nodes share this machine's cores: one torch thread each, as `p2ptrain demo` does
             # (three nodes with two OpenMP threads each on two cores run their steps ~4x slower)
             env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
@@ -256,3 +258,26 @@ def data_port(swarm: LocalSwarm, name: str, timeout: float) -> int:
     match = pattern.search(swarm.log(name))
     assert match, swarm.log(name)
     return int(match.group(1))
+
+
+async def settle(condition: Callable[[], bool], what: str, seconds: float = 15.0) -> None:
+    """Until the server has taken the connections in (bounded: a busy machine takes its time)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(what)
+        await asyncio.sleep(0.01)
+
+
+async def discard(*tasks: asyncio.Task) -> None:
+    """Cancel tasks and retrieve what they ended with. A task that failed before its cancel and was
+    never awaited logs "Task exception was never retrieved" whenever the garbage collector finds it;
+    under Python 3.11 that log's traceback formatting parses source with `ast`, and inside another
+    `ast` parse (np.load's header, seen in a later test of the same worker) it raised SystemError."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def outer_records(work_dir: Path) -> list[dict]:
+    return [record for record in read_metrics(work_dir / "metrics.jsonl") if record["kind"] == "outer"]

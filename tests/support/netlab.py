@@ -97,7 +97,7 @@ class NetLab:
     def _in(self, namespace: str, *argv: str) -> None:
         _run("ip", "netns", "exec", namespace, *argv)
 
-    def _veth(self, a: str, a_ns: str, b: str, b_ns: str) -> None:
+    def _veth(self, a: str, a_ns: str, *, b: str, b_ns: str) -> None:
         _run("ip", "link", "add", a, "type", "veth", "peer", "name", b)
         _run("ip", "link", "set", a, "netns", a_ns)
         _run("ip", "link", "set", b, "netns", b_ns)
@@ -109,11 +109,11 @@ class NetLab:
         self._namespace(router)
         self._namespace(home)
         wan, uplink = f"w{self.tag}{index}", f"u{self.tag}{index}"
-        self._veth(uplink, self.public, wan, router)
+        self._veth(uplink, self.public, b=wan, b_ns=router)
         self._in(self.public, "ip", "link", "set", uplink, "master", bridge)
         self._in(router, "ip", "addr", "add", f"{PUBLIC_NET}.{index + 2}/24", "dev", wan)
         lan, inside = f"l{self.tag}{index}", f"i{self.tag}{index}"
-        self._veth(lan, router, inside, home)
+        self._veth(lan, router, b=inside, b_ns=home)
         self._in(router, "ip", "addr", "add", f"192.168.{index + 1}.1/24", "dev", lan)
         self._in(home, "ip", "addr", "add", f"192.168.{index + 1}.2/24", "dev", inside)
         self._in(home, "ip", "route", "add", "default", "via", f"192.168.{index + 1}.1")

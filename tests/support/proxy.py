@@ -1,7 +1,7 @@
 """A TCP proxy on the path to one member, run as its own process by the tests: it forwards both ways
 and flips one bit of what the dialer sends, at a byte offset of each connection.
 
-    python -m tests.proxy --target HOST:PORT --flip-at N --address-file F
+    python -m tests.support.proxy --target HOST:PORT --flip-at N --address-file F
 
 It writes its listening port to F, then runs until SIGTERM.
 """

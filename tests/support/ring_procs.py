@@ -30,7 +30,7 @@ STEP = 11
 """The step every run_ring all-reduces."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Outcome:
     index: int
     ok: bool
@@ -55,7 +55,7 @@ def member_data(index: int, length: int, outlier: bool) -> np.ndarray:
     return data
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MemberSpec:
     """What one member process of `run_ring` is told."""
 
@@ -202,12 +202,12 @@ def lie(fault: str, factor: int) -> None:
         Slots.put = withheld  # type: ignore[method-assign]
     elif fault == "forge_barrier":
 
-        def forged(*args: Any) -> None:
+        def forged(*args: Any, **kwargs: Any) -> None:
             everyone = ((1 << factor) - 1).to_bytes((factor + 7) // 8, "little")
             header = {"kind": "done", "step": STEP, "holders": everyone, "proofs": bytes(64 * factor)}
-            next(arg for arg in args if isinstance(arg, ToSuccessor)).send(header)
+            next(arg for arg in (*args, *kwargs.values()) if isinstance(arg, ToSuccessor)).send(header)
 
-        allreduce.await_every_holder = forged  # type: ignore[attr-defined,assignment]
+        allreduce.await_every_holder = forged  # type: ignore[attr-defined]
     else:
         put = Slots.put
 
@@ -312,3 +312,22 @@ def run_ring(
     results = {i: np.load(root / f"result{i}.npy") for i, outcome in outcomes.items() if outcome.ok}
     inputs = [member_data(i, length, outlier) for i in range(n)]
     return outcomes, results, inputs
+
+
+BUDGET = 0.01
+
+
+def weighted_mean(inputs: list[np.ndarray], weights: list[float]) -> np.ndarray:
+    fractions = shares_of(weights)
+    mean = sum(f * x.astype(np.float64) for f, x in zip(fractions, inputs, strict=True))
+    assert isinstance(mean, np.ndarray), "no inputs"
+    return mean
+
+
+def shares_of(weights: list[float]) -> list[float]:
+    total = sum(weights)
+    return [w / total for w in weights] if total else [1 / len(weights)] * len(weights)
+
+
+def relative_error(result: np.ndarray, exact: np.ndarray) -> float:
+    return float(np.linalg.norm(result - exact) / np.linalg.norm(exact))

@@ -1,6 +1,6 @@
 """Slow HTTP clients against one node's checkpoint sidecar, run as their own process by the tests.
 
-    python -m tests.slowloris --target HOST:PORT [--count 2000] [--sources 4]
+    python -m tests.support.slowloris --target HOST:PORT [--count 2000] [--sources 4]
 
 Keeps `count` connections open, spread over `--sources` loopback addresses from 127.0.0.2 on
 (strangers' hosts), each sending a request head one byte every second and never finishing it;

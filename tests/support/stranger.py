@@ -1,6 +1,6 @@
 """A stranger on the swarm's DHT, run as its own process by the tests and benchmarks.
 
-    python -m tests.stranger --peer MADDR --run-id RUN --mode MODE [--address-file F]
+    python -m tests.support.stranger --peer MADDR --run-id RUN --mode MODE [--address-file F]
                              [--closed-by AUTHORITY --ticket none|copied]
 
 It makes a fresh key and, every `--interval` seconds, publishes a validly signed heartbeat saying
@@ -93,7 +93,7 @@ async def publish_forever(args: argparse.Namespace, address: str) -> None:
     dht = SwarmDHT.start(DHTSettings(peers=[args.peer], listen=["/ip4/127.0.0.1/tcp/0"]))
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    publisher = HeartbeatPublisher(dht, identity, args.run_id, ttl=30.0, data_addr=address)
+    publisher = HeartbeatPublisher(dht, identity, run_id=args.run_id, ttl=30.0, data_addr=address)
     authority = bytes.fromhex(args.closed_by) if args.closed_by else None
     if args.address_file:
         Path(args.address_file).write_text(identity.public_key.hex())
@@ -116,7 +116,9 @@ async def publish_forever(args: argparse.Namespace, address: str) -> None:
                     await publisher.publish(**changes)
                 else:
                     ticket = newest.ticket if args.ticket == "copied" else b""
-                    await store_in_closed_run(dht, identity, publisher, authority, ticket=ticket, **changes)
+                    await store_in_closed_run(
+                        dht, identity, publisher=publisher, authority=authority, ticket=ticket, **changes
+                    )
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), args.interval)
     finally:
@@ -126,12 +128,17 @@ async def publish_forever(args: argparse.Namespace, address: str) -> None:
 
 
 async def store_in_closed_run(
-    dht: SwarmDHT, identity: NodeIdentity, publisher: HeartbeatPublisher, authority: bytes, **changes: object
+    dht: SwarmDHT,
+    identity: NodeIdentity,
+    *,
+    publisher: HeartbeatPublisher,
+    authority: bytes,
+    **changes: object,
 ) -> None:
     """Sign a record with `changes` and store it under the closed run's key, whatever it holds."""
     record: Heartbeat = publisher._next(changes)
     key = heartbeat_key(record.run_id, authority)
-    taken = await dht.store(key, record.node_key, record.sign(identity), record.expiration)
+    taken = await dht.store(key, record.node_key, value=record.sign(identity), expiration=record.expiration)
     print(f"store {'taken' if taken else 'refused'}", flush=True)
 
 

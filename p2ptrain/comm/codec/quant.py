@@ -31,7 +31,7 @@ except ImportError as exc:  # pragma: no cover - only without a build
     ) from exc
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Encoded:
     """One encoded vector: codes (uint8, n) and per-block mins and steps (fp32)."""
 
@@ -63,7 +63,14 @@ def code_bytes(n: int, bits: int) -> int:
 def empty(n: int, block: int, bits: int = 8) -> Encoded:
     blocks = num_blocks(n, block)
     codes = np.empty(code_bytes(n, bits), np.uint8)
-    return Encoded(codes, np.empty(blocks, np.float32), np.empty(blocks, np.float32), block, bits, n)
+    return Encoded(
+        codes=codes,
+        mins=np.empty(blocks, np.float32),
+        steps=np.empty(blocks, np.float32),
+        block=block,
+        bits=bits,
+        count=n,
+    )
 
 
 class NonFiniteError(ValueError):
@@ -73,6 +80,7 @@ class NonFiniteError(ValueError):
 def quantize(
     values: np.ndarray,
     block: int,
+    *,
     out: Encoded | None = None,
     scale: float = 1.0,
     threads: int = 0,
@@ -161,7 +169,7 @@ def reference_quantize(values: np.ndarray, block: int, bits: int = 8) -> Encoded
     codes = np.clip(q, 0, top).astype(np.uint8).reshape(-1)[:n]
     if bits == 4:
         codes = np.concatenate([_pack_halves(part) for part in _blocks(codes, block)] or [codes])
-    return Encoded(codes, lo.astype(np.float32), steps, block, bits, n)
+    return Encoded(codes=codes, mins=lo.astype(np.float32), steps=steps, block=block, bits=bits, count=n)
 
 
 def _blocks(codes: np.ndarray, block: int) -> list[np.ndarray]:
@@ -208,17 +216,18 @@ def payload_size(length: int, block: int, bits: int = 8) -> int:
 Buffer = bytes | bytearray | memoryview
 
 
-def _payload_views(payload: Buffer, length: int, block: int, bits: int) -> Encoded:
+def _payload_views(payload: Buffer, length: int, *, block: int, bits: int) -> Encoded:
     blocks = num_blocks(length, block)
     mins = np.frombuffer(payload, np.float32, blocks, 0)  # block parameters first: 4-byte aligned
     steps = np.frombuffer(payload, np.float32, blocks, 4 * blocks)
     codes = np.frombuffer(payload, np.uint8, code_bytes(length, bits), 8 * blocks)
-    return Encoded(codes, mins, steps, block, bits, length)
+    return Encoded(codes=codes, mins=mins, steps=steps, block=block, bits=bits, count=length)
 
 
 def encode_payload(
     values: np.ndarray,
     block: int,
+    *,
     scale: float = 1.0,
     threads: int = 0,
     out: Buffer | None = None,
@@ -226,19 +235,19 @@ def encode_payload(
 ) -> Buffer:
     """Encode `values` * `scale` straight into one wire payload (into `out` when given: a writable
     buffer of payload_size bytes); raises NonFiniteError for NaN/Inf."""
-    payload = _output(out, values.shape[0], block, bits)
-    views = _payload_views(payload, values.shape[0], block, bits)
-    quantize(np.ascontiguousarray(values), block, views, scale, threads)
+    payload = _output(out, values.shape[0], block=block, bits=bits)
+    views = _payload_views(payload, values.shape[0], block=block, bits=bits)
+    quantize(np.ascontiguousarray(values), block, out=views, scale=scale, threads=threads)
     return payload
 
 
 def add_encode_payload(
-    own: np.ndarray, scale: float, received: Encoded, threads: int = 0, out: Buffer | None = None
+    own: np.ndarray, scale: float, *, received: Encoded, threads: int = 0, out: Buffer | None = None
 ) -> Buffer:
     """Encode `own` * `scale` + decode(`received`) into one wire payload (one ring hop, one pass)."""
     own = _as_f32(own)
-    payload = _output(out, own.shape[0], received.block, received.bits)
-    views = _payload_views(payload, own.shape[0], received.block, received.bits)
+    payload = _output(out, own.shape[0], block=received.block, bits=received.bits)
+    views = _payload_views(payload, own.shape[0], block=received.block, bits=received.bits)
     bad = _kernels.scaled_add_quantize(
         own,
         scale,
@@ -256,7 +265,7 @@ def add_encode_payload(
     return payload
 
 
-def _output(out: Buffer | None, length: int, block: int, bits: int) -> Buffer:
+def _output(out: Buffer | None, length: int, *, block: int, bits: int) -> Buffer:
     size = payload_size(length, block, bits)
     if out is None:
         return bytearray(size)
@@ -265,11 +274,11 @@ def _output(out: Buffer | None, length: int, block: int, bits: int) -> Buffer:
     return out
 
 
-def decode_payload(payload: Buffer, length: int, block: int, bits: int = 8) -> Encoded:
+def decode_payload(payload: Buffer, length: int, *, block: int, bits: int = 8) -> Encoded:
     """Views of a payload's codes and block parameters; sizes and values are checked, nothing copied."""
     if len(payload) != payload_size(length, block, bits):
         raise PayloadError(f"payload of {len(payload)} bytes for {length} values")
-    encoded = _payload_views(payload, length, block, bits)
+    encoded = _payload_views(payload, length, block=block, bits=bits)
     mins, steps = encoded.mins, encoded.steps
     if not (np.isfinite(mins).all() and np.isfinite(steps).all() and (steps >= 0).all()):
         raise PayloadError("non-finite or negative block parameters in a contribution")

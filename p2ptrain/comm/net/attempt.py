@@ -27,6 +27,7 @@ class AllReduceError(WireError):
         self,
         message: str,
         unresponsive: bytes | None = None,
+        *,
         views_differ: bool = False,
         refuser: bytes | None = None,
     ):
@@ -46,7 +47,7 @@ class AllReduceError(WireError):
         did not refuse it (set by all_reduce)."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Registration:
     """One attempt of one step on this node: who may connect, and their connections as they arrive.
 

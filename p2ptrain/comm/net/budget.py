@@ -45,7 +45,7 @@ MAX_WAITING_STRANGERS = 32
 """Connections of non-candidates waiting for this node to reach their step."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PendingBudget:
     """Connections of one phase (before the hello; welcomed, before the proof), by source address,
     oldest dropped first."""
@@ -88,7 +88,7 @@ class PendingBudget:
             del self._by_source[source]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Tickets:
     """One connection's places in the two pools of phase 1, given up as its handshake moves on.
     `ticket`: its place in `pending`, None for a relayed connection (in neither pool)."""

@@ -42,14 +42,14 @@ RecordSink = Callable[[bytes, str], bool]
 holds that record now."""
 
 
-async def push_record(host: str, port: int, record: bytes, timeout: float) -> bool:
+async def push_record(host: str, port: int, *, record: bytes, timeout: float) -> bool:
     """Send `record` to the data port at host:port; True when the receiver says, within
     `timeout`, that it holds it."""
     writer = None
     try:
         reader, writer = await within(asyncio.open_connection(host, port), timeout)
         await write_frame(writer, {"kind": RECORD_KIND}, timeout=timeout)
-        await write_frame(writer, {"kind": "body"}, record, timeout=timeout)
+        await write_frame(writer, {"kind": "body"}, payload=record, timeout=timeout)
         return (await read_frame(reader, timeout, 0)).kind == HELD
     except (OSError, asyncio.TimeoutError, WireError) as exc:
         log.debug("record not pushed to %s:%d: %s", host, port, exc)
@@ -79,7 +79,7 @@ class RecordPusher:
         """Start pushing `record` to each address; the tasks, for `held_by_all`."""
         tasks = []
         for host, port in addresses:
-            task = asyncio.create_task(push_record(host, port, record, self.timeout))
+            task = asyncio.create_task(push_record(host, port, record=record, timeout=self.timeout))
             self._tasks.add(task)
             task.add_done_callback(self._done)
             tasks.append(task)

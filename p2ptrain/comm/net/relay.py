@@ -55,6 +55,7 @@ Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 def relay_for(
     step: int,
     members: Sequence[Member],
+    *,
     sender: bytes,
     receiver: bytes,
     standby: Sequence[Member] = (),
@@ -80,7 +81,7 @@ def needs_relay(sender: Member, receiver: Member) -> bool:
     return not sender.reachable and not receiver.reachable
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RelayRequest:
     step: int
     attempt: int
@@ -147,14 +148,14 @@ class RelayRequest:
         if role not in ("send", "accept"):
             raise WireError("malformed relay request field 'role'")
         request = cls(
-            number("step", 1 << 63),
-            number("attempt", 1 << 31),
-            raw("digest", 32),
-            raw("sender", PUBLIC_KEY_BYTES),
-            raw("receiver", PUBLIC_KEY_BYTES),
-            number("lane", 256),
-            role,
-            raw("relay", PUBLIC_KEY_BYTES),
+            step=number("step", 1 << 63),
+            attempt=number("attempt", 1 << 31),
+            digest=raw("digest", 32),
+            sender=raw("sender", PUBLIC_KEY_BYTES),
+            receiver=raw("receiver", PUBLIC_KEY_BYTES),
+            lane=number("lane", 256),
+            role=role,
+            relay=raw("relay", PUBLIC_KEY_BYTES),
         )
         if not verify(request.signer, raw("signature", SIGNATURE_BYTES), request.message()):
             raise WireError(f"relay request not signed by {short_id(request.signer)}")
@@ -168,6 +169,7 @@ Route = tuple[Member, RelayRequest]
 def route(
     step: int,
     attempt: int,
+    *,
     digest: bytes,
     members: Sequence[Member],
     sender: bytes,
@@ -177,12 +179,21 @@ def route(
     standby: Sequence[Member] = (),
 ) -> Route:
     """How one end reaches the other end of a relayed edge; WireError when nobody can relay."""
-    relay = relay_for(step, members, sender, receiver, standby)
+    relay = relay_for(step, members, sender=sender, receiver=receiver, standby=standby)
     if relay is None:
         raise WireError(
             f"step {step}: every member is behind NAT, none can relay (a bootstrap peer with --relay can)"
         )
-    return relay, RelayRequest(step, attempt, digest, sender, receiver, lane, role, relay.key)
+    return relay, RelayRequest(
+        step=step,
+        attempt=attempt,
+        digest=digest,
+        sender=sender,
+        receiver=receiver,
+        lane=lane,
+        role=role,
+        relay=relay.key,
+    )
 
 
 class RelayRefused(WireError):
@@ -194,6 +205,7 @@ class RelayRefused(WireError):
         self,
         message: str,
         absent: bytes | None = None,
+        *,
         views_differ: bool = False,
         attempt: int | None = None,
     ):
@@ -204,7 +216,7 @@ class RelayRefused(WireError):
 
 
 async def open_relayed(
-    identity: NodeIdentity, relay: Member, request: RelayRequest, timeout: float
+    identity: NodeIdentity, relay: Member, *, request: RelayRequest, timeout: float
 ) -> Stream:
     """Our end of a relayed edge: dial the relay, ask, and return the stream once it has paired us
     (the end-to-end handshake comes next). RelayRefused with the relay's reason when it refuses;
@@ -225,7 +237,9 @@ async def open_relayed(
             attempt = answer.header.get("attempt")
             if not (isinstance(attempt, int) and not isinstance(attempt, bool) and 0 <= attempt < 1 << 31):
                 attempt = None
-            raise RelayRefused(f"relay {short_id(relay.key)} refused: {reason}", absent, differ, attempt)
+            raise RelayRefused(
+                f"relay {short_id(relay.key)} refused: {reason}", absent, views_differ=differ, attempt=attempt
+            )
         expect(answer, "relay-ok")
     except BaseException:
         writer.close()

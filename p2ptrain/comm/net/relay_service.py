@@ -51,7 +51,7 @@ class _Slots:
     taken: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RelayRefusal:
     """Why the relay will not pair an end; `views_differ`: its partner asked under another attempt
     or membership (no one is to blame); `absent`: its partner never asked in time (it is)."""
@@ -180,7 +180,7 @@ class RelayService:
             return "sender and receiver must be two members of the step"
         if not needs_relay(sender, receiver):
             return "one end of that edge can be dialed: it needs no relay"
-        chosen = relay_for(request.step, members, request.sender, request.receiver)
+        chosen = relay_for(request.step, members, sender=request.sender, receiver=request.receiver)
         if chosen is None or chosen.key != self.identity.public_key:
             return "this node is not that edge's relay"
         return None
@@ -200,7 +200,7 @@ class RelayService:
                     return
                 self._partner_refused(request)
         except WireError as exc:
-            refusal = RelayRefusal(str(exc))
+            refusal = RelayRefusal(reason=str(exc))
         self._refusals.warning("relay request from %s refused: %s", source, refusal.reason)
         with contextlib.suppress(WireError):
             await write_frame(writer, refusal.header(request if refusal.absent else None), timeout=5.0)
@@ -230,11 +230,17 @@ class RelayService:
             same_members = theirs.digest == request.digest
             if same_members and theirs.attempt > request.attempt:
                 return RelayRefusal(
-                    f"{short_id(theirs.signer)} is at attempt {theirs.attempt}", True, theirs.attempt
+                    reason=f"{short_id(theirs.signer)} is at attempt {theirs.attempt}",
+                    views_differ=True,
+                    attempt=theirs.attempt,
                 )
             del self._waiting[edge]
             reason = f"{short_id(request.signer)} asked under another attempt or membership"
-            future.set_result(RelayRefusal(reason, True, request.attempt if same_members else None))
+            future.set_result(
+                RelayRefusal(
+                    reason=reason, views_differ=True, attempt=request.attempt if same_members else None
+                )
+            )
         return None
 
     def _partner_refused(self, request: RelayRequest) -> None:
@@ -243,7 +249,9 @@ class RelayService:
         for edge, _, future in self._partners(request):
             del self._waiting[edge]
             future.set_result(
-                RelayRefusal(f"{short_id(request.signer)} asked too, but was refused here", True)
+                RelayRefusal(
+                    reason=f"{short_id(request.signer)} asked too, but was refused here", views_differ=True
+                )
             )
 
     async def _pair(self, request: RelayRequest, mine: Stream) -> RelayRefusal | None:
@@ -255,25 +263,25 @@ class RelayService:
             reason = self._check(request, await self._membership(request, deadline))
         if reason is not None:
             differ = reason.startswith(VIEWS_DIFFER)
-            return RelayRefusal(reason.removeprefix(VIEWS_DIFFER), differ)
+            return RelayRefusal(reason=reason.removeprefix(VIEWS_DIFFER), views_differ=differ)
         if request.lane >= self.lanes:
-            return RelayRefusal(f"lane {request.lane} of {self.lanes}")
+            return RelayRefusal(reason=f"lane {request.lane} of {self.lanes}")
         if sum(theirs.signer == request.signer for theirs, _, _ in self._waiting.values()) >= MAX_PER_SIGNER:
-            return RelayRefusal(f"{MAX_PER_SIGNER} requests of that node wait already")
+            return RelayRefusal(reason=f"{MAX_PER_SIGNER} requests of that node wait already")
         entry = self._waiting.get(request.edge)
         if entry is not None:
             if entry[0].role == request.role:
-                return RelayRefusal("that end of the edge has asked already")
+                return RelayRefusal(reason="that end of the edge has asked already")
             del self._waiting[request.edge]
             _, theirs, partner = entry
             if self._splices >= MAX_SPLICES:
-                partner.set_result(RelayRefusal(f"{MAX_SPLICES} edges are relayed already"))
-                return RelayRefusal(f"{MAX_SPLICES} edges are relayed already")
+                partner.set_result(RelayRefusal(reason=f"{MAX_SPLICES} edges are relayed already"))
+                return RelayRefusal(reason=f"{MAX_SPLICES} edges are relayed already")
             partner.set_result(None)
             await self._splice(request, theirs, mine)
             return None
         if len(self._waiting) >= MAX_WAITING:
-            return RelayRefusal(f"{MAX_WAITING} relay requests wait for their partner already")
+            return RelayRefusal(reason=f"{MAX_WAITING} relay requests wait for their partner already")
         future: asyncio.Future[RelayRefusal | None] = asyncio.get_running_loop().create_future()
         entry = self._waiting[request.edge] = (request, mine, future)
         try:
@@ -282,7 +290,7 @@ class RelayService:
         except asyncio.TimeoutError:
             if future.done():  # paired just as the deadline passed: the stream is spliced now
                 return future.result()
-            return RelayRefusal(f"{short_id(request.partner)} {ABSENT}", absent=True)
+            return RelayRefusal(reason=f"{short_id(request.partner)} {ABSENT}", absent=True)
         finally:
             if self._waiting.get(request.edge) is entry:
                 del self._waiting[request.edge]

@@ -92,7 +92,7 @@ class DataPlaneServer:
         self._latest_step = -1
         self._completed_step = -1
         self.pending = PendingBudget()
-        self.proving = PendingBudget(MAX_PROVING, MAX_PROVING_PER_SOURCE)
+        self.proving = PendingBudget(total=MAX_PROVING, per_source=MAX_PROVING_PER_SOURCE)
         self.waiting = WaitingBudget()
         # one throttle per kind, so a flood of one kind never hides the other from the log
         self._refusals = ThrottledLog(log)
@@ -189,6 +189,7 @@ class DataPlaneServer:
         self,
         step: int,
         peers: Collection[bytes],
+        *,
         digest: bytes,
         lanes: Collection[LaneKey] | None = None,
         members: Sequence[Member] = (),
@@ -204,7 +205,9 @@ class DataPlaneServer:
         futures = {lane: loop.create_future() for lane in lanes}
         attempt = self._next_attempt.get(step, 0)
         allowed = {key for key, _ in futures}
-        registration = Registration(attempt, Admission(allowed, digest, 2 * count), futures)
+        registration = Registration(
+            attempt=attempt, admission=Admission(allowed, digest, 2 * count), incoming=futures
+        )
         self._expected[step] = registration
         if members:
             self.relay.allow(step, digest, members)
@@ -266,8 +269,9 @@ class DataPlaneServer:
 
     def _heard(self, step: int, key: bytes) -> Admission:
         registration = self._expected[step]
-        if key in registration.admission.allowed:  # only members are asked after (a stranger's
-            registration.heard.add(key)  # proven keys once filled a bounded set and hid them)
+        # only members are asked after: strangers' proven keys once filled a bounded set and hid them
+        if key in registration.admission.allowed:
+            registration.heard.add(key)
         return registration.admission
 
     def _claim(self, session: Session) -> Refusal | None:
@@ -314,25 +318,28 @@ class DataPlaneServer:
             writer.transport.abort()
             return
         try:
-            await self._answer(reader, writer, source, ticket)
+            await self._answer(reader, writer, source=source, ticket=ticket)
         finally:
             self.pending.leave(ticket)
 
     async def serve_relayed(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Our end of a relayed edge that carries a peer's frames to us (relay.py): its handshake
         comes in through the relay and is answered as if it had been dialed here directly."""
-        await self._answer(reader, writer, "relay", None, relayed=True)
+        await self._answer(reader, writer, source="relay", ticket=None, relayed=True)
 
     async def _answer(
         self,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
+        *,
         source: str,
         ticket: int | None,
         relayed: bool = False,
     ) -> None:
         """Read the first frame and serve what it asks: a probe, a relay, or a ring lane's handshake."""
-        tickets = Tickets(self.pending, self.proving, source, writer, ticket)
+        tickets = Tickets(
+            pending=self.pending, proving=self.proving, source=source, writer=writer, ticket=ticket
+        )
 
         def peek(step: int) -> Admission | None:
             known = self._known(step)
@@ -367,14 +374,16 @@ class DataPlaneServer:
             session = await accept_any(
                 reader,
                 writer,
-                self.identity,
-                resolve,
-                self.comm.failure_timeout,
-                self._claim,
-                lambda reason: self._refusals.warning("refused data-plane connection: %s", reason),
-                first,
-                peek,
-                self.credentials,
+                identity=self.identity,
+                resolve=resolve,
+                timeout=self.comm.failure_timeout,
+                claim=self._claim,
+                log_refusal=lambda reason: self._refusals.warning(
+                    "refused data-plane connection: %s", reason
+                ),
+                first=first,
+                peek=peek,
+                credentials=self.credentials,
             )
         except HandshakeError:
             writer.close()  # refused, and logged, by the handshake

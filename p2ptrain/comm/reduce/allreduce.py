@@ -86,7 +86,7 @@ def link_rates(held_up: dict[bytes, list[float]]) -> dict[bytes, float]:
     }
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ReduceStats:
     """What one member's part in one all-reduce yields besides the result in its buffer."""
 
@@ -147,18 +147,18 @@ class _AllReduce:
         if self.schedule.robust:
             most = max(len(chunks) for chunks in self.schedule.chunks)
             self.max_payload = max(self.max_payload, self.n * claims.claim_bytes(most))
-            self.aggregator = RobustAggregator(
+            ledger = claims.Ledger(
                 identity=identity,
                 step=step,
                 digest=digest,
                 keys=self.keys,
                 fractions=self.fractions,
-                comm=comm,
+                clip=comm.clip,
+                bits=comm.bits,
                 chunks=self.schedule.chunks,
                 own=own,
-                threads=self.threads,
-                sink=self,
             )
+            self.aggregator = RobustAggregator(ledger=ledger, comm=comm, threads=self.threads, sink=self)
         self.to_successor = ToSuccessor(step, comm.failure_timeout)
         """Keepalives and the barrier's sets, from our last data frame to the successor on."""
         self.result = np.empty(self._size(own.shape[0]), np.uint8)
@@ -207,7 +207,12 @@ class _AllReduce:
             elif phase == "rs" and (rnd == 0 or self.schedule.topology == "butterfly"):
                 out = memoryview(scratch)[: self._size(stop - start)]
                 payload = quant.encode_payload(
-                    self.own[start:stop], self.block, self.share, self.threads, out, self.bits
+                    self.own[start:stop],
+                    self.block,
+                    scale=self.share,
+                    threads=self.threads,
+                    out=out,
+                    bits=self.bits,
                 )
             else:
                 payload, spare = self.slots.take((phase, rnd, chunk))
@@ -220,7 +225,7 @@ class _AllReduce:
             with self.lock:  # counted before the send: the peer may hang up as soon as it has all
                 self.frames_queued[peer] += 1
             sent_at = time.monotonic()
-            lanes.send_frame(channel, header, payload, self.comm.failure_timeout)
+            lanes.send_frame(channel, header, payload=payload, timeout=self.comm.failure_timeout)
             waited = time.monotonic() - sent_at
             with self.lock:
                 if spare is not None:  # in the kernel now: the buffer can take the next partial sum
@@ -248,7 +253,9 @@ class _AllReduce:
         for spec in self.schedule.receive_frames(peer, lane):
             phase, rnd, chunk, start, stop = spec
             place = functools.partial(self._place, spec, scratch)
-            frame = lanes.recv_frame(channel, self.comm.failure_timeout, self.max_payload, place)
+            frame = lanes.recv_frame(
+                channel, self.comm.failure_timeout, max_payload=self.max_payload, place=place
+            )
             expected, got = self._expected(spec), _identity(frame.header)
             if got != expected:
                 raise FrameError(f"expected frame {expected}, got {got}")
@@ -256,12 +263,12 @@ class _AllReduce:
             with self.lock:
                 self.stats.bytes_received += len(payload)
             if phase in (CLAIMS, BUNDLE):
-                self._absorb_claims(peer, phase, rnd, chunk, bytes(payload))
+                self._absorb_claims(peer, phase, rnd=rnd, segment=chunk, blob=bytes(payload))
                 continue
             if frame.header.get("zstd"):
                 payload = self._decompress(decompressor, payload, stop - start)
             try:
-                encoded = quant.decode_payload(payload, stop - start, self.block, self.bits)
+                encoded = quant.decode_payload(payload, stop - start, block=self.block, bits=self.bits)
             except quant.PayloadError as exc:
                 raise FrameError(str(exc)) from None
             if phase == "ag" and self.aggregator is not None:
@@ -293,7 +300,7 @@ class _AllReduce:
             return None  # a fresh buffer; the checks after the read refuse what is wrong
         return self.placed(start, stop) if phase == "ag" else scratch[:size]
 
-    def _absorb_claims(self, peer: int, phase: str, rnd: int, segment: int, blob: bytes) -> None:
+    def _absorb_claims(self, peer: int, phase: str, *, rnd: int, segment: int, blob: bytes) -> None:
         """Robust aggregation's frames: a member's claims for our segment, or an owner's bundle
         passed on round the all-gather ahead of its segment."""
         assert self.aggregator is not None
@@ -321,11 +328,13 @@ class _AllReduce:
             if rnd < self.n - 2:
                 spare = self._spare()
                 out = memoryview(spare)[: self._size(stop - start)]
-                partial = quant.add_encode_payload(own, self.share, encoded, self.threads, out)
+                partial = quant.add_encode_payload(
+                    own, self.share, received=encoded, threads=self.threads, out=out
+                )
                 self.slots.put(("rs", rnd + 1, chunk), partial, spare)
             else:  # the last hop: this member owns the reduced chunk, encoded once for everyone
                 final = quant.add_encode_payload(
-                    own, self.share, encoded, self.threads, self.placed(start, stop)
+                    own, self.share, received=encoded, threads=self.threads, out=self.placed(start, stop)
                 )
                 self.finish_chunk(chunk, start, stop, final)
         elif self.aggregator is not None:
@@ -338,7 +347,9 @@ class _AllReduce:
                 self.arrived[chunk] = self.arrived.get(chunk, 0) + 1
                 if self.arrived[chunk] == self.n - 1:
                     summed, placed = self.partial.pop(chunk), self.placed(start, stop)
-                    final = quant.encode_payload(summed, self.block, 1.0, self.threads, placed, self.bits)
+                    final = quant.encode_payload(
+                        summed, self.block, scale=1.0, threads=self.threads, out=placed, bits=self.bits
+                    )
                     self.finish_chunk(chunk, start, stop, final)
 
     def placed(self, start: int, stop: int) -> memoryview:
@@ -378,7 +389,7 @@ class _AllReduce:
     def write_result(self, buffer: np.ndarray) -> None:
         """Decode every final chunk into `buffer`: the same bytes on every member, so the same floats."""
         chunks = [
-            (start, stop, quant.decode_payload(payload, stop - start, self.block, self.bits))
+            (start, stop, quant.decode_payload(payload, stop - start, block=self.block, bits=self.bits))
             for start, stop, payload in self.finals
         ]
         quant.dequantize_chunks(chunks, buffer)
@@ -430,7 +441,7 @@ async def all_reduce(
     )
     lane_plan = LanePlan.of(members, plan.schedule)
     registration = server.expect(
-        step, (), digest, lane_plan.incoming_lanes(members, comm.connections), members
+        step, (), digest=digest, lanes=lane_plan.incoming_lanes(members, comm.connections), members=members
     )
     incoming = registration.incoming
     connections: list[Connection] = []
@@ -455,9 +466,14 @@ async def all_reduce(
             raise plan.failure
         plan.check_results()
         bound = comm.failure_timeout * (plan.schedule.frames_in() + plan.n)  # as the data allow
-        holding = Holding.signed(identity, step, keys, digest, registration.attempt)
-        ends = (plan.to_successor, into[plan.schedule.predecessor, 0], bound)
-        barrier = functools.partial(await_every_holder, holding, *ends)
+        holding = Holding.signed(identity, step, keys=keys, digest=digest, attempt=registration.attempt)
+        barrier = functools.partial(
+            await_every_holder,
+            holding,
+            to_successor=plan.to_successor,
+            from_predecessor=into[plan.schedule.predecessor, 0],
+            seconds=bound,
+        )
         await on_own_thread(barrier, f"p2ptrain-ring-barrier-{step}")
         server.completed(step)
     except AllReduceError as exc:

@@ -84,7 +84,8 @@ class ToSuccessor:
     may have closed."""
 
     def __init__(self, step: int, failure_timeout: float):
-        self.step, self.failure_timeout = step, failure_timeout
+        self.step = step
+        self.failure_timeout = failure_timeout
         self.channel: lanes.Channel | None = None
         self._lock = threading.Lock()
         self._stopped = threading.Event()
@@ -110,7 +111,7 @@ class ToSuccessor:
             try:
                 if beat and lanes.unacknowledged(self.channel.sock):
                     return True
-                lanes.send_frame(self.channel, header, b"", self.failure_timeout)
+                lanes.send_frame(self.channel, header, payload=b"", timeout=self.failure_timeout)
             except (WireError, OSError) as exc:  # OSError: the attempt closed the socket meanwhile
                 self._broken = True
                 log.debug("step %d: frame not sent to the ring successor: %s", self.step, exc)
@@ -126,7 +127,7 @@ class ToSuccessor:
                 return
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Holding:
     """One member's part in the barrier of one attempt: the members' keys in ring order, what
     each signs once it holds the result, and this member's signature of it."""
@@ -139,17 +140,23 @@ class Holding:
 
     @classmethod
     def signed(
-        cls, identity: NodeIdentity, step: int, keys: Sequence[bytes], digest: bytes, attempt: int
+        cls, identity: NodeIdentity, step: int, *, keys: Sequence[bytes], digest: bytes, attempt: int
     ) -> Holding:
         statement = DOMAIN + digest + attempt.to_bytes(4, "big")
-        return cls(keys.index(identity.public_key), step, tuple(keys), statement, identity.sign(statement))
+        return cls(
+            index=keys.index(identity.public_key),
+            step=step,
+            keys=tuple(keys),
+            statement=statement,
+            signature=identity.sign(statement),
+        )
 
     @property
     def n(self) -> int:
         return len(self.keys)
 
 
-def holders_in(header: dict, step: int, n: int, sender: int, before: int) -> tuple[int, dict[int, bytes]]:
+def holders_in(header: dict, step: int, *, n: int, sender: int, before: int) -> tuple[int, dict[int, bytes]]:
     """The set a barrier frame from member `sender` carries, and the signatures it brings (member →
     signature); FrameError for anything else. A sender sends only once it holds the result (its own
     bit is in the set) and only when its set grew (a strict superset of `before`, the set it sent
@@ -199,7 +206,7 @@ async def on_own_thread(work: Callable[[], None], name: str) -> None:
 
 
 def await_every_holder(
-    holding: Holding, to_successor: ToSuccessor, from_predecessor: lanes.Channel, seconds: float
+    holding: Holding, to_successor: ToSuccessor, *, from_predecessor: lanes.Channel, seconds: float
 ) -> None:
     """Block until this member knows that all members hold the result (`to_successor` is started:
     every data frame to it is out). WireError when that takes more than `seconds`, the predecessor
@@ -207,17 +214,19 @@ def await_every_holder(
     (or does not grow its set, or names a member without that member's signature), or the
     connection ends first."""
     n, index, step = holding.n, holding.index, holding.step
-    everyone, known, deadline = (1 << n) - 1, 1 << index, time.monotonic() + seconds
+    everyone = (1 << n) - 1
+    known = 1 << index
+    deadline = time.monotonic() + seconds
     silence = 2 * to_successor.failure_timeout
     signatures = {index: holding.signature}
-    sent = _tell(to_successor, n, known, 0, signatures)
+    sent = _tell(to_successor, n, holders=known, sent=0, signatures=signatures)
     predecessor, theirs = (index - 1) % n, 0
     while known != everyone:
         wait = min(silence, deadline - time.monotonic())
-        frame = lanes.recv_frame(from_predecessor, max(0.0, wait), 0)
+        frame = lanes.recv_frame(from_predecessor, max(0.0, wait), max_payload=0)
         if frame.header == {"kind": ALIVE, "step": step}:  # exactly: no room for junk to chew on
             continue
-        theirs, proofs = holders_in(frame.header, step, n, predecessor, theirs)
+        theirs, proofs = holders_in(frame.header, step, n=n, sender=predecessor, before=theirs)
         for member, signature in proofs.items():
             if known >> member & 1:
                 continue  # ours already, checked: what comes with it again changes nothing
@@ -229,10 +238,10 @@ def await_every_holder(
             signatures[member] = signature
             known |= 1 << member
         if known != sent:
-            sent = _tell(to_successor, n, known, sent, signatures)
+            sent = _tell(to_successor, n, holders=known, sent=sent, signatures=signatures)
 
 
-def _tell(to_successor: ToSuccessor, n: int, holders: int, sent: int, signatures: dict[int, bytes]) -> int:
+def _tell(to_successor: ToSuccessor, n: int, *, holders: int, sent: int, signatures: dict[int, bytes]) -> int:
     """Send `holders` with the signatures of the members not in `sent` (what went before); returns
     `holders`, the new `sent`."""
     proofs = b"".join(signatures[member] for member in range(n) if (holders & ~sent) >> member & 1)

@@ -70,7 +70,7 @@ async def _open(
         return await within(asyncio.open_connection(member.host, member.port), failure_timeout)
     relay, request = via
     try:
-        return await open_relayed(identity, relay, request, setup_timeout)
+        return await open_relayed(identity, relay, request=request, timeout=setup_timeout)
     except RelayRefused as exc:
         if exc.attempt is not None:
             raise AttemptBehind(str(exc), exc.attempt) from None
@@ -84,7 +84,7 @@ def _relay_failed(exc: WireError, relay: Member) -> AllReduceError:
     relay's word alone (a partner that really died goes by its heartbeat), and "views differ"
     blames no one anyway; a relay that cannot be reached or does not answer is named."""
     if isinstance(exc, RelayRefused):
-        return AllReduceError(str(exc), None, exc.views_differ)
+        return AllReduceError(str(exc), None, views_differ=exc.views_differ)
     return AllReduceError(str(exc), relay.key)
 
 
@@ -131,14 +131,14 @@ async def dial_member(
             session = await dial(
                 reader,
                 writer,
-                identity,
-                member.key,
-                step,
-                digest,
-                setup_timeout,
-                lane,
-                attempt,
-                credentials,
+                identity=identity,
+                expected_peer=member.key,
+                step=step,
+                digest=digest,
+                timeout=setup_timeout,
+                lane=lane,
+                attempt=attempt,
+                credentials=credentials,
                 answer_timeout=failure_timeout,
             )
         except PeerTimeout as exc:
@@ -175,7 +175,7 @@ Slot = tuple[int, int]
 """(peer index, lane) of one connection we send or receive frames on."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LanePlan:
     """Which of one member's connections it dials and which it waits for, in handshake lanes: lane
     l < M (comm.connections) carries the dialer's frames, lane M + l the listener's (reversed)."""
@@ -187,7 +187,10 @@ class LanePlan:
 
     @classmethod
     def of(cls, members: Sequence[Member], schedule: Schedule) -> LanePlan:
-        plan, me = cls([], [], [], []), members[schedule.index]
+        plan, me = (
+            cls(dial_to_send=[], dial_to_receive=[], await_to_send=[], await_to_receive=[]),
+            members[schedule.index],
+        )
         for peer in schedule.out_peers():
             target = plan.dial_to_send if sender_dials(me, members[peer]) else plan.await_to_send
             target.extend((peer, lane) for lane in range(schedule.lanes))
@@ -217,7 +220,8 @@ async def connect_lanes(
     """Dial the lanes `plan` says we dial and wait for the others; every connection lands in
     `connections`. Returns the ones we send on and the ones we receive on, by (peer, lane).
     `standby`: relays for edges between members behind NAT where no member can relay."""
-    setup_timeout, failure_timeout = server.setup_timeout, server.comm.failure_timeout
+    setup_timeout = server.setup_timeout
+    failure_timeout = server.comm.failure_timeout
     lanes = server.comm.connections
     me = next(member for member in members if member.key == server.identity.public_key)
     paired: dict[LaneKey, bytes] = {}
@@ -229,7 +233,15 @@ async def connect_lanes(
             return None
         try:
             return route(
-                step, registration.attempt, digest, members, sender.key, receiver.key, lane, role, standby
+                step,
+                registration.attempt,
+                digest=digest,
+                members=members,
+                sender=sender.key,
+                receiver=receiver.key,
+                lane=lane,
+                role=role,
+                standby=standby,
             )
         except WireError as exc:
             raise AllReduceError(str(exc)) from None
@@ -294,7 +306,10 @@ async def connect_lanes(
         pause = 0.05
         while not future.done():
             try:
-                reader, writer = await open_relayed(server.identity, *via, setup_timeout)
+                relay, request = via
+                reader, writer = await open_relayed(
+                    server.identity, relay, request=request, timeout=setup_timeout
+                )
             except WireError as exc:
                 if isinstance(exc, RelayRefused) and exc.attempt is not None:
                     server.learn_attempt(step, exc.attempt)

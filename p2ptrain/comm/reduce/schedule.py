@@ -53,7 +53,7 @@ def choose_topology(comm: CommConfig, members: int, behind_nat: int = 0) -> str:
     return "ring" if members <= AUTO_RING_MAX_MEMBERS else "butterfly"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Schedule:
     """One member's view of the all-reduce's traffic: the same function of (n, length, comm) on
     every member, so what one sends is exactly what its peer expects."""

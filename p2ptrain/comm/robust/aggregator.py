@@ -9,7 +9,6 @@ claims.Ledger holds the signed state; clipping.py the arithmetic.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -20,7 +19,6 @@ from p2ptrain.comm.net.attempt import AllReduceError
 from p2ptrain.comm.robust import claims, clipping
 from p2ptrain.comm.transport.wire import FrameError
 from p2ptrain.config import CommConfig
-from p2ptrain.identity import NodeIdentity
 
 
 class ResultSink(Protocol):
@@ -42,45 +40,22 @@ class RobustAggregator:
     Its methods are called from the transfer's threads. A frame that proves a peer broke the
     protocol raises AllReduceError naming that peer."""
 
-    def __init__(
-        self,
-        *,
-        identity: NodeIdentity,
-        step: int,
-        digest: bytes,
-        keys: Sequence[bytes],
-        fractions: Sequence[float],
-        comm: CommConfig,
-        chunks: Sequence[Sequence[tuple[int, int]]],
-        own: np.ndarray,
-        threads: int,
-        sink: ResultSink,
-    ):
-        """`keys`, `fractions`: the members in order and their shares of the average; `chunks`: per
-        segment, its chunks' (start, stop); `own`: this member's vector; `threads`: OpenMP threads
-        per kernel call."""
-        self.ledger = claims.Ledger(
-            identity=identity,
-            step=step,
-            digest=digest,
-            keys=keys,
-            fractions=fractions,
-            clip=comm.clip,
-            bits=comm.bits,
-            chunks=chunks,
-            own=own,
-        )
-        self.step = step
-        self.keys = list(keys)
-        self.fractions = list(fractions)
-        self.index = self.ledger.index
-        self.own = own
+    def __init__(self, *, ledger: claims.Ledger, comm: CommConfig, threads: int, sink: ResultSink):
+        """`ledger`: this member's signed claims and results of the step (it knows the members,
+        their shares, the chunks and this member's vector); `threads`: OpenMP threads per kernel
+        call."""
+        self.ledger = ledger
+        self.step = ledger.step
+        self.keys = ledger.keys
+        self.fractions = ledger.fractions
+        self.index = ledger.index
+        self.own = ledger.own
         self.block = comm.quant_block
         self.bits = comm.bits
         self.threads = threads
         self.sink = sink
         self.lock = threading.Lock()  # guards limits, waiting and clipped
-        self.chunk_locks = [threading.Lock() for _ in chunks[self.ledger.own_segment]]
+        self.chunk_locks = [threading.Lock() for _ in ledger.chunks[ledger.own_segment]]
         self.contributions: dict[int, dict[int, np.ndarray]] = {}
         """Chunk of our segment → the members' decoded shares of it so far."""
         self.limits: list[np.ndarray] | None = None
@@ -147,7 +122,12 @@ class RobustAggregator:
             for key in (self.keys[member] for member in clipped):
                 self.clipped[key] = self.clipped.get(key, 0) + 1
         final = quant.encode_payload(
-            total, self.block, 1.0, self.threads, self.sink.placed(start, stop), self.bits
+            total,
+            self.block,
+            scale=1.0,
+            threads=self.threads,
+            out=self.sink.placed(start, stop),
+            bits=self.bits,
         )
         self.ledger.sign_result(chunk, final)
         self.sink.finish_chunk(chunk, start, stop, final)
@@ -170,7 +150,7 @@ class RobustAggregator:
         values = np.zeros(encoded.size, np.float32)
         quant.dequantize_add(encoded, values, self.threads)
         try:
-            self.ledger.result_arrived(segment, chunk, signature, payload, values)
+            self.ledger.result_arrived(segment, chunk, signature=signature, payload=payload, values=values)
         except FrameError as exc:
             raise self._blame(peer, str(exc)) from None
 

@@ -56,12 +56,16 @@ def chunk_norms(values: np.ndarray, bounds: Sequence[tuple[int, int]]) -> np.nda
     return np.array([clipping.norm(values[start:stop]) for start, stop in bounds], np.float64)
 
 
-def sign_claims(identity: NodeIdentity, step: int, digest: bytes, segment: int, norms: np.ndarray) -> bytes:
+def sign_claims(
+    identity: NodeIdentity, step: int, *, digest: bytes, segment: int, norms: np.ndarray
+) -> bytes:
     body = _HEAD.pack(step, segment, len(norms)) + np.asarray(norms, "<f8").tobytes()
     return body + identity.sign(CLAIMS_DOMAIN + digest + body)
 
 
-def read_claims(blob: bytes, key: bytes, step: int, digest: bytes, segment: int, chunks: int) -> np.ndarray:
+def read_claims(
+    blob: bytes, key: bytes, *, step: int, digest: bytes, segment: int, chunks: int
+) -> np.ndarray:
     """The norms `key` signed for (step, digest, segment); FrameError for anything else."""
     who = short_id(key)
     if len(blob) != claim_bytes(chunks):
@@ -80,20 +84,22 @@ def read_claims(blob: bytes, key: bytes, step: int, digest: bytes, segment: int,
 
 
 def read_bundle(
-    blob: bytes, keys: Sequence[bytes], step: int, digest: bytes, segment: int, chunks: int
+    blob: bytes, keys: Sequence[bytes], *, step: int, digest: bytes, segment: int, chunks: int
 ) -> np.ndarray:
     """Every member's claims for a segment, as the owner forwards them: (members, chunks) norms."""
     size = claim_bytes(chunks)
     if len(blob) != size * len(keys):
         raise FrameError(f"claims bundle of segment {segment}: {len(blob)} bytes, not {size * len(keys)}")
     rows = [
-        read_claims(blob[i * size : (i + 1) * size], key, step, digest, segment, chunks)
+        read_claims(
+            blob[i * size : (i + 1) * size], key, step=step, digest=digest, segment=segment, chunks=chunks
+        )
         for i, key in enumerate(keys)
     ]
     return np.stack(rows)
 
 
-def limits(claims: np.ndarray, fractions: Sequence[float], clip: float, bits: int) -> np.ndarray:
+def limits(claims: np.ndarray, fractions: Sequence[float], *, clip: float, bits: int) -> np.ndarray:
     """Per member, the largest norm (per unit of weight) its share of one chunk may count with:
     min(claim × slack, clip × median of the weighted members' claims); 0 for weight 0."""
     weighted = [float(claim) for claim, fraction in zip(claims, fractions, strict=True) if fraction > 0]
@@ -105,13 +111,13 @@ def limits(claims: np.ndarray, fractions: Sequence[float], clip: float, bits: in
     return np.array(per_member)
 
 
-def result_bound(claims: np.ndarray, fractions: Sequence[float], clip: float, bits: int) -> float:
+def result_bound(claims: np.ndarray, fractions: Sequence[float], *, clip: float, bits: int) -> float:
     """The largest norm an owner's decoded sum of one chunk may have under the clip rule: the
     triangle inequality over the clipped shares, times the slack of encoding the sum."""
-    return float(np.dot(np.asarray(fractions), limits(claims, fractions, clip, bits))) * SLACK[bits]
+    return float(np.dot(np.asarray(fractions), limits(claims, fractions, clip=clip, bits=bits))) * SLACK[bits]
 
 
-def result_message(digest: bytes, step: int, segment: int, chunk: int, payload: Buffer) -> bytes:
+def result_message(digest: bytes, step: int, *, segment: int, chunk: int, payload: Buffer) -> bytes:
     """What the owner signs for one chunk of its result."""
     return RESULT_DOMAIN + digest + _HEAD.pack(step, segment, chunk) + hashlib.sha256(payload).digest()
 
@@ -165,41 +171,49 @@ class Ledger:
     def own_claims(self, segment: int) -> bytes:
         """Our signed norm claims for `segment`."""
         norms = chunk_norms(self.own, self.chunks[segment])
-        return sign_claims(self.identity, self.step, self.digest, segment, norms)
+        return sign_claims(self.identity, self.step, digest=self.digest, segment=segment, norms=norms)
 
     def claims_arrived(self, peer: int, blob: bytes) -> tuple[bytes, list[np.ndarray]] | None:
         """`peer`'s claims for our segment; once every peer's are in, the bundle to send ahead of our
         segment and, per chunk of it, each member's limit (`limits`)."""
         count = len(self.chunks[self.own_segment])
-        read_claims(blob, self.keys[peer], self.step, self.digest, self.own_segment, count)
+        read_claims(
+            blob, self.keys[peer], step=self.step, digest=self.digest, segment=self.own_segment, chunks=count
+        )
         with self.lock:
             self.claims[peer] = blob
             if len(self.claims) < len(self.keys) - 1:
                 return None
         self.claims[self.index] = self.own_claims(self.own_segment)
         bundle = b"".join(self.claims[member] for member in range(len(self.keys)))
-        norms = read_bundle(bundle, self.keys, self.step, self.digest, self.own_segment, count)
+        norms = read_bundle(
+            bundle, self.keys, step=self.step, digest=self.digest, segment=self.own_segment, chunks=count
+        )
         return bundle, [
-            limits(norms[:, chunk], self.fractions, self.clip, self.bits) for chunk in range(count)
+            limits(norms[:, chunk], self.fractions, clip=self.clip, bits=self.bits) for chunk in range(count)
         ]
 
     def bundle_arrived(self, segment: int, blob: bytes) -> None:
         count = len(self.chunks[segment])
-        self.bundles[segment] = read_bundle(blob, self.keys, self.step, self.digest, segment, count)
+        self.bundles[segment] = read_bundle(
+            blob, self.keys, step=self.step, digest=self.digest, segment=segment, chunks=count
+        )
 
     def sign_result(self, chunk: int, payload: Buffer) -> None:
-        message = result_message(self.digest, self.step, self.own_segment, chunk, payload)
+        message = result_message(
+            self.digest, self.step, segment=self.own_segment, chunk=chunk, payload=payload
+        )
         self.signatures[(self.own_segment, chunk)] = self.identity.sign(message)
 
     def signature(self, segment: int, chunk: int) -> bytes:
         return self.signatures[(segment, chunk)]
 
     def result_arrived(
-        self, segment: int, chunk: int, signature: object, payload: Buffer, values: np.ndarray
+        self, segment: int, chunk: int, *, signature: object, payload: Buffer, values: np.ndarray
     ) -> None:
         """A chunk of the all-gather (`values` decoded) must carry its owner's signature of exactly
         these bytes; keep the signature to send on, and the norm for `violation`."""
-        message = result_message(self.digest, self.step, segment, chunk, payload)
+        message = result_message(self.digest, self.step, segment=segment, chunk=chunk, payload=payload)
         owner_key = self.keys[self.owner(segment)]
         if not isinstance(signature, bytes) or not verify(owner_key, signature, message):
             raise FrameError(f"chunk {chunk} of segment {segment} does not carry its owner's signature")
@@ -210,7 +224,9 @@ class Ledger:
         """Once every frame is in: the owner of the first chunk we received above the clip rule's
         bound (from the claims that owner used), and why; None when every chunk is within it."""
         for (segment, chunk), size in sorted(self.norms.items()):
-            bound = result_bound(self.bundles[segment][:, chunk], self.fractions, self.clip, self.bits)
+            bound = result_bound(
+                self.bundles[segment][:, chunk], self.fractions, clip=self.clip, bits=self.bits
+            )
             if not size <= bound * (1 + 1e-6):
                 owner = self.owner(segment)
                 return owner, (

@@ -86,7 +86,7 @@ class AttemptBehind(HandshakeError):
 MAX_ATTEMPT = (1 << 31) - 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Session:
     """What a successful handshake established."""
 
@@ -126,7 +126,7 @@ class Refusal:
     """The listener's attempt, when the dialer's is older."""
 
 
-def _transcript(role: bytes, session: Session, dialer: bytes, listener: bytes, nonces: bytes) -> bytes:
+def _transcript(role: bytes, session: Session, *, dialer: bytes, listener: bytes, nonces: bytes) -> bytes:
     numbers = (
         session.step.to_bytes(8, "big") + session.lane.to_bytes(1, "big") + session.attempt.to_bytes(4, "big")
     )
@@ -150,6 +150,7 @@ def _bytes_field(header: dict, name: str, size: int) -> bytes:
 def hello_header(
     identity: NodeIdentity,
     step: int,
+    *,
     digest: bytes,
     nonce: bytes,
     ephemeral: bytes,
@@ -175,6 +176,7 @@ def hello_header(
 async def dial(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
+    *,
     identity: NodeIdentity,
     expected_peer: bytes,
     step: int,
@@ -194,7 +196,16 @@ async def dial(
     HandshakeErrors, or WireError.
     """
     nonce, ephemeral = secrets.token_bytes(NONCE_BYTES), Ephemeral()
-    header = hello_header(identity, step, digest, nonce, ephemeral.public, lane, attempt, credentials)
+    header = hello_header(
+        identity,
+        step,
+        digest=digest,
+        nonce=nonce,
+        ephemeral=ephemeral.public,
+        lane=lane,
+        attempt=attempt,
+        credentials=credentials,
+    )
     await write_frame(writer, header, timeout=timeout)
     first = await read_frame(reader, min(timeout, answer_timeout or timeout), MAX_HANDSHAKE_FRAME)
     if first.kind == "refuse" and first.header.get("views_differ") is True:
@@ -211,11 +222,19 @@ async def dial(
         raise HandshakeError(f"reached {short_id(peer_key)} instead of {short_id(expected_peer)}")
     if credentials is not None:
         credentials.verify_peer(peer_key, welcome.header)
-    session = Session(step, digest, identity.public_key, peer_key, lane, attempt)
+    session = Session(
+        step=step, digest=digest, local_key=identity.public_key, peer_key=peer_key, lane=lane, attempt=attempt
+    )
     nonces = nonce + peer_nonce + ephemeral.public + peer_ephemeral
-    if not verify(peer_key, signature, _transcript(b"L", session, identity.public_key, peer_key, nonces)):
+    if not verify(
+        peer_key,
+        signature,
+        _transcript(b"L", session, dialer=identity.public_key, listener=peer_key, nonces=nonces),
+    ):
         raise HandshakeError(f"{short_id(peer_key)} failed to prove its key")
-    proof = identity.sign(_transcript(b"D", session, identity.public_key, peer_key, nonces))
+    proof = identity.sign(
+        _transcript(b"D", session, dialer=identity.public_key, listener=peer_key, nonces=nonces)
+    )
     await write_frame(writer, {"kind": "proof", "signature": proof}, timeout=timeout)
     answer = await read_frame(reader, timeout, MAX_HANDSHAKE_FRAME)
     if answer.kind == "refuse":
@@ -231,7 +250,7 @@ async def dial(
         secret = ephemeral.shared(peer_ephemeral)
     except FrameError as exc:
         raise HandshakeError(str(exc)) from None
-    base = _transcript(b"K", session, identity.public_key, peer_key, nonces)
+    base = _transcript(b"K", session, dialer=identity.public_key, listener=peer_key, nonces=nonces)
     return replace(session, keys=derive_keys(secret, base, dialer=True))
 
 
@@ -257,6 +276,7 @@ Claim = Callable[[Session], "Refusal | None"]
 async def accept(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
+    *,
     identity: NodeIdentity,
     members: Collection[bytes],
     step: int,
@@ -271,12 +291,13 @@ async def accept(
     async def resolve(asked: int, _: bytes) -> Admission | None:
         return peek(asked)
 
-    return await accept_any(reader, writer, identity, resolve, timeout, peek=peek)
+    return await accept_any(reader, writer, identity=identity, resolve=resolve, timeout=timeout, peek=peek)
 
 
 async def accept_any(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
+    *,
     identity: NodeIdentity,
     resolve: Resolver,
     timeout: float,
@@ -309,13 +330,22 @@ async def accept_any(
         digest = _bytes_field(hello.header, "digest", DIGEST_BYTES)
         known = peek(step) if peek is not None else None
         if known is not None and known.digest == digest:
-            _check_member(known, identity, peer_key, step, lane, digest=None)
+            _check_member(known, identity, peer=peer_key, step=step, lane=lane, digest=None)
         if credentials is not None:
             credentials.verify_peer(peer_key, hello.header)
-        session = Session(step, digest, identity.public_key, peer_key, lane, attempt)
+        session = Session(
+            step=step,
+            digest=digest,
+            local_key=identity.public_key,
+            peer_key=peer_key,
+            lane=lane,
+            attempt=attempt,
+        )
         nonce, ephemeral = secrets.token_bytes(NONCE_BYTES), Ephemeral()
         nonces = peer_nonce + nonce + peer_ephemeral + ephemeral.public
-        signature = identity.sign(_transcript(b"L", session, peer_key, identity.public_key, nonces))
+        signature = identity.sign(
+            _transcript(b"L", session, dialer=peer_key, listener=identity.public_key, nonces=nonces)
+        )
         welcome = {
             **({"ticket": credentials.ticket} if credentials is not None else {}),
             "kind": "welcome",
@@ -326,14 +356,14 @@ async def accept_any(
         }
         await write_frame(writer, welcome, timeout=timeout)
         proof = expect(await read_frame(reader, timeout, MAX_HANDSHAKE_FRAME), "proof")
-        transcript = _transcript(b"D", session, peer_key, identity.public_key, nonces)
+        transcript = _transcript(b"D", session, dialer=peer_key, listener=identity.public_key, nonces=nonces)
         if not verify(peer_key, _bytes_field(proof.header, "signature", 64), transcript):
             raise HandshakeError(f"{short_id(peer_key)} failed to prove its key")
         admission = await resolve(step, peer_key)  # the key is proven now
         if admission is None:
             raise HandshakeError(f"step {step} is not a step this node is reducing")
-        _check_member(admission, identity, peer_key, step, lane, digest)
-        base = _transcript(b"K", session, peer_key, identity.public_key, nonces)
+        _check_member(admission, identity, peer=peer_key, step=step, lane=lane, digest=digest)
+        base = _transcript(b"K", session, dialer=peer_key, listener=identity.public_key, nonces=nonces)
         session = replace(session, keys=derive_keys(ephemeral.shared(peer_ephemeral), base, dialer=False))
     except (HandshakeError, FrameError) as exc:
         (log_refusal or _log_refusal)(str(exc))
@@ -353,7 +383,7 @@ async def accept_any(
 
 
 def _check_member(
-    admission: Admission, identity: NodeIdentity, peer: bytes, step: int, lane: int, digest: bytes | None
+    admission: Admission, identity: NodeIdentity, *, peer: bytes, step: int, lane: int, digest: bytes | None
 ) -> None:
     """Raise HandshakeError unless `peer` may connect on `lane` (with `digest`, where given).
 

@@ -73,7 +73,7 @@ def detach(writer: asyncio.StreamWriter) -> socket.socket:
     return sock
 
 
-def _kernel_timeout(sock: socket.socket, option: int, deadline: float, what: str) -> None:
+def _kernel_timeout(sock: socket.socket, option: int, *, deadline: float, what: str) -> None:
     """Bound the next blocking call on `sock` by `deadline` (a partial transfer returns then)."""
     left = deadline - time.monotonic()
     if left <= 0:
@@ -87,7 +87,7 @@ def _recv_exactly(sock: socket.socket, view: memoryview, deadline: float) -> Non
     got = 0
     while got < len(view):
         pending = f"no complete frame ({len(view) - got} bytes pending)"
-        _kernel_timeout(sock, socket.SO_RCVTIMEO, deadline, pending)
+        _kernel_timeout(sock, socket.SO_RCVTIMEO, deadline=deadline, what=pending)
         try:
             count = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
         except BlockingIOError:  # the kernel timeout passed with nothing received
@@ -104,11 +104,14 @@ Placement = Callable[[dict[str, Any], int], "memoryview | None"]
 many bytes, or None for a fresh buffer."""
 
 
-def recv_frame(channel: Channel, timeout: float, max_payload: int, place: Placement | None = None) -> Frame:
+def recv_frame(
+    channel: Channel, timeout: float, *, max_payload: int, place: Placement | None = None
+) -> Frame:
     """Read one whole sealed frame within `timeout` seconds and open it. The payload is decrypted
     straight into the buffer `place` picks for it; its length was checked against `max_payload`
     first. Raises FrameError when the frame fails authentication."""
-    sock, deadline = channel.sock, time.monotonic() + timeout
+    sock = channel.sock
+    deadline = time.monotonic() + timeout
     prefix = bytearray(PREFIX.size)
     _recv_exactly(sock, memoryview(prefix), deadline)
     header_len, sealed_len = parse_prefix(bytes(prefix), max_payload + TAG_BYTES)
@@ -128,16 +131,17 @@ def recv_frame(channel: Channel, timeout: float, max_payload: int, place: Placem
     return Frame(header, payload)
 
 
-def send_frame(channel: Channel, header: Mapping[str, Any], payload: Any, timeout: float) -> None:
+def send_frame(channel: Channel, header: Mapping[str, Any], *, payload: Any, timeout: float) -> None:
     """Seal one frame and hand it to the kernel within `timeout` seconds."""
-    sock, deadline = channel.sock, time.monotonic() + timeout
+    sock = channel.sock
+    deadline = time.monotonic() + timeout
     body = memoryview(payload).cast("B")
     head = encode_head(header, body.nbytes + TAG_BYTES)
     sealed = channel.buffer(body.nbytes + TAG_BYTES)
     channel.seal.seal_into(head, body, sealed)
     views = [memoryview(head), sealed]
     while views:
-        _kernel_timeout(sock, socket.SO_SNDTIMEO, deadline, "peer did not take the frame")
+        _kernel_timeout(sock, socket.SO_SNDTIMEO, deadline=deadline, what="peer did not take the frame")
         try:
             sent = sock.sendmsg(views)
         except BlockingIOError:  # the kernel timeout passed with nothing sent

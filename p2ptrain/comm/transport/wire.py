@@ -108,7 +108,7 @@ def decode_header(data: bytes) -> dict[str, Any]:
 
 
 async def _read_exactly(
-    reader: asyncio.StreamReader, count: int, deadline: float, frame_start: bool = False
+    reader: asyncio.StreamReader, count: int, *, deadline: float, frame_start: bool = False
 ) -> bytes:
     remaining = deadline - asyncio.get_running_loop().time()
     if remaining <= 0:
@@ -129,16 +129,17 @@ async def read_frame(
 ) -> Frame:
     """Read one whole frame within `timeout` seconds, or raise a WireError."""
     deadline = asyncio.get_running_loop().time() + timeout
-    prefix = await _read_exactly(reader, PREFIX.size, deadline, frame_start=True)
+    prefix = await _read_exactly(reader, PREFIX.size, deadline=deadline, frame_start=True)
     header_len, payload_len = parse_prefix(prefix, max_payload)
-    header = decode_header(await _read_exactly(reader, header_len, deadline))
-    payload = await _read_exactly(reader, payload_len, deadline) if payload_len else b""
+    header = decode_header(await _read_exactly(reader, header_len, deadline=deadline))
+    payload = await _read_exactly(reader, payload_len, deadline=deadline) if payload_len else b""
     return Frame(header, payload)
 
 
 async def write_frame(
     writer: asyncio.StreamWriter,
     header: Mapping[str, Any],
+    *,
     payload: bytes | bytearray | memoryview = b"",
     timeout: float = 30.0,
 ) -> None:
