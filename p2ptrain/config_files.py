@@ -35,13 +35,22 @@ def parse_scalar(text: str) -> Any:
         return text
 
 
+SWITCHES = frozenset({"outer.overlap"})
+"""Sections a bare true/false stands for: `outer.overlap = true` is `outer.overlap.enabled = true`,
+in a file and in any layer over it, so the two spellings combine."""
+
+
 def set_dotted(tree: dict[str, Any], dotted: str, *, value: Any, source: str) -> None:
+    if dotted in SWITCHES and isinstance(value, bool):
+        dotted = f"{dotted}.enabled"
     parts = dotted.split(".")
     if any(not part for part in parts) or len(parts) < 2:
         raise ConfigError(f"{source}: '{dotted}' is not a section.key name")
     node = tree
-    for part in parts[:-1]:
+    for depth, part in enumerate(parts[:-1], start=1):
         child = node.setdefault(part, {})
+        if isinstance(child, bool) and ".".join(parts[:depth]) in SWITCHES:
+            child = node[part] = {"enabled": child}
         if not isinstance(child, dict):
             raise ConfigError(f"{source}: '{dotted}' goes below a value that is not a section")
         node = child

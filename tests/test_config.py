@@ -188,6 +188,18 @@ def test_a_moved_key_says_where_it_went() -> None:
     assert load_config("debug", overrides=["outer.overlap=true"], environ={}).outer.overlap.enabled
 
 
+def test_the_overlap_switch_combines_with_its_keys_in_every_layer(tmp_path: Path) -> None:
+    """`outer.overlap = true` in a file and `--set outer.overlap.steps=3` over it were an error;
+    `P2PTRAIN_OUTER__OVERLAP=true` over a file's `[outer.overlap] steps = 3` reset steps to 0."""
+    switched = tmp_path / "switched.toml"
+    switched.write_text("[outer]\noverlap = true\n")
+    tabled = tmp_path / "tabled.toml"
+    tabled.write_text("[outer.overlap]\nsteps = 3\n")
+    one = load_config(switched, overrides=["outer.overlap.steps=3"], environ={}).outer.overlap
+    other = load_config(tabled, environ={"P2PTRAIN_OUTER__OVERLAP": "true"}).outer.overlap
+    assert one == other and one.enabled and one.steps == 3
+
+
 def test_the_configuration_reference_is_generated_and_up_to_date() -> None:
     """docs/configuration.md is rendered from the fields' docstrings: no field without one, and
     the file as committed is what the models render now."""

@@ -286,6 +286,34 @@ def test_a_node_alone_in_its_run_waits_a_grace_not_the_deadline(
     assert now[0] - 0.25 == pytest.approx(decided_at)  # first ready seen at the first read
 
 
+def test_one_read_that_missed_the_others_does_not_start_a_lone_step() -> None:
+    """A DHT read that timed out shows no other node; the next shows the peer still training.
+    The grace counts only reads in a row that show nobody: the deadline holds."""
+    now = [0.0]
+    mine, other = beat(1, NodeState.READY, step=2), beat(2, NodeState.TRAINING, step=1)
+    reads = iter([[mine, other], [mine], *[[mine, other]] * 200])
+
+    async def read() -> list[Heartbeat]:
+        now[0] += 0.25
+        return next(reads)
+
+    async def scenario() -> Election:
+        return await elect(
+            read,
+            2,
+            straggler_deadline=10.0,
+            timeout=60,
+            poll_interval=0,
+            clock=lambda: now[0],
+            me=key(1),
+            lone_grace=0.25,
+        )
+
+    election = asyncio.run(scenario())
+    assert election.keys == [key(1)]  # alone after the deadline, as before
+    assert now[0] - 0.25 == pytest.approx(10.0)
+
+
 def test_elect_times_out() -> None:
     async def read() -> list[Heartbeat]:
         return [beat(1, NodeState.TRAINING, step=2)]

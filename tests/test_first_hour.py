@@ -86,6 +86,8 @@ def test_folders_it_cannot_write_are_one_line_at_start(tmp_path: Path) -> None:
     assert_one_line_error(result, "checkpoint.dir", "cannot write")
     result = cli("join", "--work-dir", str(not_a_folder / "w"), *identity)
     assert_one_line_error(result, "node.work_dir", "cannot write")
+    result = cli("watch", "--work-dir", str(tmp_path / "w"), "--identity", str(not_a_folder))
+    assert_one_line_error(result, "identity folder", "not a folder")
 
 
 def test_checkpoint_copies_that_keep_failing_stop_the_node_and_free_its_ram_copies(tmp_path: Path) -> None:

@@ -370,5 +370,7 @@ def test_robust_aggregation_clips_a_poisoner_and_leaves_honest_members_alone(tmp
         np.array_equal(poisoned[0].view(np.uint32), other.view(np.uint32)) for other in poisoned.values()
     )
     assert relative_error(poisoned[0], exact) <= 0.6  # its share counts at most 2 × (≈ +0.5)
+    clipped = [outcome.clipped for outcome in outcomes.values()]
+    assert all(set(by) <= {3} for by in clipped if by) and any(by for by in clipped), clipped  # said
     _, plain, _ = run_ring(tmp_path / "plain", n, length, faults=poisoner)
     assert relative_error(plain[0], exact) > 20, "without clipping the poisoner dominates"

@@ -221,3 +221,20 @@ def test_status_says_whether_the_run_is_open_or_closed_and_takes_no_fixed_wait(
     )
     table = cli(*common, "--once", timeout=60)
     assert table.stdout.startswith(f"run '{RUN}': open"), table.stdout
+
+
+def test_a_record_claiming_a_far_step_does_not_stand_for_the_run() -> None:
+    """One record that claims outer step 10**12 done (a stranger's) made the bootstrap say so and
+    never say the run's real steps again: the line reports the step most live nodes report."""
+    clock, lines = Clock(), list[str]()
+    roster = Roster("r", timeout=6.0, say=lines.append, clock=clock, steps_every=1.0)
+
+    def at(index: int, seq: int, step: int) -> Heartbeat:
+        return replace(beat(index, seq), outer_step=step, params_hash="ab" * 32)
+
+    liar = at(9, 1, 10**12)
+    roster.update([at(1, 1, 3), at(2, 1, 3), liar])
+    clock.now += 2
+    roster.update([at(1, 2, 4), at(2, 2, 4), replace(liar, seq=2)])
+    steps = [line for line in lines if "done by" in line]
+    assert steps == ["run 'r': outer step 2 done by 2 nodes", "run 'r': outer step 3 done by 2 nodes"], lines

@@ -81,6 +81,7 @@ class CheckpointSidecar:
         if self._served is not None:
             await self._served.close()
         self._refusals.flush()
+        self._misses.flush()
 
     def announce(self, manifest: Manifest) -> None:
         self.latest = manifest

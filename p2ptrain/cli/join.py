@@ -74,7 +74,18 @@ def preflight(config: Config, *, data_plane: bool, checkpoints: bool) -> Identit
     lock; the caller holds the lock (`with`) for as long as the node runs."""
     node = config.node
     writable_dir(Path(node.work_dir).expanduser(), "node.work_dir")
-    lock = IdentityLock(node.identity_dir, "the identity folder")
+    # the lock first: a second node of this identity is told so, not that its ports are taken
+    lock = IdentityLock(node.identity_dir, "the identity folder").acquire()
+    try:
+        _ports_free(config, data_plane=data_plane, checkpoints=checkpoints)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def _ports_free(config: Config, *, data_plane: bool, checkpoints: bool) -> None:
+    node = config.node
     if data_plane:
         port_free(node.data_host, node.data_port, "node.data_port")
     if checkpoints:
@@ -86,7 +97,6 @@ def preflight(config: Config, *, data_plane: bool, checkpoints: bool) -> Identit
 
         port_free(*parse_dashboard_address(node.dashboard), "--dashboard")
     dht_ports_free(list(node.listen), "node.listen")
-    return lock
 
 
 def checkpoints_writable(config: Config, node_id: str) -> None:

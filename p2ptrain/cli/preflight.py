@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import os
 import socket
+import tempfile
 from pathlib import Path
 from types import TracebackType
 
@@ -33,6 +35,8 @@ def port_free(host: str, port: int, what: str) -> None:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a recent node's TIME_WAITs
+        if family == socket.AF_INET6:  # as asyncio's servers bind: IPv6 only, IPv4 is another port
+            probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         try:
             probe.bind((host, port))
             probe.listen(1)
@@ -74,23 +78,46 @@ def writable_dir(path: Path, what: str) -> None:
 
 class IdentityLock:
     """Held while a process runs with an identity: a second process with the same keys (two nodes
-    that would sign the same records, or two bootstrap peers at one address) is refused at start."""
+    that would sign the same records, or two bootstrap peers at one address) is refused at start.
+
+    The lock file lies in the identity folder, or, where that folder is read-only (keys on a
+    secrets mount), in the machine's temporary folder under a name derived from its path."""
 
     def __init__(self, directory: Path, what: str) -> None:
-        self.path = directory / LOCK_FILE
+        self.directory = directory
         self.what = what
         self.fd: int | None = None
 
-    def __enter__(self) -> IdentityLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+    def _open(self) -> int:
+        directory = self.directory
+        try:
+            directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as exc:
+            raise UserError(f"{self.what} {directory}: cannot be a folder ({exc.strerror or exc})") from None
+        if not directory.is_dir():
+            raise UserError(f"{self.what} {directory}: not a folder")
+        try:
+            return os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:  # read-only keys: one lock per identity path on this machine
+            name = hashlib.sha256(str(directory.resolve()).encode()).hexdigest()[:16]
+            fallback = Path(tempfile.gettempdir()) / f"p2ptrain-identity-{name}.lock"
+            try:
+                return os.open(fallback, os.O_RDWR | os.O_CREAT, 0o600)
+            except OSError as exc:
+                raise UserError(f"{self.what} {directory}: cannot lock it ({exc.strerror or exc})") from None
+
+    def acquire(self) -> IdentityLock:
+        """Take the lock (once: a second call, or `with` after it, keeps the one taken)."""
+        if self.fd is not None:
+            return self
+        fd = self._open()
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # per process: a forked child holds no lock
         except OSError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
             os.close(fd)
             raise UserError(
-                f"{self.what} {self.path.parent} is in use by another running process (pid {holder}): "
+                f"{self.what} {self.directory} is in use by another running process (pid {holder}): "
                 "one process per identity; give this one another --identity or --work-dir"
             ) from None
         os.ftruncate(fd, 0)
@@ -98,13 +125,19 @@ class IdentityLock:
         self.fd = fd
         return self
 
+    def release(self) -> None:
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)  # the lock goes with the descriptor
+            self.fd = None
+
+    def __enter__(self) -> IdentityLock:
+        return self.acquire()
+
     def __exit__(
         self,
         kind: type[BaseException] | None,
         value: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        if self.fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self.fd)  # the lock goes with the descriptor
-            self.fd = None
+        self.release()

@@ -201,6 +201,14 @@ class TrainingNode:
             self.loaded_step = checkpoint_step(path)
         return path
 
+    async def _copies_done(self, seconds: float) -> bool:
+        """Whether the background copies end within `seconds` (a copy's errors are said where it
+        fails; a prune's OSError here ends them as well as any)."""
+        assert self.copies is not None
+        with contextlib.suppress(asyncio.TimeoutError, OSError):
+            await within(asyncio.shield(self.copies), seconds)
+        return self.copies.done()
+
     def _copy_in_background(self, folder: Path) -> None:
         """Queue the disk copy of a checkpoint staged in RAM and its upload to checkpoint.remote, then
         prune both places; copies run one after another. The agent alone prunes, and only after the
@@ -228,8 +236,9 @@ class TrainingNode:
                 self.say(f"could not copy {folder.name}: {exc}")
                 if self.copy_failures >= MAX_COPY_FAILURES and self.failure is None:
                     self.failure = UserError(
-                        f"stopped: {self.copy_failures} checkpoint copies in a row failed ({exc}); "
-                        f"fix checkpoint.dir {self.places.disk} (or checkpoint.remote) and resume"
+                        f"stopped: {self.copy_failures} checkpoint copies in a row failed ({exc}); the "
+                        "checkpoints staged in RAM are freed (nowhere to keep them); fix checkpoint.dir "
+                        f"{self.places.disk} (or checkpoint.remote) and --resume latest from it"
                     )
                     self.stop.set()
             else:
@@ -455,15 +464,17 @@ class TrainingNode:
             with contextlib.suppress(FileNotFoundError):
                 self.shared.unlink()
             await self.swarm.close(self.out, self.identity.short_id)
-            if self.copies is not None:
-                with contextlib.suppress(Exception):
-                    await within(asyncio.shield(self.copies), COPY_WAIT)
+            copying = self.copies is not None and not await self._copies_done(COPY_WAIT)
             if self.diverged:
                 await asyncio.to_thread(mark_diverged, self.places, self.diverged)
-            try:
-                await asyncio.to_thread(flush_leftovers, self.places, self.config.checkpoint.keep)
-            except OSError as exc:  # nowhere to keep them: RAM (gigabytes of a real model) is freed
-                self.say(f"checkpoints staged in RAM not copied ({exc}); freeing {self.places.staging}")
+            if self.failure is not None:  # the disk failed again and again: RAM is all there is
                 await asyncio.to_thread(remove_staging, self.places)
+            elif copying:  # a copy of the same folder is still running: the next start flushes it
+                self.say(f"a checkpoint copy is still running; RAM copies kept in {self.places.staging}")
+            else:
+                try:
+                    await asyncio.to_thread(flush_leftovers, self.places, self.config.checkpoint.keep)
+                except OSError as exc:  # kept in RAM: the next start copies them (flush_leftovers)
+                    self.say(f"checkpoints staged in RAM not copied to disk ({exc}); kept in RAM")
         if self.failure is not None:
             raise self.failure

@@ -56,7 +56,9 @@ async def fetch_config_differences(url: str, mine: dict[str, Any]) -> list[str]:
             session.get(f"{url}/config") as response,
         ):
             theirs = json.loads(await read_body(response, MAX_CONFIG_BYTES))
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-        log.warning("could not read the swarm's settings from %s: %s", url, exc)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, RecursionError) as exc:
+        # a peer's answer: JSON nested past the parser's depth is refused like any other junk
+        reason = "nested too deep" if isinstance(exc, RecursionError) else exc
+        log.warning("could not read the swarm's settings from %s: %s", url, reason)
         return []
     return config_differences(mine, theirs) if isinstance(theirs, dict) else []

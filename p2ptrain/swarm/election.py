@@ -392,11 +392,11 @@ async def elect(
 ) -> Election:
     """Poll the heartbeats (via `read`) until `decide` gives the members of `step`.
 
-    `lone_grace` (given `me`): where no other node of the run is in the view at all, joining or in
-    the steps, the straggler deadline shrinks to this. The deadline waits for ready records still on
-    their way from nodes the view knows; with none known, a run of one node would otherwise pay
-    the whole deadline every step (a node unseen by now is unseen for the whole deadline too, so
-    waiting longer forks nothing that going on after the grace would not).
+    `lone_grace` (given `me`): where every read for this long has shown no other node of the run,
+    joining or in the steps, the straggler deadline shrinks to it. The deadline waits for ready
+    records still on their way from nodes the view knows; with none known, a run of one node would
+    otherwise pay the whole deadline every step. One read that missed the others (a DHT read that
+    timed out) starts the grace, the next that sees one ends it.
 
     The DHT offers no change notification across processes, hence the bounded poll; `pause`
     waits between reads (at most `poll_interval`: the node's cuts it short when a member that has
@@ -408,6 +408,8 @@ async def elect(
     """
     started = clock()
     first_ready: float | None = None
+    lone_since: float | None = None
+    """Since when every read has shown no other node of the run (one bad read is not enough)."""
     while True:
         heartbeats = await read()
         if me is not None and swarm_ahead(heartbeats, step, me=me, finished=finished):
@@ -419,10 +421,13 @@ async def elect(
         now = clock()
         if first_ready is None and ready:
             first_ready = now
-        deadline = straggler_deadline
-        if lone_grace is not None and me is not None and not _others_in_the_run(heartbeats, me):
-            deadline = min(deadline, lone_grace)
-        passed = first_ready is not None and now - first_ready >= deadline
+        if me is None or _others_in_the_run(heartbeats, me):
+            lone_since = None
+        elif lone_since is None:
+            lone_since = now
+        passed = first_ready is not None and now - first_ready >= straggler_deadline
+        if lone_grace is not None and lone_since is not None and first_ready is not None:
+            passed = passed or now - max(lone_since, first_ready) >= lone_grace
         election = decide(
             heartbeats,
             step,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from p2ptrain.identity import short_id
 from p2ptrain.swarm.records import FINISHED_FIELD, Heartbeat, NodeState, record_number
-from p2ptrain.swarm.status import last_ring, planned_steps
+from p2ptrain.swarm.status import busiest_ring, planned_steps
 
 log = logging.getLogger(__name__)
 
@@ -223,10 +223,12 @@ class Roster:
                 self._say(line)
 
     def _steps_line(self) -> str:
-        """The last completed outer step, if newer than the one said last; else ""."""
+        """The completed outer step most live nodes report, if another than the one said last;
+        else "". Most, not the highest: one record claiming a far step (a stranger's) would
+        otherwise stand for the run, and silence its real steps for as long as it lives."""
         beats = [node.beat for node in self._nodes.values() if not node.gone]
-        ring = last_ring(beats)
-        if ring is None or ring["step"] <= self._step:
+        ring = busiest_ring(beats)
+        if ring is None or ring["step"] == self._step:
             return ""
         self._step = step = ring["step"]
         members = {bytes.fromhex(key) for key in ring["members"]}

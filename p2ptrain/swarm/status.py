@@ -40,6 +40,22 @@ def last_ring(heartbeats: list[Heartbeat]) -> dict[str, Any] | None:
     return {"step": step, "members": [key.hex() for key in ring_order(keys, step)]}
 
 
+def busiest_ring(heartbeats: list[Heartbeat]) -> dict[str, Any] | None:
+    """The completed outer step the most live nodes report (the latest of equals), and its ring:
+    what a log line may say of the run, where one record's claim must not stand for it."""
+    finished = [
+        beat
+        for beat in heartbeats
+        if beat.params_hash and beat.outer_step > 0 and beat.state is not NodeState.DEAD
+    ]
+    if not finished:
+        return None
+    counts = Counter(beat.outer_step - 1 for beat in finished)
+    step = max(counts, key=lambda at: (counts[at], at))
+    keys = [beat.node_key for beat in finished if beat.outer_step - 1 == step]
+    return {"step": step, "members": [key.hex() for key in ring_order(keys, step)]}
+
+
 def checkpoint_agreement(heartbeats: list[Heartbeat]) -> dict[str, Any] | None:
     """The most announced checkpoint digest among live nodes, and how many of them announce it."""
     announced = [

@@ -46,6 +46,8 @@ class Outcome:
     """Bytes this member copied for edges between two others behind NAT (relay.py)."""
     named: int = -1
     """The member its last error named (AllReduceError.unresponsive), -1 for none."""
+    clipped: dict[int, int] | None = None
+    """Robust aggregation: member index → chunks of this member's segment its share was clipped in."""
 
 
 def member_data(index: int, length: int, outlier: bool) -> np.ndarray:
@@ -145,6 +147,7 @@ def _member(spec: MemberSpec, inbox: Any, outbox: Any) -> None:
             attempts=attempts,
             bytes_sent=stats.bytes_sent,
             relayed=server.relay.bytes_relayed,
+            clipped={keys.index(key): count for key, count in stats.clipped.items()},
         )
         outbox.put(("done", outcome))
 

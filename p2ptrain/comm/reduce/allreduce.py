@@ -505,6 +505,8 @@ async def all_reduce(
             await asyncio.to_thread(transfer.join, comm.failure_timeout)
     await loop.run_in_executor(None, plan.write_result, buffer)
     plan.stats.result = plan.finals
+    if plan.aggregator is not None:
+        plan.stats.clipped = dict(plan.aggregator.clipped)
     plan.stats.link_rates = link_rates({plan.keys[peer]: held for peer, held in plan.held_up.items()})
     plan.stats.seconds = time.monotonic() - started
     return plan.stats
