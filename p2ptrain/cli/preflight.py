@@ -90,12 +90,12 @@ class IdentityLock:
 
     def _open(self) -> int:
         directory = self.directory
+        if directory.exists() and not directory.is_dir():
+            raise UserError(f"{self.what} {directory}: not a folder")
         try:
             directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         except OSError as exc:
-            raise UserError(f"{self.what} {directory}: cannot be a folder ({exc.strerror or exc})") from None
-        if not directory.is_dir():
-            raise UserError(f"{self.what} {directory}: not a folder")
+            raise UserError(f"{self.what} {directory}: cannot make it ({exc.strerror or exc})") from None
         try:
             return os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError:  # read-only keys: one lock per identity path on this machine
