@@ -211,18 +211,8 @@ def test_admission_mistakes_are_one_line_errors(tmp_path: Path) -> None:
         "no such key file": ("admit", node, "--authority-key", str(tmp_path / "missing.key")),
         "--days": ("admit", node, "--authority-key", key_file, "--days", "0"),
         "run.authority": ("config", "show", "--set", 'run.authority="not-hex"'),
-        "not an admission ticket": (
-            "join",
-            "--peer",
-            nobody,
-            "--work-dir",
-            str(tmp_path / "n"),
-            "--set",
-            f'run.authority="{node}"',
-            "--set",
-            'node.ticket="hello"',
-        ),
     }
+    joining = ("join", "--peer", nobody, "--work-dir", str(tmp_path / "n"), "--set", f"run.authority={node}")
     # a ticket pasted wrong says so in plain words, not "ticket is not msgpack (ValueError)"
     issued = cli("admit", node, "--authority-key", key_file).stdout.strip()
     changed = issued[:-10] + ("B" if issued[-10] == "A" else "A") + issued[-9:]  # in the signature
@@ -230,18 +220,9 @@ def test_admission_mistakes_are_one_line_errors(tmp_path: Path) -> None:
         "node.ticket: not a ticket `p2ptrain admit` printed (it does not decode": "p2pt1-AAAAAAAAAAAA",
         "node.ticket: the ticket was changed after `p2ptrain admit` signed it": changed,
     }
+    pasted["not an admission ticket"] = "hello"
     for needle, ticket in pasted.items():
-        mistakes[needle] = (
-            "join",
-            "--peer",
-            nobody,
-            "--work-dir",
-            str(tmp_path / "n"),
-            "--set",
-            f'run.authority="{node}"',
-            "--set",
-            f'node.ticket="{ticket}"',
-        )
+        mistakes[needle] = (*joining, "--set", f"node.ticket={ticket}")
     for needle, args in mistakes.items():
         result = cli(*args)
         assert result.returncode == 2, (args, result.stderr)

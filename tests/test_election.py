@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import math
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -262,43 +263,33 @@ def test_a_node_alone_in_its_run_waits_a_grace_not_the_deadline(
 ) -> None:
     """20 steps of a node whose run had no other node took 230 s against 27 s without the network:
     each waited the whole straggler deadline for ready records from nodes nobody had seen."""
-    now = [0.0]
     mine = beat(1, NodeState.READY, step=2)
-
-    async def read() -> list[Heartbeat]:
-        now[0] += 0.25
-        return [mine, *others]
-
-    async def scenario() -> Election:
-        return await elect(
-            read,
-            2,
-            straggler_deadline=10.0,
-            timeout=60,
-            poll_interval=0,
-            clock=lambda: now[0],
-            me=key(1),
-            lone_grace=1.0,
-        )
-
-    election = asyncio.run(scenario())
+    election, decided = elect_alone(iter(lambda: [mine, *others], None), lone_grace=1.0)
     assert election.keys == [key(1)]
-    assert now[0] - 0.25 == pytest.approx(decided_at)  # first ready seen at the first read
+    assert decided == pytest.approx(decided_at)
 
 
 def test_one_read_that_missed_the_others_does_not_start_a_lone_step() -> None:
     """A DHT read that timed out shows no other node; the next shows the peer still training.
     The grace counts only reads in a row that show nobody: the deadline holds."""
+    mine = beat(1, NodeState.READY, step=2)
+    other = beat(2, NodeState.TRAINING, step=1)
+    election, decided = elect_alone(iter([[mine, other], [mine], *[[mine, other]] * 200]), lone_grace=0.25)
+    assert election.keys == [key(1)]  # alone after the deadline, as before
+    assert decided == pytest.approx(10.0)
+
+
+def elect_alone(reads: Iterator[list[Heartbeat]], *, lone_grace: float) -> tuple[Election, float]:
+    """`elect` for node 1 at step 2 over `reads`, a read every 0.25 s, straggler deadline 10 s:
+    the election and how long after the first read it decided."""
     now = [0.0]
-    mine, other = beat(1, NodeState.READY, step=2), beat(2, NodeState.TRAINING, step=1)
-    reads = iter([[mine, other], [mine], *[[mine, other]] * 200])
 
     async def read() -> list[Heartbeat]:
         now[0] += 0.25
         return next(reads)
 
-    async def scenario() -> Election:
-        return await elect(
+    election = asyncio.run(
+        elect(
             read,
             2,
             straggler_deadline=10.0,
@@ -306,12 +297,10 @@ def test_one_read_that_missed_the_others_does_not_start_a_lone_step() -> None:
             poll_interval=0,
             clock=lambda: now[0],
             me=key(1),
-            lone_grace=0.25,
+            lone_grace=lone_grace,
         )
-
-    election = asyncio.run(scenario())
-    assert election.keys == [key(1)]  # alone after the deadline, as before
-    assert now[0] - 0.25 == pytest.approx(10.0)
+    )
+    return election, now[0] - 0.25
 
 
 def test_elect_times_out() -> None:

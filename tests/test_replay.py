@@ -165,17 +165,7 @@ def test_a_collector_keeps_every_result_of_a_download_while_members_keep_two(
         kept = RecentResults(2)
         sidecar, liars_sidecar = CheckpointSidecar(tmp_path, results=kept), CheckpointSidecar(tmp_path)
         port, liars_port = await sidecar.start("127.0.0.1", 0), await liars_sidecar.start("127.0.0.1", 0)
-        beat = Heartbeat(
-            run_id="run",
-            node_key=bytes(32),
-            seq=1,
-            timestamp=0.0,
-            expiration=0.0,
-            state=NodeState.TRAINING,
-            outer_step=3,
-            ckpt_addr=f"http://127.0.0.1:{port}",
-            ckpt_reach="open",
-        )
+        beat = serving_node(port, outer_step=3)
         liar = replace(
             beat, node_key=bytes([1]) * 32, outer_step=10**9, ckpt_addr=f"http://127.0.0.1:{liars_port}"
         )
@@ -227,17 +217,7 @@ def test_a_step_no_member_serves_does_not_hold_up_the_collection_of_the_steps_af
             kept.add(step, one_chunk(step))
         sidecar = CheckpointSidecar(tmp_path, results=kept)
         port = await sidecar.start("127.0.0.1", 0)
-        beat = Heartbeat(
-            run_id="run",
-            node_key=bytes(32),
-            seq=1,
-            timestamp=0.0,
-            expiration=0.0,
-            state=NodeState.TRAINING,
-            outer_step=7,
-            ckpt_addr=f"http://127.0.0.1:{port}",
-            ckpt_reach="open",
-        )
+        beat = serving_node(port, outer_step=7)
         reads = 0
 
         async def read() -> list[Heartbeat]:
@@ -256,3 +236,18 @@ def test_a_step_no_member_serves_does_not_hold_up_the_collection_of_the_steps_af
             await sidecar.close()
 
     asyncio.run(scenario())
+
+
+def serving_node(port: int, *, outer_step: int) -> Heartbeat:
+    """The record of a node at `outer_step` whose sidecar on 127.0.0.1:`port` peers can reach."""
+    return Heartbeat(
+        run_id="run",
+        node_key=bytes(32),
+        seq=1,
+        timestamp=0.0,
+        expiration=0.0,
+        state=NodeState.TRAINING,
+        outer_step=outer_step,
+        ckpt_addr=f"http://127.0.0.1:{port}",
+        ckpt_reach="open",
+    )
