@@ -164,6 +164,8 @@ def test_a_ticket_names_its_runs_authority(tmp_path: Path) -> None:
 def test_the_bootstraps_join_line_names_its_run(swarm: LocalSwarm) -> None:
     """The join line had no --config: a volunteer who pasted it joined p2ptrain-debug whatever the run."""
     swarm.start_bootstrap(extra=("--config", "debug", "--run-id", "run-42"))
+    # its address file comes first, once its signal handlers are in place: the lines follow
+    wait_until(lambda: "p2ptrain join --peer" in swarm.log("bootstrap"), 30, what="the join line")
     log = swarm.log("bootstrap")
     assert "join run 'run-42' with:" in log, log
     line = next(line for line in log.splitlines() if "p2ptrain join --peer" in line)
