@@ -42,6 +42,7 @@ outer overheads. At least one node must be public (--nodes ≥ K + 1).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import statistics
@@ -246,28 +247,18 @@ def main() -> None:
             cli.error(config_error)
         keep = Path(args.keep) if args.keep else None
         beside = args.set and args.beside_default
-        default = (
-            run(
-                nodes,
-                args.steps,
-                kill_at=args.kill_at,
-                freeze=args.freeze,
-                mbit=args.bandwidth,
-                quiet=args.json,
-            )
-            if beside
-            else None
-        )
-        result = run(
+        # one swarm of this command line: the runs below differ only in what they add
+        swarm = functools.partial(
+            run,
             nodes,
             args.steps,
             kill_at=args.kill_at,
             freeze=args.freeze,
             mbit=args.bandwidth,
             quiet=args.json,
-            settings=args.set,
-            keep=keep,
         )
+        default = swarm() if beside else None
+        result = swarm(settings=args.set, keep=keep)
         if default is not None:
             report(
                 {
@@ -281,16 +272,7 @@ def main() -> None:
             )
             return
         if args.nat:
-            behind = run(
-                nodes,
-                args.steps,
-                kill_at=args.kill_at,
-                freeze=args.freeze,
-                mbit=args.bandwidth,
-                quiet=args.json,
-                nat=args.nat,
-                settings=args.set,
-            )
+            behind = swarm(nat=args.nat, settings=args.set)
             ratio = (
                 behind["outer_overhead_s"] / result["outer_overhead_s"]
                 if result["outer_overhead_s"]

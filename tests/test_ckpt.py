@@ -28,6 +28,7 @@ from p2ptrain.ckpt.sidecar import CheckpointSidecar
 from p2ptrain.rate import RateCap
 from p2ptrain.swarm.records import Heartbeat, NodeState
 from p2ptrain.web.server import ConnectionBudget, start_app
+from tests.support.records import record
 
 STEP = 7
 T = TypeVar("T")
@@ -47,12 +48,8 @@ def make_checkpoint(root: Path, node: int, step: int = STEP) -> Path:
 def heartbeat(
     node: int, url: str, *, digest: str, config: str = "c", state: NodeState = NodeState.TRAINING
 ) -> Heartbeat:
-    return Heartbeat(
-        run_id="r",
-        node_key=bytes([node]) * 32,
-        seq=1,
-        timestamp=0.0,
-        expiration=0.0,
+    return record(
+        node,
         state=state,
         outer_step=STEP,
         ckpt_addr=url if "://" in url or not url else f"http://{url}:8080",

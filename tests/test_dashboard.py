@@ -29,18 +29,15 @@ from p2ptrain.swarm.status import format_table, status_json
 from p2ptrain.train.metrics import read_metrics
 from p2ptrain.web.dashboard import MAX_NODES, Dashboard, parse_dashboard_address
 from tests.support.helpers import LocalSwarm, assert_one_line_error, cli, wait_until
+from tests.support.records import record
 
 if TYPE_CHECKING:  # selenium comes with '.[dev]'; the browser test is skipped without it
     from selenium.webdriver.chrome.webdriver import WebDriver
 
 
 def beat(node: int, step: int, *, loss: float | None, state: NodeState = NodeState.TRAINING) -> Heartbeat:
-    return Heartbeat(
-        run_id="r",
-        node_key=bytes([node]) * 32,
-        seq=1,
-        timestamp=0.0,
-        expiration=0.0,
+    return record(
+        node,
         state=state,
         outer_step=step,
         params_hash="ab" * 32,

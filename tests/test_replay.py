@@ -23,8 +23,9 @@ from p2ptrain.ckpt.replay import (
 )
 from p2ptrain.ckpt.sidecar import CheckpointSidecar
 from p2ptrain.comm.codec import quant
-from p2ptrain.swarm.records import Heartbeat, NodeState
+from p2ptrain.swarm.records import Heartbeat
 from tests.support.helpers import settle
+from tests.support.records import record
 
 BLOCK = 256
 
@@ -240,13 +241,8 @@ def test_a_step_no_member_serves_does_not_hold_up_the_collection_of_the_steps_af
 
 def serving_node(port: int, *, outer_step: int) -> Heartbeat:
     """The record of a node at `outer_step` whose sidecar on 127.0.0.1:`port` peers can reach."""
-    return Heartbeat(
-        run_id="run",
-        node_key=bytes(32),
-        seq=1,
-        timestamp=0.0,
-        expiration=0.0,
-        state=NodeState.TRAINING,
+    return record(
+        0,
         outer_step=outer_step,
         ckpt_addr=f"http://127.0.0.1:{port}",
         ckpt_reach="open",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from p2ptrain.swarm.records import Heartbeat, NodeState
 
@@ -11,6 +12,19 @@ RUN = "test-run"
 
 SOON = time.time() + 600
 """An expiration every validator accepts (records may not expire years ahead)."""
+
+
+def record(index: int, **fields: Any) -> Heartbeat:
+    """A heartbeat of node `index` (run "r", seq 1, training, clocks at 0) with `fields` over it."""
+    defaults: dict[str, Any] = {
+        "run_id": "r",
+        "node_key": bytes([index]) * 32,
+        "seq": 1,
+        "timestamp": 0.0,
+        "expiration": 0.0,
+        "state": NodeState.TRAINING,
+    }
+    return Heartbeat(**{**defaults, **fields})
 
 
 def key(index: int) -> bytes:
