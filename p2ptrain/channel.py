@@ -104,6 +104,8 @@ class Averaged:
     allreduce_s: float = 0.0
     """Seconds of the all-reduce that completed, its transfer alone (sync_s also counts the wait
     for the others and the elections): bytes_sent over it is the node's all-reduce rate."""
+    rtt_ms: float = 0.0
+    """The longest smoothed round trip (the kernel's) to a member this node sent to; 0: none measured."""
     kind: ClassVar[str] = "averaged"
 
 

@@ -387,6 +387,10 @@ class CommConfig(Section):
     """zstd-compress every data frame (int8 codes of smooth values compress a little; costs CPU)."""
     failure_timeout: float = Field(5.0, gt=0, le=600)
     """Longest wait for the next frame (or for a peer to answer) before a step's attempt fails."""
+    slowest_link_mbit: float = Field(1.0, ge=0, le=100_000)
+    """A frame in transit gets failure_timeout plus its bytes at this rate (Mbit/s per connection),
+    so a large frame on a slow or shared uplink is not taken for a dead peer while one that sends
+    nothing is; 0: failure_timeout alone, whatever the frame's size."""
     topology: Annotated[Topology, SHARED] = "auto"
     """Reduce-scatter path: ring (neighbours only) or butterfly (straight to each segment's owner)."""
     clip: Annotated[float, SHARED] = Field(0.0, ge=0, le=1000)

@@ -42,7 +42,7 @@ def beat(node: int, step: int, *, loss: float | None, state: NodeState = NodeSta
         outer_step=step,
         params_hash="ab" * 32,
         ckpt_digest="cd" * 32,
-        extra={} if loss is None else {"loss": loss, "allreduce_mbps": 80.0},
+        extra={} if loss is None else {"loss": loss, "allreduce_mbps": 80.0, "rtt_ms": 212.5},
     )
 
 
@@ -68,6 +68,9 @@ def test_api_reports_nodes_ring_checkpoints_and_loss_history() -> None:
     status = asyncio.run(scenario())
     assert status["run"] == "r" and len(status["nodes"]) == 2
     assert status["nodes"][0]["loss"] == 3.5 and status["nodes"][0]["allreduce_mbps"] == 80.0
+    assert status["nodes"][0]["rtt_ms"] == 212.5
+    table = format_table(readings[1])
+    assert "rtt" in table.splitlines()[0] and "212ms" in table.splitlines()[2]
     assert status["last_ring"]["step"] == 1 and len(status["last_ring"]["members"]) == 2
     assert status["checkpoint"] == {"digest": "cd" * 32, "agree": 2, "of": 2}
     assert status["history"][(bytes([1]) * 32).hex()] == [[0, 4.0], [1, 3.5]]

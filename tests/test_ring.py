@@ -374,3 +374,17 @@ def test_robust_aggregation_clips_a_poisoner_and_leaves_honest_members_alone(tmp
     assert all(set(by) <= {3} for by in clipped if by) and any(by for by in clipped), clipped  # said
     _, plain, _ = run_ring(tmp_path / "plain", n, length, faults=poisoner)
     assert relative_error(plain[0], exact) > 20, "without clipping the poisoner dominates"
+
+
+@pytest.mark.procs
+def test_frames_waiting_behind_a_slow_member_are_not_taken_for_a_dead_peer(tmp_path: Path) -> None:
+    """Butterfly of 4, member 3 on a slow uplink (its frames trickle at 8 kB/s: each takes ~2 s,
+    moving all the while): an owner's all-gather frame waits for member 3's reduce-scatter frame,
+    far past the 1 s failure_timeout after its own last frame to its successor. Its lane says it is
+    alive meanwhile, so nobody fails; with only data frames, every attempt failed."""
+    comm = CommConfig(chunk_bytes=1 << 16, failure_timeout=1.0, slowest_link_mbit=0.01, topology="butterfly")
+    outcomes, results, _ = run_ring(tmp_path, 4, 4 << 14, comm=comm, faults={3: ("slow_send", 8000)})
+    assert all(outcome.ok for outcome in outcomes.values()), outcomes
+    assert all(outcome.attempts == 1 for outcome in outcomes.values())
+    first = results[0]
+    assert all(np.array_equal(result, first) for result in results.values())

@@ -136,6 +136,8 @@ class TrainingNode:
         self.joining = False
         self.recoveries = 0
         self.last_rate: float | None = None
+        self.last_rtt_ms: float | None = None
+        """The longest round trip to a member measured in the last all-reduce (status's `rtt_ms`)."""
         self.contributed = 0
         """Tokens of this node in the outer steps whose all-reduce completed since it started."""
         self.step_tokens: dict[int, int] = {}
@@ -283,6 +285,8 @@ class TrainingNode:
         if averaged.allreduce_s > 0 and averaged.bytes_sent:
             # the transfer's rate (sync_s also counts the wait for the others and the elections)
             self.last_rate = round(8 * averaged.bytes_sent / averaged.allreduce_s / 1e6, 1)
+        if averaged.rtt_ms > 0:
+            self.last_rtt_ms = averaged.rtt_ms
         if members > 0:
             self.contributed += message.tokens
             self.step_tokens = {s: t for s, t in self.step_tokens.items() if s >= message.outer_step - 2}
@@ -338,6 +342,8 @@ class TrainingNode:
             extra = {"loss": message.loss} if message.loss == message.loss else {}
             if self.last_rate is not None:
                 extra["allreduce_mbps"] = self.last_rate
+            if self.last_rtt_ms is not None:
+                extra["rtt_ms"] = self.last_rtt_ms
             extra.update(self._progress_fields(message.outer_step))
             await self.swarm.training(message.outer_step + 1, params_hash=message.params_hash, extra=extra)
             self.view.outer(message)

@@ -245,6 +245,7 @@ class SwarmLink(SoloSwarm):
         averaged = Averaged(step, len(ring), ring, seconds, result.stats.bytes_sent)
         averaged.relayed_bytes = self.server.relay.bytes_relayed
         averaged.allreduce_s = result.stats.seconds
+        averaged.rtt_ms = round(1000 * max(result.stats.round_trips.values(), default=0.0), 1)
         if members == 1:
             return averaged, f"alone: waited {result.election_s:.1f} s for other nodes of the run"
         return averaged, f"sync {seconds:.2f} s, {result.stats.bytes_sent / 1e6:.2f} MB sent"

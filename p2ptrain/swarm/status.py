@@ -171,6 +171,8 @@ def status_json(
                 "loss": record_number(beat.extra.get("loss")),
                 # Mbit/s this node sent during its last all-reduce (the transfer, not the election)
                 "allreduce_mbps": record_number(beat.extra.get("allreduce_mbps")),
+                # the longest smoothed round trip to a member it sent to in that all-reduce (ms)
+                "rtt_ms": record_number(beat.extra.get("rtt_ms")),
                 "ckpt_digest": beat.ckpt_digest,
                 "data_addr": beat.data_addr,
                 # "open": peers dialed it back; "closed": behind NAT (it dials out); "": not probed
@@ -211,7 +213,7 @@ def format_table(
     status = status_json(heartbeats, now, verdicts=verdicts, relays=relays, authority=authority)
     rows = status["nodes"]
     header = (
-        f"{'node':<14}{'state':<10}{'step':>6}{'tokens':>14}{'share':>7}{'loss':>8}{'Mbit/s':>9}"
+        f"{'node':<14}{'state':<10}{'step':>6}{'tokens':>14}{'share':>7}{'loss':>8}{'Mbit/s':>9}{'rtt':>8}"
         f"{'seen':>8}  {'reach':<14}{'params':<13}{'ckpt':<13}peer"
     )
     lines = [run_line(run_id, authority)] if run_id else []
@@ -219,11 +221,12 @@ def format_table(
     for row in rows:
         loss = f"{row['loss']:.3f}" if row["loss"] is not None else "-"
         rate = f"{row['allreduce_mbps']:.0f}" if row["allreduce_mbps"] is not None else "-"
+        rtt = f"{row['rtt_ms']:.0f}ms" if row["rtt_ms"] is not None else "-"
         tokens = f"{row['tokens']:,}" if row["tokens"] is not None else "-"
         share = f"{row['share']:.0%}" if row["share"] is not None else "-"
         lines.append(
             f"{short_id(bytes.fromhex(row['id'])):<14}{row['state']:<10}{row['outer_step']:>6}"
-            f"{tokens:>14}{share:>7}{loss:>8}{rate:>9}{row['last_seen_s']:>7.1f}s  {_reach(row):<14}"
+            f"{tokens:>14}{share:>7}{loss:>8}{rate:>9}{rtt:>8}{row['last_seen_s']:>7.1f}s  {_reach(row):<14}"
             f"{row['params_hash'][:12] or '-':<13}{row['ckpt_digest'][:12] or '-':<13}{row['peer_id']}"
         )
     lines.append(f"{len(rows)} node(s); {progress_line(status['progress'])}")

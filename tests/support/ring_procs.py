@@ -6,8 +6,9 @@ import asyncio
 import multiprocessing as mp
 import os
 import signal
+import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from p2ptrain.comm.reduce.allreduce import all_reduce
 from p2ptrain.comm.reduce.barrier import ToSuccessor
 from p2ptrain.comm.reduce.transfer import Slots
 from p2ptrain.comm.robust import claims, clipping
+from p2ptrain.comm.transport import lanes
 from p2ptrain.config import CommConfig
 from p2ptrain.identity import load_or_create_identity
 from p2ptrain.procs import free_port
@@ -106,6 +108,8 @@ def _member(spec: MemberSpec, inbox: Any, outbox: Any) -> None:
             lie(fault, fault_after)
         if fault == "freeze_at_barrier":
             freeze_at_barrier()
+        if fault == "slow_send":
+            send_slowly(fault_after)
         started = time.monotonic()
         attempts = 0
         try:
@@ -162,6 +166,31 @@ def die(outbox: Any) -> None:
     outbox.close()
     outbox.join_thread()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def send_slowly(rate: float) -> None:
+    """Send this member's data frames at `rate` bytes/s, a small piece at a time: a slow uplink
+    (its frames keep moving), so that the others' frames which depend on them come late."""
+    send = lanes.send_frame
+
+    class Trickle:
+        def __init__(self, sock: socket.socket):
+            self.sock = sock
+
+        def setsockopt(self, *args: Any) -> None:
+            self.sock.setsockopt(*args)
+
+        def sendmsg(self, views: list[memoryview]) -> int:
+            piece = b"".join(bytes(view) for view in views)[: max(1, int(rate / 8))]
+            time.sleep(len(piece) / rate)
+            return self.sock.sendmsg([piece])
+
+    def slowly(channel: lanes.Channel, header: Mapping[str, Any], **kwargs: Any) -> None:
+        if header.get("kind") in ("rs", "ag"):
+            channel = lanes.Channel(Trickle(channel.sock), channel.seal)  # type: ignore[arg-type]
+        send(channel, header, **kwargs)
+
+    lanes.send_frame = slowly
 
 
 def freeze_at_barrier() -> None:

@@ -54,15 +54,22 @@ from p2ptrain.comm.codec.quant import Buffer
 from p2ptrain.comm.net.attempt import AllReduceError, Connection
 from p2ptrain.comm.net.members import Member, membership_digest, shares
 from p2ptrain.comm.net.server import DataPlaneServer
-from p2ptrain.comm.reduce.barrier import Holding, ToSuccessor, await_every_holder, on_own_thread
+from p2ptrain.comm.reduce.barrier import (
+    ALIVE,
+    BEATS_PER_TIMEOUT,
+    Holding,
+    ToSuccessor,
+    await_every_holder,
+    on_own_thread,
+)
 from p2ptrain.comm.reduce.connect import LanePlan, connect_lanes
 from p2ptrain.comm.reduce.schedule import BUNDLE, CLAIMS, FrameSpec, Schedule
-from p2ptrain.comm.reduce.transfer import Slots, Transfer
+from p2ptrain.comm.reduce.transfer import SlotKey, Slots, Transfer
 from p2ptrain.comm.robust import claims
 from p2ptrain.comm.robust.aggregator import RobustAggregator
 from p2ptrain.comm.transport import lanes
 from p2ptrain.comm.transport.handshake import HandshakeError, ViewsDiffer
-from p2ptrain.comm.transport.wire import FrameError, PeerClosed, WireError
+from p2ptrain.comm.transport.wire import FrameError, PeerClosed, PeerTimeout, WireError
 from p2ptrain.config import CommConfig
 from p2ptrain.identity import NodeIdentity, short_id
 
@@ -91,6 +98,12 @@ class ReduceStats:
     """What one member's part in one all-reduce yields besides the result in its buffer."""
 
     seconds: float = 0.0
+    connect_s: float = 0.0
+    """Of `seconds`: dialing and authenticating every lane (and waiting for the peers' dials)."""
+    transfer_s: float = 0.0
+    """Of `seconds`: the frames, from every lane up to the last frame in."""
+    barrier_s: float = 0.0
+    """Of `seconds`: the completion barrier (barrier.py), from the last frame in to the result's."""
     bytes_sent: int = 0
     bytes_received: int = 0
     frames: int = 0
@@ -99,6 +112,8 @@ class ReduceStats:
     link_rates: dict[bytes, float] = field(default_factory=dict)
     """Bytes/s to each peer we sent to, measured over the frames whose send it held up; inf for a
     peer that took our frames as fast as we produced them (its link was not our bottleneck)."""
+    round_trips: dict[bytes, float] = field(default_factory=dict)
+    """Seconds, the kernel's smoothed round trip to each peer we sent to (the slowest of its lanes)."""
     clipped: dict[bytes, int] = field(default_factory=dict)
     """Robust aggregation: member → chunks of ours (we own them) in which its share was clipped."""
 
@@ -159,6 +174,11 @@ class _AllReduce:
                 own=own,
             )
             self.aggregator = RobustAggregator(ledger=ledger, comm=comm, threads=self.threads, sink=self)
+        self.min_rate = comm.slowest_link_mbit * 1e6 / 8
+        """Bytes/s a frame in transit must keep up to extend its deadline (lanes.Deadline)."""
+        self.data_deadline = math.inf
+        """When the data phase may legitimately take no longer (`data_phase_bound`, set once the
+        lanes are up): keepalives do not hold a receiver past it."""
         self.to_successor = ToSuccessor(step, comm.failure_timeout)
         """Keepalives and the barrier's sets, from our last data frame to the successor on."""
         self.result = np.empty(self._size(own.shape[0]), np.uint8)
@@ -176,6 +196,8 @@ class _AllReduce:
         self.partial: dict[int, np.ndarray] = {}  # butterfly: chunk index -> fp32 sum so far
         self.arrived: dict[int, int] = {}
         self.frames_queued = dict.fromkeys(self.schedule.out_peers(), 0)
+        self.arrivals: dict[int, dict[int, float]] = {peer: {} for peer in self.schedule.in_peers()}
+        """peer → position in its stream to us → when that frame had arrived (lanes.Deadline)."""
         self.held_up = {peer: [0, 0.0] for peer in self.schedule.out_peers()}
         """peer → [bytes, seconds] of the frames whose send waited for the peer's link."""
         self.stats = ReduceStats()
@@ -215,7 +237,7 @@ class _AllReduce:
                     bits=self.bits,
                 )
             else:
-                payload, spare = self.slots.take((phase, rnd, chunk))
+                payload, spare = self._take_saying_alive(channel, (phase, rnd, chunk))
             header = {"kind": phase, "step": self.step, "round": rnd, "chunk": chunk, "n": stop - start}
             if phase == "ag" and self.aggregator is not None:
                 header["sig"] = self.aggregator.signature(self.schedule.sent_segment(rnd), chunk)
@@ -225,7 +247,9 @@ class _AllReduce:
             with self.lock:  # counted before the send: the peer may hang up as soon as it has all
                 self.frames_queued[peer] += 1
             sent_at = time.monotonic()
-            lanes.send_frame(channel, header, payload=payload, timeout=self.comm.failure_timeout)
+            lanes.send_frame(
+                channel, header, payload=payload, timeout=self.comm.failure_timeout, min_rate=self.min_rate
+            )
             waited = time.monotonic() - sent_at
             with self.lock:
                 if spare is not None:  # in the kernel now: the buffer can take the next partial sum
@@ -234,8 +258,24 @@ class _AllReduce:
                     self.held_up[peer][0] += len(payload)
                     self.held_up[peer][1] += waited
                 self.stats.bytes_sent += len(payload)
+        if (rtt := lanes.round_trip_s(channel.sock)) is not None:
+            with self.lock:
+                key = self.keys[peer]
+                self.stats.round_trips[key] = max(rtt, self.stats.round_trips.get(key, 0.0))
         if (peer, lane) == (self.schedule.successor, 0):  # until our barrier ends: we are alive
             self.to_successor.start(channel)
+
+    def _take_saying_alive(self, channel: lanes.Channel, key: SlotKey) -> tuple[Buffer, bytearray | None]:
+        """The payload of a frame that waits for other members' frames (a partial sum, a chunk to
+        pass on), telling the peer we are alive while it waits: behind a slow member that wait
+        legitimately outlasts failure_timeout (a 5 Mbit/s uplink among 50 Mbit/s ones failed every
+        attempt), and the peer, which cannot see why, takes only a silent sender for a dead one. No
+        keepalive goes out while bytes of ours are unacknowledged: the peer is receiving then."""
+        while (taken := self.slots.take(key, self.comm.failure_timeout / BEATS_PER_TIMEOUT)) is None:
+            if not lanes.unacknowledged(channel.sock):
+                alive = {"kind": ALIVE, "step": self.step}
+                lanes.send_frame(channel, alive, payload=b"", timeout=self.comm.failure_timeout)
+        return taken
 
     def hung_up(self, peer: int, state: str) -> None:
         """A peer we only send to made its connection readable: it never writes after the handshake
@@ -250,12 +290,33 @@ class _AllReduce:
     def receive_lane(self, peer: int, lane: int, channel: lanes.Channel) -> None:
         decompressor = zstandard.ZstdDecompressor() if self.comm.zstd else None
         scratch = memoryview(bytearray(self.largest_payload))  # reduce-scatter frames, used at once
-        for spec in self.schedule.receive_frames(peer, lane):
+        arrivals = self.arrivals[peer]
+        lanes_of_peer = self.schedule.lanes
+        for number, spec in enumerate(self.schedule.receive_frames(peer, lane)):
             phase, rnd, chunk, start, stop = spec
             place = functools.partial(self._place, spec, scratch)
-            frame = lanes.recv_frame(
-                channel, self.comm.failure_timeout, max_payload=self.max_payload, place=place
+            position = lane + number * lanes_of_peer  # in the peer's stream to us
+            # the frame before it came on another lane: this one is due only after that one
+            after = (
+                None if lanes_of_peer == 1 or position == 0 else functools.partial(arrivals.get, position - 1)
             )
+            while True:
+                frame = lanes.recv_frame(
+                    channel,
+                    self.comm.failure_timeout,
+                    max_payload=self.max_payload,
+                    place=place,
+                    min_rate=self.min_rate,
+                    after=after,
+                )
+                if frame.header != {"kind": ALIVE, "step": self.step} or len(frame.payload):
+                    break
+                # the peer waits for others' frames; it may, within what the data phase may take
+                if time.monotonic() > self.data_deadline:
+                    raise PeerTimeout(
+                        f"{short_id(self.keys[peer])} still only alive past what the data phase may take"
+                    )
+            arrivals[position] = time.monotonic()
             expected, got = self._expected(spec), _identity(frame.header)
             if got != expected:
                 raise FrameError(f"expected frame {expected}, got {got}")
@@ -351,6 +412,15 @@ class _AllReduce:
                         summed, self.block, scale=1.0, threads=self.threads, out=placed, bits=self.bits
                     )
                     self.finish_chunk(chunk, start, stop, final)
+
+    def data_phase_bound(self) -> float:
+        """Seconds the data phase may legitimately take: every frame we receive its own deadline
+        (lanes.Deadline: failure_timeout plus its bytes at the floor rate), and one more per hop."""
+        frames_in = self.schedule.frames_in()
+        bound = self.comm.failure_timeout * (frames_in + self.n)
+        if self.min_rate > 0:
+            bound += frames_in * self.largest_payload / self.min_rate
+        return bound
 
     def placed(self, start: int, stop: int) -> memoryview:
         """Where the encoded chunk [start, stop) lies in `result` (chunks start on a block boundary)."""
@@ -458,6 +528,9 @@ async def all_reduce(
             connections=connections,
             standby=relays,
         )
+        connected_at = time.monotonic()
+        plan.stats.connect_s = connected_at - started
+        plan.data_deadline = connected_at + plan.data_phase_bound()
         outgoing = {slot: transfer.adopt(connection, sending=True) for slot, connection in sending.items()}
         into = {slot: transfer.adopt(connection, sending=False) for slot, connection in receiving.items()}
         transfer.start(outgoing, into)
@@ -465,7 +538,9 @@ async def all_reduce(
         if plan.failure is not None:
             raise plan.failure
         plan.check_results()
-        bound = comm.failure_timeout * (plan.schedule.frames_in() + plan.n)  # as the data allow
+        transferred_at = time.monotonic()
+        plan.stats.transfer_s = transferred_at - connected_at
+        bound = plan.data_phase_bound()  # as the data allow
         holding = Holding.signed(identity, step, keys=keys, digest=digest, attempt=registration.attempt)
         barrier = functools.partial(
             await_every_holder,
@@ -475,6 +550,7 @@ async def all_reduce(
             seconds=bound,
         )
         await on_own_thread(barrier, f"p2ptrain-ring-barrier-{step}")
+        plan.stats.barrier_s = time.monotonic() - transferred_at
         server.completed(step)
     except AllReduceError as exc:
         level = logging.INFO if exc.views_differ else logging.WARNING  # normal while records spread

@@ -59,14 +59,18 @@ class Slots:
             self._items[key] = (payload, spare)
             self._changed.notify_all()
 
-    def take(self, key: SlotKey) -> tuple[Buffer, bytearray | None]:
-        """Wait for `key`'s payload. Every failure calls `abort`, so the wait always ends: the
-        payload comes from a receive that has its own deadline."""
+    def take(self, key: SlotKey, timeout: float | None = None) -> tuple[Buffer, bytearray | None] | None:
+        """Wait for `key`'s payload; None after `timeout` seconds without it. Every failure calls
+        `abort`, so the wait always ends: the payload comes from a receive that has its own deadline."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._changed:
             while key not in self._items:
                 if self._aborted:
                     raise Aborted
-                self._changed.wait()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                self._changed.wait(left)
             return self._items.pop(key)
 
     def abort(self) -> None:

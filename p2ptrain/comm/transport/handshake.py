@@ -56,7 +56,9 @@ from p2ptrain.identity import PUBLIC_KEY_BYTES, NodeIdentity, short_id, verify
 
 log = logging.getLogger(__name__)
 
-_DOMAIN = b"p2ptrain/ring-handshake/v4\0"
+_DOMAIN = b"p2ptrain/ring-handshake/v5\0"
+"""Bumped with every change of the data-phase protocol, so that nodes of two versions refuse each
+other's handshakes instead of failing steps (v5: keepalives between data frames)."""
 NONCE_BYTES = 32
 DIGEST_BYTES = 32
 MAX_HANDSHAKE_FRAME = 1024

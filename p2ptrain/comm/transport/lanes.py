@@ -73,30 +73,75 @@ def detach(writer: asyncio.StreamWriter) -> socket.socket:
     return sock
 
 
-def _kernel_timeout(sock: socket.socket, option: int, *, deadline: float, what: str) -> None:
-    """Bound the next blocking call on `sock` by `deadline` (a partial transfer returns then)."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise PeerTimeout(f"{what} within the deadline")
-    seconds = int(left)
-    micros = max(1, int((left - seconds) * 1e6)) if seconds == 0 else int((left - seconds) * 1e6)
-    sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("@ll", seconds, micros))
+class Deadline:
+    """How long one frame may take: `timeout` seconds, plus the time its bytes in transit need at
+    `min_rate` bytes/s. A frame that keeps arriving (or leaving) at least that fast is never cut off
+    by its size: on a slow or shared uplink a large frame takes longer than any fixed timeout
+    (measured: 1 MB frames over a 50 Mbit/s uplink shared by 12 connections missed 5 s and failed
+    every attempt). A peer that sends nothing, or trickles below `min_rate`, still fails within
+    `timeout` plus what it sent at that rate."""
+
+    def __init__(
+        self, timeout: float, min_rate: float = 0.0, *, after: Callable[[], float | None] | None = None
+    ):
+        """`after`: when the clock starts (a monotonic time), None while it has not: a frame that
+        follows another on a parallel lane is due only `timeout` after that one arrived."""
+        self.timeout = timeout
+        self.per_byte = 1 / min_rate if min_rate > 0 else 0.0
+        self.credit = 0.0
+        self.created = time.monotonic()
+        self.after = after
+        self.start: float | None = None if after is not None else self.created
+
+    def _at(self) -> float | None:
+        if self.start is None:
+            assert self.after is not None
+            began = self.after()
+            if began is None:
+                return None
+            self.start = max(began, self.created)
+        return self.start + self.timeout + self.credit
+
+    def moved(self, count: int) -> None:
+        self.credit += count * self.per_byte
+
+    def expired(self) -> bool:
+        at = self._at()
+        return at is not None and time.monotonic() >= at
+
+    def bound(self, sock: socket.socket, option: int, *, what: str) -> None:
+        """Bound the next blocking call on `sock` by the deadline (a partial transfer returns then);
+        before the clock starts, by a short slice, to look again."""
+        at = self._at()
+        left = UNSTARTED_SLICE_S if at is None else at - time.monotonic()
+        if left <= 0:
+            raise PeerTimeout(f"{what} within the deadline")
+        seconds = int(left)
+        micros = max(1, int((left - seconds) * 1e6)) if seconds == 0 else int((left - seconds) * 1e6)
+        sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("@ll", seconds, micros))
 
 
-def _recv_exactly(sock: socket.socket, view: memoryview, deadline: float) -> None:
+UNSTARTED_SLICE_S = 0.25
+"""How often a lane whose frame's clock has not started looks whether it has."""
+
+
+def _recv_exactly(sock: socket.socket, view: memoryview, deadline: Deadline) -> None:
     got = 0
     while got < len(view):
         pending = f"no complete frame ({len(view) - got} bytes pending)"
-        _kernel_timeout(sock, socket.SO_RCVTIMEO, deadline=deadline, what=pending)
+        deadline.bound(sock, socket.SO_RCVTIMEO, what=pending)
         try:
             count = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
         except BlockingIOError:  # the kernel timeout passed with nothing received
-            raise PeerTimeout(f"{pending} within the deadline") from None
+            if deadline.expired():
+                raise PeerTimeout(f"{pending} within the deadline") from None
+            continue
         except OSError as exc:
             raise PeerClosed(f"connection lost: {exc}") from None
         if count == 0:
             raise PeerClosed(f"connection closed after {got} of {len(view)} bytes")
         got += count
+        deadline.moved(count)
 
 
 Placement = Callable[[dict[str, Any], int], "memoryview | None"]
@@ -105,13 +150,20 @@ many bytes, or None for a fresh buffer."""
 
 
 def recv_frame(
-    channel: Channel, timeout: float, *, max_payload: int, place: Placement | None = None
+    channel: Channel,
+    timeout: float,
+    *,
+    max_payload: int,
+    place: Placement | None = None,
+    min_rate: float = 0.0,
+    after: Callable[[], float | None] | None = None,
 ) -> Frame:
-    """Read one whole sealed frame within `timeout` seconds and open it. The payload is decrypted
-    straight into the buffer `place` picks for it; its length was checked against `max_payload`
-    first. Raises FrameError when the frame fails authentication."""
+    """Read one whole sealed frame within `timeout` seconds (plus its bytes at `min_rate` bytes/s,
+    counted from `after`: `Deadline`) and open it. The payload is decrypted straight into the
+    buffer `place` picks for it; its length was checked against `max_payload` first. Raises
+    FrameError when the frame fails authentication."""
     sock = channel.sock
-    deadline = time.monotonic() + timeout
+    deadline = Deadline(timeout, min_rate, after=after)
     prefix = bytearray(PREFIX.size)
     _recv_exactly(sock, memoryview(prefix), deadline)
     header_len, sealed_len = parse_prefix(bytes(prefix), max_payload + TAG_BYTES)
@@ -131,23 +183,27 @@ def recv_frame(
     return Frame(header, payload)
 
 
-def send_frame(channel: Channel, header: Mapping[str, Any], *, payload: Any, timeout: float) -> None:
-    """Seal one frame and hand it to the kernel within `timeout` seconds."""
+def send_frame(
+    channel: Channel, header: Mapping[str, Any], *, payload: Any, timeout: float, min_rate: float = 0.0
+) -> None:
+    """Seal one frame and hand it to the kernel within `timeout` seconds (plus its bytes at
+    `min_rate` bytes/s: `Deadline`)."""
     sock = channel.sock
-    deadline = time.monotonic() + timeout
+    deadline = Deadline(timeout, min_rate)
     body = memoryview(payload).cast("B")
     head = encode_head(header, body.nbytes + TAG_BYTES)
     sealed = channel.buffer(body.nbytes + TAG_BYTES)
     channel.seal.seal_into(head, body, sealed)
     views = [memoryview(head), sealed]
     while views:
-        _kernel_timeout(sock, socket.SO_SNDTIMEO, deadline=deadline, what="peer did not take the frame")
+        deadline.bound(sock, socket.SO_SNDTIMEO, what="peer did not take the frame")
         try:
             sent = sock.sendmsg(views)
         except BlockingIOError:  # the kernel timeout passed with nothing sent
             raise PeerTimeout("peer did not take the frame within the deadline") from None
         except OSError as exc:
             raise PeerClosed(f"connection lost: {exc}") from None
+        deadline.moved(sent)
         while sent and views:
             if sent >= len(views[0]):
                 sent -= len(views[0])
@@ -155,6 +211,24 @@ def send_frame(channel: Channel, header: Mapping[str, Any], *, payload: Any, tim
             else:
                 views[0] = views[0][sent:]
                 sent = 0
+
+
+TCP_INFO_RTT = struct.Struct("@I")
+TCP_INFO_RTT_OFFSET = 68
+"""Where Linux's struct tcp_info holds tcpi_rtt (the smoothed round trip, microseconds)."""
+
+
+def round_trip_s(sock: socket.socket) -> float | None:
+    """The kernel's smoothed round trip of a connection we send on (from its ACKs), in seconds;
+    None where TCP_INFO says nothing (another kernel, or no sample yet)."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+    except OSError:
+        return None
+    if len(info) < TCP_INFO_RTT_OFFSET + TCP_INFO_RTT.size:
+        return None
+    (micros,) = TCP_INFO_RTT.unpack_from(info, TCP_INFO_RTT_OFFSET)
+    return micros / 1e6 if micros else None
 
 
 def unacknowledged(sock: socket.socket) -> int:
