@@ -1,7 +1,9 @@
 """The int8 ring all-reduce against torch.distributed gloo (fp32), 3 member processes.
 
     python -m benchmarks.allreduce --json [--mib 64] [--rounds 5] [--bandwidth MBIT] [--connections M]
+                                   [--chunk-kib K]
                                    [--bits 4] [--topology butterfly] [--clip X]
+                                   [--delay MS,...] [--loss PCT,...] [--up MBIT,...] [--down MBIT,...]
 
 Every member holds its own N(0,1) fp32 vector. A gloo barrier starts each round; a round's time is
 the slowest member's, and the figures are medians over the rounds (each round's own time is in
@@ -9,15 +11,22 @@ the slowest member's, and the figures are medians over the rounds (each round's 
 L2 error against the exact fp32 mean. Without --bandwidth the members talk over 127.0.0.1; with it,
 each runs in its own network namespace whose uplink tc limits to MBIT, and `link_util` = (ideal wire
 time of the int8 ring at that bandwidth) / (measured time). --connections M gives the ring M
-parallel TCP connections per neighbour (comm.connections); --bits 4 sends 4-bit codes (comm.bits;
+parallel TCP connections per neighbour (comm.connections), --chunk-kib the pipelining unit
+(comm.chunk_bytes, in KiB of fp32); --bits 4 sends 4-bit codes (comm.bits;
 the `int8_ring_*` figures are then those of the 4-bit ring). --topology picks ring or butterfly
 (comm.topology; auto: the ring at 3 members); --clip X > 0 runs robust aggregation (comm.clip: the
 butterfly, signed norm claims, signed results, every member's check), to set beside
 `--topology butterfly`.
+
+With any of --delay, --jitter, --loss, --up or --down (benchmarks/paths.py) the members run in the
+internet lab instead (one namespace each, joined by a userspace router with those paths; --bandwidth
+then sets the rates not given), and the result adds physical_s — the int8 ring's bytes over the
+slowest uplink plus 2(n − 1) one-way delays of the slowest path — and ring_vs_physical.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -32,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import parser, report, unwind_on_sigterm
+from benchmarks.paths import add_path_flags, check_path_flags, lab_figures, lab_for, wants_lab
 from p2ptrain.config import Topology
 from p2ptrain.procs import free_port
 
@@ -52,6 +62,7 @@ def worker(
     rounds: int,
     out: Path,
     connections: int = 1,
+    chunk_bytes: int = 4 << 20,
     bits: int = 8,
     topology: Topology = "auto",
     clip: float = 0.0,
@@ -75,6 +86,7 @@ def worker(
             quant_block=BLOCK,
             failure_timeout=120,
             connections=connections,
+            chunk_bytes=chunk_bytes,
             bits=bits,
             topology=topology,
             clip=clip,
@@ -146,11 +158,15 @@ def run(
     *,
     bandwidth: float | None,
     connections: int = 1,
+    chunk_bytes: int = 4 << 20,
     bits: int = 8,
     topology: Topology = "auto",
     clip: float = 0.0,
+    paths: argparse.Namespace | None = None,
 ) -> dict[str, Any]:
+    """`paths`: the lab's flags, to run over the internet lab instead of tc-limited links."""
     length = (mib << 20) // 4
+    narrowest: tuple[float, float] | None = None  # (lowest uplink Mbit/s, longest one-way delay s)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         out = root / "times.json"
@@ -174,6 +190,8 @@ def run(
                 str(out),
                 "--connections",
                 str(connections),
+                "--chunk-kib",
+                str(chunk_bytes >> 10),
                 "--bits",
                 str(bits),
                 "--topology",
@@ -183,7 +201,22 @@ def run(
             ]
 
         timeout = 120 + rounds * (4 * length * 8 / (bandwidth * 1e6) * 2 if bandwidth else 5)
-        if bandwidth is None:
+        if paths is not None:
+            with lab_for(paths, WORLD, bootstrap=False, rate=bandwidth) as lab:
+                master = f"{lab.address(0)}:29517"
+                commands = [
+                    [
+                        *lab.prefix(rank),
+                        "env",
+                        "GLOO_SOCKET_IFNAME=tun0",
+                        *command(rank, lab.address(rank), master),
+                    ]
+                    for rank in range(WORLD)
+                ]
+                times = _run_members(commands, root, timeout)
+            one_way = max(lab.round_trip_s(a, b) / 2 for a in range(WORLD) for b in range(WORLD) if a != b)
+            narrowest = (min(link.up_mbit for link in lab.links), one_way)
+        elif bandwidth is None:
             master = f"127.0.0.1:{free_port()}"
             times = _run_members([command(rank, "127.0.0.1", master) for rank in range(WORLD)], root, timeout)
         else:
@@ -209,6 +242,7 @@ def run(
         "members": WORLD,
         "mib": mib,
         "connections": connections,
+        "chunk_kib": chunk_bytes >> 10,
         "bits": bits,
         "topology": topology,
         "clip": clip,
@@ -220,8 +254,15 @@ def run(
         "int8_ring_rounds_s": [round(seconds, 4) for seconds in ring_rounds],
         "gloo_fp32_rounds_s": [round(seconds, 4) for seconds in gloo_rounds],
     }
-    if bandwidth is not None:
-        wire_bytes = 2 * (WORLD - 1) / WORLD * length * (bits / 8 + 8 / BLOCK)
+    wire_bytes = 2 * (WORLD - 1) / WORLD * length * (bits / 8 + 8 / BLOCK)
+    if narrowest is not None and paths is not None:
+        physical_s = wire_bytes * 8 / (narrowest[0] * 1e6) + 2 * (WORLD - 1) * narrowest[1]
+        summary.update(
+            lab_figures(paths),
+            physical_s=round(physical_s, 4),
+            ring_vs_physical=round(ring_s / physical_s, 3),
+        )
+    elif bandwidth is not None:
         ideal_s = wire_bytes * 8 / (bandwidth * 1e6)
         summary.update(
             bandwidth_mbit=bandwidth,
@@ -242,17 +283,24 @@ def main() -> None:
     arguments.add_argument(
         "--connections", type=int, default=1, metavar="M", help="TCP connections per ring neighbour"
     )
+    arguments.add_argument(
+        "--chunk-kib", type=int, default=4096, metavar="K", help="comm.chunk_bytes in KiB (fp32)"
+    )
     arguments.add_argument("--bits", type=int, choices=[8, 4], default=8, help="code width (comm.bits)")
     arguments.add_argument(
         "--topology", choices=["auto", "ring", "butterfly"], default="auto", help="comm.topology"
     )
     arguments.add_argument("--clip", type=float, default=0.0, help="comm.clip: robust aggregation when > 0")
+    add_path_flags(arguments)
     arguments.add_argument("--worker", type=int, help=argparse_hidden())
     arguments.add_argument("--host", help=argparse_hidden())
     arguments.add_argument("--master", help=argparse_hidden())
     arguments.add_argument("--length", type=int, help=argparse_hidden())
     arguments.add_argument("--out", help=argparse_hidden())
     args = arguments.parse_args()
+    check_path_flags(arguments, args)
+    if args.chunk_kib < 4:
+        arguments.error("--chunk-kib must be at least 4")
     if not 1 <= args.connections <= 16:
         arguments.error("--connections must be within 1..16")
     if not 0 <= args.clip <= 1000:
@@ -266,14 +314,16 @@ def main() -> None:
             rounds=args.rounds,
             out=Path(args.out),
             connections=args.connections,
+            chunk_bytes=args.chunk_kib << 10,
             bits=args.bits,
             topology=args.topology,
             clip=args.clip,
         )
         return
     unwind_on_sigterm()
-    if args.bandwidth is not None and os.geteuid() != 0:
-        report({"skipped": True, "reason": "--bandwidth needs root for network namespaces and tc"}, args.json)
+    if (args.bandwidth is not None or wants_lab(args)) and os.geteuid() != 0:
+        reason = "--bandwidth and the lab's flags need root for network namespaces"
+        report({"skipped": True, "reason": reason}, args.json)
         return
     try:
         summary = run(
@@ -281,9 +331,11 @@ def main() -> None:
             args.rounds,
             bandwidth=args.bandwidth,
             connections=args.connections,
+            chunk_bytes=args.chunk_kib << 10,
             bits=args.bits,
             topology=args.topology,
             clip=args.clip,
+            paths=args if wants_lab(args) else None,
         )
     except Exception as exc:
         from benchmarks.netns import NamespacesUnavailable
@@ -296,8 +348,6 @@ def main() -> None:
 
 
 def argparse_hidden() -> str:
-    import argparse
-
     return argparse.SUPPRESS
 
 

@@ -8,7 +8,7 @@ import signal
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,14 @@ from p2ptrain.procs import ChildProcesses
 def unwind_on_sigterm() -> None:
     """SIGTERM unwinds like Ctrl+C: the benchmark's `finally` blocks stop the processes it started
     and delete its network namespaces (without this, a killed benchmark left its nodes running)."""
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGTERM, _unwind)
+
+
+def _unwind(*_: object) -> None:
+    # once: a second SIGTERM (`timeout` passes its own on to the child that pkill also reached) would
+    # interrupt the cleanup the first one started, and leave the nodes and namespaces behind
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(143)
 
 
 def median_seconds(function: Callable[[], object], repeats: int, warmup: int = 1) -> float:
@@ -56,13 +63,22 @@ def wait_for_file(path: Path, timeout: float, benchmark: str) -> str:
     raise SystemExit(f"benchmarks.{benchmark}: error: {path.name} did not appear within {timeout:.0f} s")
 
 
-def start_bootstrap(children: ChildProcesses, root: Path, benchmark: str) -> str:
-    """A bootstrap peer on 127.0.0.1 under `root`; its multiaddress."""
+def start_bootstrap(
+    children: ChildProcesses,
+    root: Path,
+    benchmark: str,
+    *,
+    host: str = "127.0.0.1",
+    prefix: Sequence[str] = (),
+) -> str:
+    """A bootstrap peer on `host` (run under `prefix`, e.g. `ip netns exec NS`) under `root`; its
+    multiaddress."""
     address = root / "bootstrap.addr"
     children.spawn(
         "bootstrap",
         [
-            *(sys.executable, "-m", "p2ptrain", "bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0"),
+            *prefix,
+            *(sys.executable, "-m", "p2ptrain", "bootstrap", "--listen", f"/ip4/{host}/tcp/0"),
             *("--identity", str(root / "bootstrap"), "--address-file", str(address)),
         ],
         log_path=root / "bootstrap.log",
@@ -71,12 +87,23 @@ def start_bootstrap(children: ChildProcesses, root: Path, benchmark: str) -> str
 
 
 def drill_command(
-    root: Path, name: str, *, peer: str, steps: int, nodes: int, size: int, extra: list[str]
+    root: Path,
+    name: str,
+    *,
+    peer: str,
+    steps: int,
+    nodes: int,
+    size: int,
+    extra: list[str],
+    host: str = "127.0.0.1",
+    prefix: Sequence[str] = (),
+    inner: float = 0.3,
 ) -> list[str]:
-    """`p2ptrain drill` for a node on 127.0.0.1 that waits for `nodes` nodes, inner phases of up
-    to 0.3 s, vectors of `size` values."""
-    where = ["--work-dir", str(root / name), "--listen", "/ip4/127.0.0.1/tcp/0"]
-    drill = ["--steps", str(steps), "--nodes", str(nodes), "--inner", "0.3", "--size", str(size)]
+    """`p2ptrain drill` for a node on `host` (run under `prefix`) that waits for `nodes` nodes,
+    inner phases of up to `inner` seconds, vectors of `size` values."""
+    where = ["--work-dir", str(root / name), "--listen", f"/ip4/{host}/tcp/0"]
+    drill = ["--steps", str(steps), "--nodes", str(nodes), "--inner", str(inner), "--size", str(size)]
     peer_and_config = ["--peer", peer, "--config", "debug"]
-    loopback = ["--set", "node.data_host=127.0.0.1"]
-    return [sys.executable, "-m", "p2ptrain", "drill", *peer_and_config, *where, *drill, *loopback, *extra]
+    data_host = ["--set", f"node.data_host={host}"]
+    command = [sys.executable, "-m", "p2ptrain", "drill", *peer_and_config, *where, *drill, *data_host]
+    return [*prefix, *command, *extra]

@@ -2,6 +2,7 @@
 
     python -m benchmarks.swarm --json [--nodes 3] [--steps 10] [--kill-at 4] [--freeze] [--bandwidth MBIT]
                                       [--nat K] [--set KEY=VALUE ...] [--beside-default]
+                                      [--delay MS,...] [--loss PCT,...] [--up MBIT,...] [--down MBIT,...]
 
 Runs `p2ptrain demo` (bootstrap peer + nodes training the debug config with int8 DiLoCo; one node
 SIGKILLed after --kill-at outer steps — SIGSTOPped with --freeze — and a new one joining) and
@@ -37,10 +38,15 @@ side by side ("public" and "nat"), with the fraction of outer steps in which the
 were members, the bytes the public nodes relayed between two of them (relay_bytes: an edge between
 two nodes behind NAT goes through a reachable member, comm/relay.py), and the ratio of the two
 outer overheads. At least one node must be public (--nodes ≥ K + 1).
+
+With any of --delay, --jitter, --loss, --up or --down (benchmarks/paths.py) every process runs on a
+host of the internet lab instead: a namespace of its own behind a userspace router that gives its
+path that delay, jitter, loss and those rates (--bandwidth sets the rates not given).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import itertools
@@ -52,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import parser, report, unwind_on_sigterm
+from benchmarks.paths import add_path_flags, check_path_flags, lab_figures, lab_for, wants_lab
 from p2ptrain.config import load_config, parameter_count
 from p2ptrain.demo import Host, Placement, run_demo
 from p2ptrain.errors import ConfigError
@@ -107,15 +114,22 @@ def work_folder(keep: Path | None) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def placement(nodes: int, mbit: float, nat: int = 0) -> Iterator[Placement]:
+def placement(
+    nodes: int, mbit: float, nat: int = 0, paths: argparse.Namespace | None = None
+) -> Iterator[Placement]:
     """Loopback for everyone, or (with `mbit`) one tc-limited namespace per process, node0 … node{nat-1}
-    behind NAT routers."""
+    behind NAT routers, or (with `paths`) one host of the internet lab per process."""
+    names = ["bootstrap", *(f"node{index}" for index in range(nodes + 1))]  # the joiner is the last
+    if paths is not None:
+        with lab_for(paths, len(names), rate=mbit or None) as lab:
+            hosts = {name: Host(lab.address(i), lab.prefix(i)) for i, name in enumerate(names)}
+            yield hosts.__getitem__
+        return
     if not mbit:
         yield lambda name: Host()
         return
     from benchmarks.netns import limited_network
 
-    names = ["bootstrap", *(f"node{index}" for index in range(nodes + 1))]  # the joiner is the last
     with limited_network(len(names), mbit, behind_nat=range(1, nat + 1)) as network:
         hosts = {name: Host(network.addresses[i], tuple(network.prefix(i))) for i, name in enumerate(names)}
         yield hosts.__getitem__
@@ -132,10 +146,11 @@ def run(
     nat: int = 0,
     settings: Sequence[str] = (),
     keep: Path | None = None,
+    paths: argparse.Namespace | None = None,
 ) -> dict[str, Any]:
     debug = load_config("debug", overrides=settings)
     tokens_per_step = debug.train.batch_size * debug.model.seq_len
-    with work_folder(keep) as work, placement(nodes, mbit, nat) as place:
+    with work_folder(keep) as work, placement(nodes, mbit, nat, paths) as place:
         summary = run_demo(
             Path(work),
             nodes=nodes,
@@ -193,6 +208,8 @@ def run(
         result["nat_member_fraction"] = round(len(with_others) / max(1, result["outer_steps"] * nat), 3)
         relayed = [max((r.get("relayed_bytes", 0) for r in records[name]), default=0) for name in records]
         result["relay_bytes"] = sum(relayed)
+    if paths is not None:
+        result.update(lab_figures(paths))
     if mbit:
         parameters = parameter_count(debug.model)
         ideal = ideal_wire_s(parameters, nodes, block=debug.comm.quant_block, mbit=mbit)
@@ -223,7 +240,11 @@ def main() -> None:
         action="store_true",
         help="with --set: run the default settings first, and give both results side by side",
     )
+    add_path_flags(cli)
     args = cli.parse_args()
+    check_path_flags(cli, args)
+    if wants_lab(args) and args.nat:
+        cli.error("--nat cannot be combined with the lab's flags yet (the lab has no NAT routers)")
     if args.bandwidth < 0:
         cli.error("--bandwidth must be a positive number of Mbit/s")
     if args.nat < 0 or (args.nat and not args.bandwidth):
@@ -232,8 +253,9 @@ def main() -> None:
     if args.nat and nodes < args.nat + 1:
         cli.error(f"--nat {args.nat} needs --nodes ≥ {args.nat + 1} (a reachable node to relay through)")
     unwind_on_sigterm()
-    if args.bandwidth and os.geteuid() != 0:
-        report({"skipped": True, "reason": "--bandwidth needs root for network namespaces and tc"}, args.json)
+    if (args.bandwidth or wants_lab(args)) and os.geteuid() != 0:
+        reason = "--bandwidth and the lab's flags need root for network namespaces"
+        report({"skipped": True, "reason": reason}, args.json)
         return
     from benchmarks.netns import NamespacesUnavailable
 
@@ -256,6 +278,7 @@ def main() -> None:
             freeze=args.freeze,
             mbit=args.bandwidth,
             quiet=args.json,
+            paths=args if wants_lab(args) else None,
         )
         default = swarm() if beside else None
         result = swarm(settings=args.set, keep=keep)
