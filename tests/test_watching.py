@@ -123,12 +123,12 @@ def test_the_all_reduce_rate_is_the_transfers_not_the_wait(swarm: LocalSwarm) ->
     assert rates[fast.group(1)] > 2 * with_the_wait, (rates, synced())
 
 
-def beat(index: int, seq: int, *, state: NodeState = NodeState.TRAINING) -> Heartbeat:
+def beat(index: int, seq: int, *, state: NodeState = NodeState.TRAINING, timestamp: float = 0.0) -> Heartbeat:
     return Heartbeat(
         run_id="r",
         node_key=index.to_bytes(4, "big") * 8,
         seq=seq,
-        timestamp=0.0,
+        timestamp=timestamp,
         expiration=0.0,
         state=state,
     )
@@ -187,9 +187,11 @@ def test_each_departure_is_said_once_with_its_reason() -> None:
     clock.now += 10
     roster.update([beat(2, 2)])
     assert lines[3:] == [f"node {two} left run 'r' (crashed: its data port refuses connections; 1 live)"]
-    roster.update([beat(2, 3)])  # restarted: its heartbeat advances again
+    roster.update([beat(2, 3)])  # signed before the verdict, stored just before the crash, read late
+    assert lines[4:] == []
+    roster.update([beat(2, 4, timestamp=time.time() + 1)])  # restarted: its heartbeat advances again
     assert lines[4:] == [f"node {two} joined run 'r' (2 live)"]
-    finished = replace(beat(2, 4, state=NodeState.DEAD), extra={"finished": True})
+    finished = replace(beat(2, 5, state=NodeState.DEAD), extra={"finished": True})
     clock.now += 10
     roster.update([finished])
     assert lines[5:] == [f"node {two} left run 'r' (finished the run; 1 live)"]

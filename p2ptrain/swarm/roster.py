@@ -7,7 +7,8 @@ A node leaves
 - silent: its heartbeat did not advance for the liveness timeout (stopped, frozen, cut off);
 and for a step it is left out by the evidence of a failed attempt (evidence.py; the node's
 elections tell). Each departure is one line, once; a node whose heartbeat advances again after it
-left has joined again.
+left has joined again (after a crash verdict, with a record signed after the verdict: one stored
+just before the crash and read late is no return).
 
 In an open run any record may be a stranger's: the roster remembers at most MAX_NODES nodes, and
 says at most one line of a kind per `gap` seconds (the events in between go into the next line, a
@@ -66,6 +67,8 @@ class _Node:
     """Why it left; "" while it takes part."""
     left_out_of: int | None = None
     """The step the evidence left it out of (said once until it takes part in a step again)."""
+    crashed_at: float = -math.inf
+    """Wall time of the crash verdict: records it signed before that, read late, are no return."""
 
 
 class Coalesced:
@@ -157,8 +160,10 @@ class Roster:
             why = departure(beat)
             if why and not known.gone:
                 self._leave(known, why)
-            elif not why and known.gone:
-                known.gone, known.left_out_of = "", None
+            elif not why and known.gone and beat.timestamp > known.crashed_at:
+                # a record signed before its crash verdict was stored just before the crash and
+                # read late (seen: a crashed node said to leave, join and leave again)
+                known.gone, known.left_out_of, known.crashed_at = "", None, -math.inf
                 self._joined.add(short_id(key))
         for node in self._nodes.values():
             if not node.gone and now - node.advanced > self.timeout:
@@ -171,6 +176,7 @@ class Roster:
         """Its node left: `why` (its data port refuses connections). Said once, like any departure."""
         node = self._nodes.get(beat.node_key)
         if node is not None and not node.gone:
+            node.crashed_at = time.time()
             self._leave(node, why)
             self.flush(self._clock())
 

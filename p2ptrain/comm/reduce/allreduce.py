@@ -176,6 +176,16 @@ class _AllReduce:
             self.aggregator = RobustAggregator(ledger=ledger, comm=comm, threads=self.threads, sink=self)
         self.min_rate = comm.slowest_link_mbit * 1e6 / 8
         """Bytes/s a frame in transit must keep up to extend its deadline (lanes.Deadline)."""
+        self.working: dict[tuple[int, int], float] = {}
+        """(peer, lane) → since when that receiving thread works on a frame it received."""
+        segment = max(sum(stop - start for start, stop in chunks) for chunks in self.schedule.chunks)
+        self.alive_hold = comm.failure_timeout * self.n + (
+            self._size(segment) / self.min_rate if self.min_rate > 0 else 0.0
+        )
+        """How long a peer's keepalives may stand in for its next frame: a hop's failure_timeout
+        for each member it may wait behind, and a whole segment's bytes at the floor rate (what a
+        slow member's reduce-scatter frames take). A member that withholds a frame and sends
+        keepalives holds the step that long, as one trickling it at the floor rate could."""
         self.data_deadline = math.inf
         """When the data phase may legitimately take no longer (`data_phase_bound`, set once the
         lanes are up): keepalives do not hold a receiver past it."""
@@ -269,13 +279,23 @@ class _AllReduce:
         """The payload of a frame that waits for other members' frames (a partial sum, a chunk to
         pass on), telling the peer we are alive while it waits: behind a slow member that wait
         legitimately outlasts failure_timeout (a 5 Mbit/s uplink among 50 Mbit/s ones failed every
-        attempt), and the peer, which cannot see why, takes only a silent sender for a dead one. No
-        keepalive goes out while bytes of ours are unacknowledged: the peer is receiving then."""
-        while (taken := self.slots.take(key, self.comm.failure_timeout / BEATS_PER_TIMEOUT)) is None:
-            if not lanes.unacknowledged(channel.sock):
+        attempt), and the peer, which cannot see why, takes only a silent sender for a dead one.
+        Only while the wait is on the network: no keepalive while bytes of ours are unacknowledged
+        (the peer is receiving them), none once one of our own receiving threads is stuck in its
+        work on a frame (a hung member must look dead, as it did before keepalives)."""
+        beat = self.comm.failure_timeout / BEATS_PER_TIMEOUT
+        while (taken := self.slots.take(key, beat)) is None:
+            if not lanes.unacknowledged(channel.sock) and not self._stuck(beat):
                 alive = {"kind": ALIVE, "step": self.step}
                 lanes.send_frame(channel, alive, payload=b"", timeout=self.comm.failure_timeout)
         return taken
+
+    def _stuck(self, limit: float) -> bool:
+        """Whether one of our receiving threads has worked on a frame it received for over `limit`
+        seconds (decoding and adding take milliseconds)."""
+        now = time.monotonic()
+        with self.lock:
+            return any(now - since > limit for since in self.working.values())
 
     def hung_up(self, peer: int, state: str) -> None:
         """A peer we only send to made its connection readable: it never writes after the handshake
@@ -300,6 +320,9 @@ class _AllReduce:
             after = (
                 None if lanes_of_peer == 1 or position == 0 else functools.partial(arrivals.get, position - 1)
             )
+            with self.lock:
+                self.working.pop((peer, lane), None)
+            alive_since = None
             while True:
                 frame = lanes.recv_frame(
                     channel,
@@ -311,12 +334,17 @@ class _AllReduce:
                 )
                 if frame.header != {"kind": ALIVE, "step": self.step} or len(frame.payload):
                     break
-                # the peer waits for others' frames; it may, within what the data phase may take
-                if time.monotonic() > self.data_deadline:
+                # the peer waits for others' frames: as long as a chain of them may take, no longer
+                now = time.monotonic()
+                alive_since = now if alive_since is None else alive_since
+                if now - alive_since > self.alive_hold or now > self.data_deadline:
                     raise PeerTimeout(
-                        f"{short_id(self.keys[peer])} still only alive past what the data phase may take"
+                        f"{short_id(self.keys[peer])} said only that it was alive for "
+                        f"{now - alive_since:.0f} s"
                     )
             arrivals[position] = time.monotonic()
+            with self.lock:
+                self.working[(peer, lane)] = arrivals[position]
             expected, got = self._expected(spec), _identity(frame.header)
             if got != expected:
                 raise FrameError(f"expected frame {expected}, got {got}")
@@ -346,6 +374,8 @@ class _AllReduce:
                 self.stats.frames += 1
             if self.progress is not None:
                 self.progress(phase, rnd, chunk)
+        with self.lock:
+            self.working.pop((peer, lane), None)
 
     def _expected(self, spec: FrameSpec) -> tuple:
         """The identity (see `_identity`) the frame `spec` must arrive with."""
