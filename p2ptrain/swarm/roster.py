@@ -38,6 +38,10 @@ LINE_GAP = 5.0
 the next line."""
 STEPS_EVERY = 30.0
 """Seconds between two "outer step N done" lines of a bootstrap peer."""
+CRASH_GRACE_S = 2.0
+"""Seconds a crash verdict (its port refuses) waits for the node's own record to say why it left:
+a node that stops cleanly closes its port as it leaves, and a peer that probed it then read the
+deathrattle a moment later (seen: a clean exit said as a crash)."""
 FORGET_AFTER = 120.0
 """Seconds a node that left is remembered after its record was last read: longer than a record
 lives in the DHT (heartbeat_timeout + max_clock_skew), so its last record is no news."""
@@ -69,6 +73,9 @@ class _Node:
     """The step the evidence left it out of (said once until it takes part in a step again)."""
     crashed_at: float = -math.inf
     """Wall time of the crash verdict: records it signed before that, read late, are no return."""
+    suspected: str = ""
+    """A crash verdict not said yet: its deathrattle, read within CRASH_GRACE_S, is the better reason."""
+    suspected_since: float = math.inf
 
 
 class Coalesced:
@@ -165,20 +172,25 @@ class Roster:
                 # read late (seen: a crashed node said to leave, join and leave again)
                 known.gone, known.left_out_of, known.crashed_at = "", None, -math.inf
                 self._joined.add(short_id(key))
+            elif not why and known.suspected and beat.timestamp > known.crashed_at:
+                known.suspected, known.suspected_since = "", math.inf  # alive after all: a new record
         for node in self._nodes.values():
-            if not node.gone and now - node.advanced > self.timeout:
+            silent = now - node.advanced > self.timeout
+            if not node.gone and node.suspected and (silent or now - node.suspected_since >= CRASH_GRACE_S):
+                self._leave(node, node.suspected)  # the more precise reason of the two
+            if not node.gone and silent:
                 self._leave(node, f"silent for over {self.timeout:g} s")
         if now - self._forgot >= 1.0:
             self._forget(now)
         self.flush(now)
 
     def crashed(self, beat: Heartbeat, why: str) -> None:
-        """Its node left: `why` (its data port refuses connections). Said once, like any departure."""
+        """Its node left: `why` (its data port refuses connections). Said once, like any departure,
+        after CRASH_GRACE_S (by a read then) unless its record says another reason meanwhile."""
         node = self._nodes.get(beat.node_key)
-        if node is not None and not node.gone:
+        if node is not None and not node.gone and not node.suspected:
             node.crashed_at = time.time()
-            self._leave(node, why)
-            self.flush(self._clock())
+            node.suspected, node.suspected_since = why, self._clock()
 
     def left_out(self, step: int, reasons: dict[bytes, str]) -> None:
         """The evidence left these nodes out of `step` (election.left_out): each said once until it
@@ -199,7 +211,7 @@ class Roster:
                 node.left_out_of = None
 
     def _leave(self, node: _Node, why: str) -> None:
-        node.gone = why
+        node.gone, node.suspected, node.suspected_since = why, "", math.inf
         self._left.add(short_id(node.beat.node_key), why)
 
     def _forget(self, now: float) -> None:
