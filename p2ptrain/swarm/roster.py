@@ -38,10 +38,12 @@ LINE_GAP = 5.0
 the next line."""
 STEPS_EVERY = 30.0
 """Seconds between two "outer step N done" lines of a bootstrap peer."""
-CRASH_GRACE_S = 2.0
-"""Seconds a crash verdict (its port refuses) waits for the node's own record to say why it left:
-a node that stops cleanly closes its port as it leaves, and a peer that probed it then read the
-deathrattle a moment later (seen: a clean exit said as a crash)."""
+CRASH_GRACE_READS = 2
+"""Reads of the records a crash verdict (its port refuses) waits for the node's own record to say
+why it left: a node that stops cleanly closes its port as it leaves, and a peer that probed it then
+read the deathrattle a moment later (seen: a clean exit said as a crash). Two, as the first may have
+been under way before the verdict; counted in reads, not seconds, as a drill's last steps may hold
+only a few of them."""
 FORGET_AFTER = 120.0
 """Seconds a node that left is remembered after its record was last read: longer than a record
 lives in the DHT (heartbeat_timeout + max_clock_skew), so its last record is no news."""
@@ -74,8 +76,10 @@ class _Node:
     crashed_at: float = -math.inf
     """Wall time of the crash verdict: records it signed before that, read late, are no return."""
     suspected: str = ""
-    """A crash verdict not said yet: its deathrattle, read within CRASH_GRACE_S, is the better reason."""
-    suspected_since: float = math.inf
+    """A crash verdict not said yet: its deathrattle, read within CRASH_GRACE_READS, is the better
+    reason."""
+    reads_since: int = 0
+    """Reads since the verdict in `suspected`."""
 
 
 class Coalesced:
@@ -173,11 +177,13 @@ class Roster:
                 known.gone, known.left_out_of, known.crashed_at = "", None, -math.inf
                 self._joined.add(short_id(key))
             elif not why and known.suspected and beat.timestamp > known.crashed_at:
-                known.suspected, known.suspected_since = "", math.inf  # alive after all: a new record
+                known.suspected = ""  # alive after all: a record signed after the verdict
         for node in self._nodes.values():
             silent = now - node.advanced > self.timeout
-            if not node.gone and node.suspected and (silent or now - node.suspected_since >= CRASH_GRACE_S):
-                self._leave(node, node.suspected)  # the more precise reason of the two
+            if not node.gone and node.suspected:
+                node.reads_since += 1
+                if silent or node.reads_since >= CRASH_GRACE_READS:
+                    self._leave(node, node.suspected)  # the more precise reason of the two
             if not node.gone and silent:
                 self._leave(node, f"silent for over {self.timeout:g} s")
         if now - self._forgot >= 1.0:
@@ -186,11 +192,11 @@ class Roster:
 
     def crashed(self, beat: Heartbeat, why: str) -> None:
         """Its node left: `why` (its data port refuses connections). Said once, like any departure,
-        after CRASH_GRACE_S (by a read then) unless its record says another reason meanwhile."""
+        CRASH_GRACE_READS reads later, unless its record says another reason meanwhile."""
         node = self._nodes.get(beat.node_key)
         if node is not None and not node.gone and not node.suspected:
             node.crashed_at = time.time()
-            node.suspected, node.suspected_since = why, self._clock()
+            node.suspected, node.reads_since = why, 0
 
     def left_out(self, step: int, reasons: dict[bytes, str]) -> None:
         """The evidence left these nodes out of `step` (election.left_out): each said once until it
@@ -211,7 +217,7 @@ class Roster:
                 node.left_out_of = None
 
     def _leave(self, node: _Node, why: str) -> None:
-        node.gone, node.suspected, node.suspected_since = why, "", math.inf
+        node.gone, node.suspected = why, ""
         self._left.add(short_id(node.beat.node_key), why)
 
     def _forget(self, now: float) -> None:
