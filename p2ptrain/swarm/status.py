@@ -21,39 +21,44 @@ from p2ptrain.swarm.records import (
 )
 
 
+def _completed(heartbeats: list[Heartbeat]) -> list[Heartbeat]:
+    """The records that say their node completed outer step `outer_step` − 1 (a params hash with it);
+    a record at step 0 with a params hash is nobody's completed step (a stranger's lie)."""
+    return [
+        beat
+        for beat in heartbeats
+        if beat.params_hash and beat.outer_step > 0 and beat.state is not NodeState.DEAD
+    ]
+
+
+def _ring(finished: list[Heartbeat], step: int) -> dict[str, Any]:
+    """Step `step` and its members in ring order, from the records of the nodes that completed it."""
+    keys = [beat.node_key for beat in finished if beat.outer_step - 1 == step]
+    return {"step": step, "members": [key.hex() for key in ring_order(keys, step)]}
+
+
 def last_ring(heartbeats: list[Heartbeat]) -> dict[str, Any] | None:
     """The latest completed outer step and its ring, derived from the records.
 
     A node that completed step N publishes outer_step N+1 with its params hash; the members of N
     are those nodes, in the order every node computes (`ring_order`).
     """
-    # a record at step 0 with a params hash is nobody's completed step (a stranger's lie)
-    finished = [
-        beat
-        for beat in heartbeats
-        if beat.params_hash and beat.outer_step > 0 and beat.state is not NodeState.DEAD
-    ]
+    finished = _completed(heartbeats)
     if not finished:
         return None
     step = max(beat.outer_step for beat in finished) - 1
-    keys = [beat.node_key for beat in finished if beat.outer_step - 1 == step]
-    return {"step": step, "members": [key.hex() for key in ring_order(keys, step)]}
+    return _ring(finished, step)
 
 
 def busiest_ring(heartbeats: list[Heartbeat]) -> dict[str, Any] | None:
     """The completed outer step the most live nodes report (the latest of equals), and its ring:
     what a log line may say of the run, where one record's claim must not stand for it."""
-    finished = [
-        beat
-        for beat in heartbeats
-        if beat.params_hash and beat.outer_step > 0 and beat.state is not NodeState.DEAD
-    ]
+    finished = _completed(heartbeats)
     if not finished:
         return None
     counts = Counter(beat.outer_step - 1 for beat in finished)
     step = max(counts, key=lambda at: (counts[at], at))
-    keys = [beat.node_key for beat in finished if beat.outer_step - 1 == step]
-    return {"step": step, "members": [key.hex() for key in ring_order(keys, step)]}
+    return _ring(finished, step)
 
 
 def checkpoint_agreement(heartbeats: list[Heartbeat]) -> dict[str, Any] | None:
