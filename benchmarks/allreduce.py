@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import parser, report, unwind_on_sigterm
+from benchmarks.common import parser, payload_bytes, report, unwind_on_sigterm
 from benchmarks.paths import add_path_flags, check_path_flags, lab_figures, lab_for, wants_lab
 from p2ptrain.config import Topology
 from p2ptrain.procs import free_port
@@ -254,7 +254,7 @@ def run(
         "int8_ring_rounds_s": [round(seconds, 4) for seconds in ring_rounds],
         "gloo_fp32_rounds_s": [round(seconds, 4) for seconds in gloo_rounds],
     }
-    wire_bytes = 2 * (WORLD - 1) / WORLD * length * (bits / 8 + 8 / BLOCK)
+    wire_bytes = payload_bytes(length, WORLD, bits=bits, block=BLOCK)
     if narrowest is not None and paths is not None:
         physical_s = wire_bytes * 8 / (narrowest[0] * 1e6) + 2 * (WORLD - 1) * narrowest[1]
         summary.update(

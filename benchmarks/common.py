@@ -28,6 +28,12 @@ def _unwind(*_: object) -> None:
     sys.exit(143)
 
 
+def payload_bytes(values: int, members: int, *, bits: int, block: int) -> float:
+    """Bytes one member sends in an all-reduce of `values` among `members` (ring or butterfly alike):
+    2(n − 1)/n of the vector, `bits` per value plus 8 bytes of block parameters per `block` values."""
+    return 2 * (members - 1) / members * values * (bits / 8 + 8 / block)
+
+
 def median_seconds(function: Callable[[], object], repeats: int, warmup: int = 1) -> float:
     """Median wall time of `function()` over `repeats` runs, after `warmup` untimed runs."""
     for _ in range(warmup):

@@ -51,7 +51,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import drill_command, parser, report, start_bootstrap, unwind_on_sigterm
+from benchmarks.common import (
+    drill_command,
+    parser,
+    payload_bytes,
+    report,
+    start_bootstrap,
+    unwind_on_sigterm,
+)
 from benchmarks.paths import add_path_flags, check_path_flags, lab_for
 from p2ptrain.config import load_config
 from p2ptrain.errors import ConfigError
@@ -149,13 +156,7 @@ def run(args: Any) -> dict[str, Any]:
             logs = {name: _lines(root / name / "drill.jsonl") for name in names}
         finally:
             children.stop_all()
-        payload = (
-            2
-            * (args.nodes - 1)
-            / args.nodes
-            * args.size
-            * (config.comm.bits / 8 + 8 / config.comm.quant_block)
-        )
+        payload = payload_bytes(args.size, args.nodes, bits=config.comm.bits, block=config.comm.quant_block)
         tcp_s = tcp_bulk_s(lab, list(range(1, args.nodes + 1)), int(payload)) if args.tcp_baseline else None
     keys = {name: logs[name][0]["node"] for name in names if logs[name]}
     hosts = {key: index for index, key in enumerate(keys.values(), start=1)}
@@ -209,7 +210,7 @@ def figures(
         n = len(members)
         if n < 2:
             continue
-        payload = 2 * (n - 1) / n * size * (bits / 8 + 8 / block)
+        payload = payload_bytes(size, n, bits=bits, block=block)
         uplink = max(payload * 8 / (lab.links[m].up_mbit * 1e6) for m in members)
         slowest_path = max(lab.round_trip_s(a, b) / 2 for a in members for b in members if a != b)
         physical = uplink + 2 * (n - 1) * slowest_path

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from tests.support.internet import InternetLab
 
 PATH_FLAGS = ("delay", "jitter", "loss", "up", "down")
+UNITS = ("_ms", "_ms", "_pct", "_mbit", "_mbit")
+"""Each flag's unit, as its key in a result is named (`delay_ms`, …)."""
 
 
 def floats(text: str) -> list[float]:
@@ -98,6 +100,3 @@ def lab_for(
 def lab_figures(args: argparse.Namespace) -> dict[str, Any]:
     """The lab's settings, for a benchmark's result."""
     return {f"{name}{unit}": getattr(args, name) for name, unit in zip(PATH_FLAGS, UNITS, strict=True)}
-
-
-UNITS = ("_ms", "_ms", "_pct", "_mbit", "_mbit")

@@ -57,7 +57,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import parser, report, unwind_on_sigterm
+from benchmarks.common import parser, payload_bytes, report, unwind_on_sigterm
 from benchmarks.paths import add_path_flags, check_path_flags, lab_figures, lab_for, wants_lab
 from p2ptrain.config import load_config, parameter_count
 from p2ptrain.demo import Host, Placement, run_demo
@@ -98,8 +98,7 @@ def stall_after(records: list[dict[str, Any]], moment: float, tokens_per_step: i
 def ideal_wire_s(parameters: int, members: int, *, block: int, mbit: float) -> float:
     """Seconds the int8 all-reduce needs on each member's uplink: 2(n−1)/n of the vector, 1 byte per
     value plus 8 bytes of block parameters per `block` values."""
-    wire_bytes = 2 * (members - 1) / members * parameters * (1 + 8 / block)
-    return wire_bytes * 8 / (mbit * 1e6)
+    return payload_bytes(parameters, members, bits=8, block=block) * 8 / (mbit * 1e6)
 
 
 @contextlib.contextmanager
