@@ -26,9 +26,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from tests.support import netlab
+from tests.support.netlab import run_checked
 from tests.support.router import Link
 
 SUBNET = "10.88"
+NAMESPACE_PREFIX = "p2pi"
 TCP_BUFFERS = "4096 131072 33554432"  # min, default, max: up to 32 MiB (a 350 ms path at 500 Mbit/s)
 
 
@@ -41,12 +44,6 @@ def missing() -> str | None:
     if not os.path.exists("/dev/net/tun"):
         return "/dev/net/tun is missing"
     return None
-
-
-def _run(*argv: str) -> None:
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)}: {result.stderr.strip()}")
 
 
 def address(index: int) -> str:
@@ -125,17 +122,17 @@ class InternetLab:
         return 2 * (self.links[a].delay_ms + self.links[b].delay_ms) / 1000
 
     def _host(self, index: int, host_address: str) -> str:
-        name = f"p2pi{self.tag}h{index}"
-        _run("ip", "netns", "add", name)
+        name = f"{NAMESPACE_PREFIX}{self.tag}h{index}"
+        run_checked("ip", "netns", "add", name)
         self.namespaces.append(name)
         inside = ("ip", "-n", name)
-        _run(*inside, "link", "set", "lo", "up")
-        _run(*inside, "tuntap", "add", "dev", "tun0", "mode", "tun")
-        _run(*inside, "addr", "add", f"{host_address}/16", "dev", "tun0")
-        _run(*inside, "link", "set", "tun0", "up")
-        _run(*inside, "route", "add", "default", "dev", "tun0")  # so an address lookup finds tun0
+        run_checked(*inside, "link", "set", "lo", "up")
+        run_checked(*inside, "tuntap", "add", "dev", "tun0", "mode", "tun")
+        run_checked(*inside, "addr", "add", f"{host_address}/16", "dev", "tun0")
+        run_checked(*inside, "link", "set", "tun0", "up")
+        run_checked(*inside, "route", "add", "default", "dev", "tun0")  # so an address lookup finds tun0
         settings = [f"{setting}={TCP_BUFFERS}" for setting in ("net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem")]
-        _run("ip", "netns", "exec", name, "sysctl", "-q", "-w", *settings)
+        run_checked("ip", "netns", "exec", name, "sysctl", "-q", "-w", *settings)
         return name
 
     def _start_router(self, seed: int) -> None:
@@ -174,5 +171,5 @@ class InternetLab:
 
 
 def leftover_namespaces(tag: str) -> list[str]:
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
-    return [line.split()[0] for line in listed.splitlines() if line.startswith(f"p2pi{tag}")]
+    """The namespaces of the lab tagged `tag` that still exist."""
+    return netlab.leftover_namespaces(tag, prefix=NAMESPACE_PREFIX)

@@ -18,6 +18,8 @@ import subprocess
 from dataclasses import dataclass, field
 
 PUBLIC_NET = "10.77.0"
+NAMESPACE_PREFIX = "p2pt"
+"""Every namespace of a lab is named this, its tag, then its role."""
 
 
 def missing() -> str | None:
@@ -30,8 +32,8 @@ def missing() -> str | None:
             return f"{tool} is not installed (make test installs nftables where it can)"
     probe = f"p2ptprobe{os.getpid()}"
     try:
-        _run("ip", "netns", "add", probe)
-        _run("ip", "netns", "exec", probe, "nft", "list", "tables")
+        run_checked("ip", "netns", "add", probe)
+        run_checked("ip", "netns", "exec", probe, "nft", "list", "tables")
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         return f"network namespaces with nftables are not permitted here: {exc}"
     finally:
@@ -39,7 +41,8 @@ def missing() -> str | None:
     return None
 
 
-def _run(*argv: str) -> None:
+def run_checked(*argv: str) -> None:
+    """Run a set-up command; RuntimeError with its stderr when it fails."""
     result = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)}: {result.stderr.strip()}")
@@ -67,7 +70,7 @@ class NetLab:
 
     @property
     def public(self) -> str:
-        return f"p2pt{self.tag}pub"
+        return f"{NAMESPACE_PREFIX}{self.tag}pub"
 
     @property
     def public_ip(self) -> str:
@@ -90,22 +93,22 @@ class NetLab:
         return self
 
     def _namespace(self, name: str) -> None:
-        _run("ip", "netns", "add", name)
+        run_checked("ip", "netns", "add", name)
         self.namespaces.append(name)
         self._in(name, "ip", "link", "set", "lo", "up")
 
     def _in(self, namespace: str, *argv: str) -> None:
-        _run("ip", "netns", "exec", namespace, *argv)
+        run_checked("ip", "netns", "exec", namespace, *argv)
 
     def _veth(self, a: str, a_ns: str, *, b: str, b_ns: str) -> None:
-        _run("ip", "link", "add", a, "type", "veth", "peer", "name", b)
-        _run("ip", "link", "set", a, "netns", a_ns)
-        _run("ip", "link", "set", b, "netns", b_ns)
+        run_checked("ip", "link", "add", a, "type", "veth", "peer", "name", b)
+        run_checked("ip", "link", "set", a, "netns", a_ns)
+        run_checked("ip", "link", "set", b, "netns", b_ns)
         self._in(a_ns, "ip", "link", "set", a, "up")
         self._in(b_ns, "ip", "link", "set", b, "up")
 
     def _home(self, index: int, bridge: str) -> None:
-        router, home = f"p2pt{self.tag}r{index}", f"p2pt{self.tag}h{index}"
+        router, home = f"{NAMESPACE_PREFIX}{self.tag}r{index}", f"{NAMESPACE_PREFIX}{self.tag}h{index}"
         self._namespace(router)
         self._namespace(home)
         wan, uplink = f"w{self.tag}{index}", f"u{self.tag}{index}"
@@ -138,6 +141,7 @@ class NetLab:
         self.homes.clear()
 
 
-def leftover_namespaces(tag: str) -> list[str]:
+def leftover_namespaces(tag: str, *, prefix: str = NAMESPACE_PREFIX) -> list[str]:
+    """The namespaces of the lab tagged `tag` (names `prefix` + tag + …) that still exist."""
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
-    return [line.split()[0] for line in listed.splitlines() if line.startswith(f"p2pt{tag}")]
+    return [line.split()[0] for line in listed.splitlines() if line.startswith(f"{prefix}{tag}")]
