@@ -560,7 +560,8 @@ async def all_reduce(
         )
         connected_at = time.monotonic()
         plan.stats.connect_s = connected_at - started
-        plan.data_deadline = connected_at + plan.data_phase_bound()
+        bound = plan.data_phase_bound()  # the data phase, and the barrier after it, as the data allow
+        plan.data_deadline = connected_at + bound
         outgoing = {slot: transfer.adopt(connection, sending=True) for slot, connection in sending.items()}
         into = {slot: transfer.adopt(connection, sending=False) for slot, connection in receiving.items()}
         transfer.start(outgoing, into)
@@ -570,7 +571,6 @@ async def all_reduce(
         plan.check_results()
         transferred_at = time.monotonic()
         plan.stats.transfer_s = transferred_at - connected_at
-        bound = plan.data_phase_bound()  # as the data allow
         holding = Holding.signed(identity, step, keys=keys, digest=digest, attempt=registration.attempt)
         barrier = functools.partial(
             await_every_holder,
