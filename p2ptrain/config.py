@@ -391,6 +391,10 @@ class CommConfig(Section):
     """A frame in transit gets failure_timeout plus its bytes at this rate (Mbit/s per connection),
     so a large frame on a slow or shared uplink is not taken for a dead peer while one that sends
     nothing is; 0: failure_timeout alone, whatever the frame's size."""
+    warm_lanes: bool = True
+    """Keep each lane of a step that succeeded and re-bind it to the next step in one round trip
+    (transport/resume.py) instead of three, without TCP's slow start; off: a fresh connection and
+    handshake per lane and step."""
     topology: Annotated[Topology, SHARED] = "auto"
     """Reduce-scatter path: ring (neighbours only) or butterfly (straight to each segment's owner)."""
     clip: Annotated[float, SHARED] = Field(0.0, ge=0, le=1000)

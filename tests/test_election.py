@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from p2ptrain.comm.net.attempt import Connection
+from p2ptrain.comm.net.attempt import StreamConnection
 from p2ptrain.comm.net.members import Member, membership_digest
 from p2ptrain.comm.net.server import DataPlaneServer
 from p2ptrain.comm.reduce.connect import dial_member
@@ -479,7 +479,7 @@ class WaitingHello:
     server: DataPlaneServer
     member: bytes
     digest: bytes
-    dial: asyncio.Task[Connection]
+    dial: asyncio.Task[StreamConnection]
 
     @staticmethod
     async def start(root: Path, step: int, setup_timeout: float) -> WaitingHello:

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from p2ptrain.comm.net.attempt import close_connection
 from p2ptrain.comm.net.members import Member
 from p2ptrain.comm.net.server import DataPlaneServer
 from p2ptrain.comm.reduce.connect import dial_member
@@ -396,9 +397,9 @@ def test_attempts_of_one_step_never_mix(nodes: Nodes) -> None:
             following = server.expect(5, [nodes.b.public_key], digest=DIGEST)
             assert following.attempt == 3
             _, writer, _ = await asyncio.wait_for(ahead, 10)
-            _, accepted, _ = await asyncio.wait_for(following.incoming[(nodes.b.public_key, 0)], 10)
+            accepted = await asyncio.wait_for(following.incoming[(nodes.b.public_key, 0)], 10)
             writer.close()
-            accepted.close()
+            close_connection(accepted)
         finally:
             await server.close()
 

@@ -19,7 +19,7 @@ from p2ptrain.comm.net.attempt import AllReduceError
 from p2ptrain.comm.net.members import Member
 from p2ptrain.comm.net.server import DataPlaneServer
 from p2ptrain.comm.reduce import allreduce
-from p2ptrain.comm.reduce.allreduce import all_reduce
+from p2ptrain.comm.reduce.allreduce import ReduceStats, all_reduce
 from p2ptrain.comm.reduce.barrier import ToSuccessor
 from p2ptrain.comm.reduce.transfer import Slots
 from p2ptrain.comm.robust import claims, clipping
@@ -50,6 +50,8 @@ class Outcome:
     """The member its last error named (AllReduceError.unresponsive), -1 for none."""
     clipped: dict[int, int] | None = None
     """Robust aggregation: member index → chunks of this member's segment its share was clipped in."""
+    rebound: int = 0
+    """Kept lanes this member re-bound to a later step, at either end (transport/resume.py)."""
 
 
 def member_data(index: int, length: int, outlier: bool) -> np.ndarray:
@@ -73,6 +75,7 @@ class MemberSpec:
     fault: str | None
     fault_after: int
     retries: int
+    steps: int
 
 
 def _member(spec: MemberSpec, inbox: Any, outbox: Any) -> None:
@@ -110,9 +113,10 @@ def _member(spec: MemberSpec, inbox: Any, outbox: Any) -> None:
             freeze_at_barrier()
         if fault == "slow_send":
             send_slowly(fault_after)
-        started = time.monotonic()
-        attempts = 0
-        try:
+
+        async def one_step(step: int, buffer: np.ndarray, attempts: int) -> tuple[ReduceStats | None, int]:
+            """Step `step`'s all-reduce, tried up to spec.retries times in all; (None, …) once the
+            failure is reported."""
             while True:
                 attempts += 1
                 # "stale_view": the first fault_after attempts elect another order (another digest),
@@ -122,24 +126,36 @@ def _member(spec: MemberSpec, inbox: Any, outbox: Any) -> None:
                     stats = await all_reduce(
                         server, step=step, members=view, buffer=buffer, progress=progress
                     )
-                    break
+                    return stats, attempts
                 except AllReduceError as exc:
                     if attempts >= spec.retries:
-                        seconds = time.monotonic() - started
                         named = [m.key for m in members].index(exc.unresponsive) if exc.unresponsive else -1
                         outcome = Outcome(
                             index=index,
                             ok=False,
                             error=str(exc),
-                            seconds=seconds,
+                            seconds=time.monotonic() - started,
                             failed_at=time.time(),
                             attempts=attempts,
                             named=named,
                         )
                         outbox.put(("done", outcome))
-                        return
+                        return None, attempts
+
+        started = time.monotonic()
+        attempts = 0
+        stats: ReduceStats | None = None
+        try:
+            for offset in range(spec.steps):
+                if offset:
+                    buffer = member_data(index, length, spec.outlier)
+                    between_steps(fault, server)
+                stats, attempts = await one_step(step + offset, buffer, attempts)
+                if stats is None:
+                    return
         finally:
             await server.close()
+        assert stats is not None
         np.save(Path(spec.root) / f"result{index}.npy", buffer)
         keys = [member.key for member in members]
         rates = {keys.index(key): rate for key, rate in stats.link_rates.items()}
@@ -152,10 +168,23 @@ def _member(spec: MemberSpec, inbox: Any, outbox: Any) -> None:
             bytes_sent=stats.bytes_sent,
             relayed=server.relay.bytes_relayed,
             clipped={keys.index(key): count for key, count in stats.clipped.items()},
+            rebound=server.warm.rebound,
         )
         outbox.put(("done", outcome))
 
     asyncio.run(main())
+
+
+def between_steps(fault: str | None, server: DataPlaneServer) -> None:
+    """Before each step after the first: "drop_kept" closes every lane this member kept (its peers'
+    rebinds find them closed); "junk_on_kept" sends bytes that are no frame on the lanes it dialed
+    and kept (its peers must drop those lanes, and nothing else)."""
+    if fault == "drop_kept":
+        server.warm.close()
+    if fault == "junk_on_kept":
+        for lane in list(server.warm._lanes.values()):
+            if lane.session.dialed:
+                lane.sock.sendall(b"\x00junk" * 64)
 
 
 def die(outbox: Any) -> None:
@@ -267,8 +296,10 @@ def run_ring(
     proxy: Callable[[str, int], tuple[str, int]] | None = None,
     proxied: int = -1,
     behind_nat: frozenset[int] = frozenset(),
+    steps: int = 1,
 ) -> tuple[dict[int, Outcome], dict[int, np.ndarray], list[np.ndarray]]:
-    """Run one all-reduce over `n` member processes; returns outcomes, results and the inputs.
+    """Run one all-reduce over `n` member processes (`steps`: that many steps in a row, the same
+    inputs each time); returns outcomes, the last step's results and the inputs.
 
     With `retries` > 1 each member tries again at once after an AllReduceError, as OuterSync does.
     `proxy(host, port)` puts something on the path to member `proxied`: the others reach it at the
@@ -292,6 +323,7 @@ def run_ring(
             fault=faults.get(i, (None, 0))[0],
             fault_after=faults.get(i, (None, 0))[1],
             retries=retries,
+            steps=steps,
         )
         for i in range(n)
     ]

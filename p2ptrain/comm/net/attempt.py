@@ -10,14 +10,30 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from p2ptrain.comm.transport.handshake import Admission, Session
+from p2ptrain.comm.transport.resume import WarmLane
 from p2ptrain.comm.transport.wire import WireError
 
 T = TypeVar("T")
 
-Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter, Session]
-"""An authenticated connection and what its handshake established (its keys among it)."""
+StreamConnection = tuple[asyncio.StreamReader, asyncio.StreamWriter, Session]
+"""A connection authenticated by a handshake, on asyncio's streams, and what the handshake
+established (its keys among it)."""
+Connection = StreamConnection | WarmLane
+"""A lane of an attempt: freshly authenticated, or kept from an earlier step and re-bound to this
+one (transport/resume.py)."""
 LaneKey = tuple[bytes, int]
 """(peer key, lane): one of the `connections` parallel connections from that peer."""
+
+
+def session_of(connection: Connection) -> Session:
+    return connection.session if isinstance(connection, WarmLane) else connection[2]
+
+
+def close_connection(connection: Connection) -> None:
+    if isinstance(connection, WarmLane):
+        connection.close()
+    else:
+        connection[1].close()
 
 
 class AllReduceError(WireError):

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Collection, Sequence
@@ -34,6 +36,8 @@ from p2ptrain.comm.net.reach import REACH_KINDS, ReachService
 from p2ptrain.comm.net.record_push import HELD, NOT_HELD, RECORD_KIND, RecordSink, receive_record
 from p2ptrain.comm.net.relay import RELAY_KINDS
 from p2ptrain.comm.net.relay_service import RelayAdmit, RelayService
+from p2ptrain.comm.net.warm import WarmLanes
+from p2ptrain.comm.transport import lanes, resume
 from p2ptrain.comm.transport.handshake import (
     MAX_HANDSHAKE_FRAME,
     Admission,
@@ -41,9 +45,12 @@ from p2ptrain.comm.transport.handshake import (
     HandshakeError,
     Refusal,
     Session,
+    ViewsDiffer,
     accept_any,
+    check_member,
+    refusal_fields,
 )
-from p2ptrain.comm.transport.wire import ClosedBetweenFrames, WireError, read_frame, write_frame
+from p2ptrain.comm.transport.wire import ClosedBetweenFrames, FrameError, WireError, read_frame, write_frame
 from p2ptrain.config import CommConfig
 from p2ptrain.deadline import within
 from p2ptrain.identity import NodeIdentity, short_id
@@ -119,6 +126,8 @@ class DataPlaneServer:
         """Ring connections handed to a step so far (benchmarks.scale counts them per step)."""
         self._answering: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
         """Incoming connections still being answered (a handshake, a probe, a relayed edge)."""
+        self.warm = WarmLanes(rebind=self._rebind, read_timeout=comm.failure_timeout)
+        """Lanes kept from steps that succeeded, for the next (transport/resume.py)."""
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         self._server = await asyncio.start_server(self._on_connection, host, port)
@@ -165,6 +174,7 @@ class DataPlaneServer:
             self._server.close()
             await self._server.wait_closed()
         await self._cut_answers()
+        self.warm.close()
         for registration in self._expected.values():
             for future in registration.incoming.values():
                 if not future.done():
@@ -410,3 +420,64 @@ class DataPlaneServer:
             return
         self.lanes_accepted += 1
         future.set_result((reader, writer, session))
+
+    async def _rebind(self, lane: resume.WarmLane, header: dict) -> None:
+        """A rebind on a lane a peer dialed and both ends kept (warm.py): answered as that peer's
+        handshake would be once its key is proven (`_answer`), in one round trip; the lane goes to
+        the step, or is closed with the reason sent."""
+        peer, timeout = lane.session.peer_key, self.comm.failure_timeout
+        try:
+            asked = resume.parse_request(lane, header)
+            if self._known(asked.step) is None:  # we have not reached the step: say so, then wait
+                await self._tell(lane, {"kind": resume.HELD})
+            admission = await self._admission(asked.step, peer)
+            if admission is None:
+                raise HandshakeError(f"step {asked.step} is not a step this node is reducing")
+            number = lane.session.lane
+            check_member(
+                admission, self.identity, peer=peer, step=asked.step, lane=number, digest=asked.digest
+            )
+            wanted = dataclasses.replace(
+                lane.session, step=asked.step, attempt=asked.attempt, digest=asked.digest
+            )
+            refusal = self._claim(wanted)
+            if refusal is not None:
+                log.info("sent %s to another attempt: %s", short_id(peer), refusal.reason)
+                await self._tell(lane, {"kind": resume.REFUSE, **refusal_fields(refusal)})
+                lane.close()
+                return
+            accept = functools.partial(resume.accept, lane, asked, timeout)
+            rebound = await lanes.on_own_thread(accept, "p2ptrain-rebind")
+        except (HandshakeError, FrameError) as exc:
+            self._refusals.warning("refused the rebind of a kept lane: %s", exc)
+            refuse = {
+                "kind": resume.REFUSE,
+                "reason": str(exc)[:200],
+                "views_differ": isinstance(exc, ViewsDiffer),
+            }
+            with contextlib.suppress(WireError, OSError):
+                await self._tell(lane, refuse)
+            lane.close()
+            return
+        except (WireError, OSError) as exc:
+            self._drops.warning("kept lane from %s dropped in its rebind: %s", short_id(peer), exc)
+            lane.close()
+            return
+        except asyncio.CancelledError:
+            lane.close()
+            raise
+        registration = self._expected.get(asked.step)
+        future = None
+        if registration is not None and registration.attempt == asked.attempt:
+            future = registration.incoming.get((peer, lane.session.lane))
+        if future is None or future.done():
+            rebound.close()  # the attempt ended while "ok" was on its way
+            return
+        self.lanes_accepted += 1
+        self.warm.rebound += 1
+        future.set_result(rebound)
+
+    async def _tell(self, lane: resume.WarmLane, header: dict) -> None:
+        """One frame on a kept lane, from a thread of its own (a peer that does not read holds it)."""
+        send = functools.partial(lane.send, header, self.comm.failure_timeout)
+        await lanes.on_own_thread(send, "p2ptrain-rebind")

@@ -19,13 +19,13 @@ chunks (`chunk_bytes`). Two reduce-scatter topologies share one all-gather:
 butterfly above and whenever `comm.clip` > 0: its owners clip the shares they sum to limits every
 member can check (robust/aggregator.py). Each member scales its values by its share of the weights.
 
-Who sends which frames to whom is schedule.py. Connections are set up and authenticated on the
-event loop; the transfer itself runs on threads (transfer.py), one per connection and direction,
-with blocking socket calls (lanes.py) and the kernels (which release the GIL): a chunk goes out as
-soon as what it depends on came in, while the next one is already on the wire. With `connections`
-= M, each pair of members holds M connections ("lanes") and the chunks of a stream take them in
-turn. The event loop meanwhile watches the connections we only send on, so a peer that hangs up
-early is noticed at once.
+Who sends which frames to whom is schedule.py. Connections are set up and authenticated on the event
+loop (or kept from the step before and re-bound to this one: transport/resume.py); the transfer
+itself runs on threads (transfer.py), one per connection and direction, with blocking socket calls
+(lanes.py) and the kernels (which release the GIL): a chunk goes out as soon as what it depends on
+came in, while the next one is already on the wire. With `connections` = M, each pair of members
+holds M connections ("lanes") and the chunks of a stream take them in turn. The event loop meanwhile
+watches the connections we only send on, so a peer that hangs up early is noticed at once.
 
 Failure is all-or-nothing. Any error — a member that dies, stalls past `failure_timeout`, sends a
 malformed frame or non-finite block parameters, or our own NaN/Inf — shuts all of this member's
@@ -51,16 +51,17 @@ import zstandard
 
 from p2ptrain.comm.codec import quant
 from p2ptrain.comm.codec.quant import Buffer
-from p2ptrain.comm.net.attempt import AllReduceError, Connection
+from p2ptrain.comm.net.attempt import AllReduceError, Connection, close_connection, session_of
 from p2ptrain.comm.net.members import Member, membership_digest, shares
+from p2ptrain.comm.net.relay import needs_relay
 from p2ptrain.comm.net.server import DataPlaneServer
 from p2ptrain.comm.reduce.barrier import (
     ALIVE,
     BEATS_PER_TIMEOUT,
+    DONE,
     Holding,
     ToSuccessor,
     await_every_holder,
-    on_own_thread,
 )
 from p2ptrain.comm.reduce.connect import LanePlan, connect_lanes
 from p2ptrain.comm.reduce.schedule import BUNDLE, CLAIMS, FrameSpec, Schedule
@@ -68,7 +69,8 @@ from p2ptrain.comm.reduce.transfer import SlotKey, Slots, Transfer
 from p2ptrain.comm.robust import claims
 from p2ptrain.comm.robust.aggregator import RobustAggregator
 from p2ptrain.comm.transport import lanes
-from p2ptrain.comm.transport.handshake import HandshakeError, ViewsDiffer
+from p2ptrain.comm.transport.handshake import HandshakeError, Session, ViewsDiffer
+from p2ptrain.comm.transport.resume import WarmLane
 from p2ptrain.comm.transport.wire import FrameError, PeerClosed, PeerTimeout, WireError
 from p2ptrain.config import CommConfig
 from p2ptrain.identity import NodeIdentity, short_id
@@ -495,6 +497,22 @@ class _AllReduce:
         quant.dequantize_chunks(chunks, buffer)
 
 
+def _keep_lanes(
+    plan: _AllReduce, transfer: Transfer, *, members: Sequence[Member], me: int
+) -> list[WarmLane]:
+    """The lanes of a step that succeeded to keep for the next (transport/resume.py): all but the
+    relayed ones (the next step may have another relay) and the lane to the ring successor if a
+    barrier frame on it may have gone out cut (the barrier's sends are best effort)."""
+    relayed = {member.key for member in members if needs_relay(member, members[me])}
+    whole = plan.to_successor.release()
+    successor_lane = plan.to_successor.channel
+
+    def wanted(channel: lanes.Channel, session: Session) -> bool:
+        return session.peer_key not in relayed and (whole or channel is not successor_lane)
+
+    return transfer.keep(wanted, frozenset({ALIVE, DONE}))
+
+
 def _identity(header: dict) -> tuple:
     """What a data frame's header says it is: (kind, step, round, chunk, value count)."""
     return tuple(header.get(key) for key in ("kind", "step", "round", "chunk", "n"))
@@ -547,6 +565,7 @@ async def all_reduce(
     connections: list[Connection] = []
     transfer = Transfer(plan, loop)
     cancelled = False
+    kept: list[WarmLane] = []
     try:
         sending, receiving = await connect_lanes(
             server,
@@ -579,13 +598,15 @@ async def all_reduce(
             from_predecessor=into[plan.schedule.predecessor, 0],
             seconds=bound,
         )
-        await on_own_thread(barrier, f"p2ptrain-ring-barrier-{step}")
+        await lanes.on_own_thread(barrier, f"p2ptrain-ring-barrier-{step}")
         plan.stats.barrier_s = time.monotonic() - transferred_at
         server.completed(step)
+        if comm.warm_lanes:
+            kept = _keep_lanes(plan, transfer, members=members, me=keys.index(identity.public_key))
     except AllReduceError as exc:
         level = logging.INFO if exc.views_differ else logging.WARNING  # normal while records spread
         log.log(level, "all-reduce of step %d failed: %s", step, exc)
-        exc.connected = frozenset(session.peer_key for _, _, session in connections)
+        exc.connected = frozenset(session_of(connection).peer_key for connection in connections)
         raise
     except quant.NonFiniteError as exc:
         log.warning("all-reduce of step %d failed: NaN or Inf in this node's contribution", step)
@@ -601,14 +622,21 @@ async def all_reduce(
     finally:
         plan.to_successor.stop()
         transfer.stop()
-        for future in incoming.values():  # accepted, but the step failed before they were used
-            if future.done() and not future.cancelled() and future.exception() is None:
-                future.result()[1].close()
-        for _, writer, _ in connections:
-            writer.close()
+        kept_sockets = {lane.sock for lane in kept}
+        accepted = [  # accepted, but the step may have failed before they were used
+            future.result()
+            for future in incoming.values()
+            if future.done() and not future.cancelled() and future.exception() is None
+        ]
+        for connection in accepted + connections:
+            if not (isinstance(connection, WarmLane) and connection.sock in kept_sockets):
+                close_connection(connection)
         server.forget(step)
         if not cancelled:
             await asyncio.to_thread(transfer.join, comm.failure_timeout)
+    for lane in kept:
+        server.warm.keep(lane)
+    server.warm.prune(step)
     await loop.run_in_executor(None, plan.write_result, buffer)
     plan.stats.result = plan.finals
     if plan.aggregator is not None:

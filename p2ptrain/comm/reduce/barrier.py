@@ -50,12 +50,10 @@ that sends keepalives and withholds its sets holds the step for up to the bound.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from p2ptrain.comm.transport import lanes
@@ -121,6 +119,13 @@ class ToSuccessor:
     def stop(self) -> None:
         self._stopped.set()
 
+    def release(self) -> bool:
+        """Stop, and wait for a frame on its way out: True when the lane is whole (every frame on
+        it went out whole, or none was sent), so that it can be kept for the next step."""
+        self.stop()
+        with self._lock:
+            return not self._broken
+
     def _beat(self) -> None:
         while not self._stopped.wait(self.failure_timeout / BEATS_PER_TIMEOUT):
             if not self.send({"kind": ALIVE, "step": self.step}, beat=True):
@@ -175,34 +180,6 @@ def holders_in(header: dict, step: int, *, n: int, sender: int, before: int) -> 
     return holders, {
         member: proofs[k * SIGNATURE_BYTES : (k + 1) * SIGNATURE_BYTES] for k, member in enumerate(new)
     }
-
-
-async def on_own_thread(work: Callable[[], None], name: str) -> None:
-    """`work()` on a thread of its own, as the transfer's (the default executor may be busy with a
-    checkpoint's copy or hash). Cancelled, it leaves the thread to end when the caller shuts the
-    connections it blocks on (all_reduce does, in any case)."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[None] = loop.create_future()
-
-    def settle(error: BaseException | None) -> None:
-        if done.done():  # cancelled meanwhile
-            return
-        if error is None:
-            done.set_result(None)
-        else:
-            done.set_exception(error)
-
-    def run() -> None:
-        error: BaseException | None = None
-        try:
-            work()
-        except BaseException as exc:  # handed to the waiting coroutine
-            error = exc
-        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
-            loop.call_soon_threadsafe(settle, error)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    await done
 
 
 def await_every_holder(

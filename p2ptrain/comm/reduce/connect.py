@@ -1,4 +1,6 @@
 """Dialing the members of an attempt: every lane out, every lane in, authenticated (handshake.py).
+A lane kept from an earlier step is re-bound first (transport/resume.py); where that fails for any
+reason, a fresh dial follows, whose answer counts.
 
 The listening side is net/server.py; allreduce.py runs the transfer over what this returns.
 """
@@ -7,15 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from p2ptrain.comm.net.attempt import AllReduceError, Connection, LaneKey, Registration
+from p2ptrain.comm.net.attempt import AllReduceError, Connection, LaneKey, Registration, StreamConnection
 from p2ptrain.comm.net.members import Member
 from p2ptrain.comm.net.relay import RelayRefused, Role, Route, needs_relay, open_relayed, route
 from p2ptrain.comm.net.server import DataPlaneServer
 from p2ptrain.comm.reduce.schedule import Schedule
+from p2ptrain.comm.transport import resume
 from p2ptrain.comm.transport.handshake import (
     AttemptBehind,
     Credentials,
@@ -24,6 +29,8 @@ from p2ptrain.comm.transport.handshake import (
     ViewsDiffer,
     dial,
 )
+from p2ptrain.comm.transport.lanes import on_own_thread
+from p2ptrain.comm.transport.resume import WarmLane
 from p2ptrain.comm.transport.wire import (
     PeerTimeout,
     WireError,
@@ -35,6 +42,7 @@ from p2ptrain.comm.transport.wire import (
 from p2ptrain.deadline import within
 from p2ptrain.identity import NodeIdentity, short_id
 
+log = logging.getLogger(__name__)
 REFUSED_GRACE = 1.0
 """Seconds a refused or failed connect is retried before the member counts as gone."""
 BUSY_RETRY_MAX = 0.5
@@ -100,7 +108,7 @@ async def dial_member(
     attempt: int = 0,
     via: Route | None = None,
     credentials: Credentials | None = None,
-) -> Connection:
+) -> StreamConnection:
     """Connect and authenticate lane `lane` of attempt `attempt` to `member` (through the relay of
     `via`, where neither of us can be dialed).
 
@@ -248,6 +256,10 @@ async def connect_lanes(
 
     async def dial_one(peer: int, lane: int) -> tuple[Slot, Connection]:
         via = relayed(me, members[peer], lane, "send")
+        warm = server.warm.take(members[peer].key, lane) if via is None else None
+        if warm is not None and (rebound := await rebind(warm)) is not None:
+            connections.append(rebound)
+            return (peer, lane % lanes), rebound
         try:
             connection = await dial_member(
                 server.identity,
@@ -270,7 +282,34 @@ async def connect_lanes(
         connections.append(connection)
         if lane >= lanes:
             await _send_go(connection, failure_timeout)
-        return (peer, lane % lanes), connection
+        slot: Slot = (peer, lane % lanes)
+        return slot, connection
+
+    async def rebind(warm: WarmLane) -> WarmLane | None:
+        """`warm` re-bound to this attempt (resume.py); None where that failed, for whatever
+        reason: the lane is closed, and a fresh dial (whose answer counts) follows."""
+        try:
+            request = functools.partial(
+                resume.request,
+                warm,
+                step=step,
+                attempt=registration.attempt,
+                digest=digest,
+                answer_timeout=failure_timeout,
+                setup_timeout=setup_timeout,
+            )
+            rebound = await on_own_thread(request, f"p2ptrain-rebind-{step}")
+        except (WireError, OSError) as exc:  # HandshakeError among them
+            log.info(
+                "kept lane to %s not re-bound (%s): dialing afresh", short_id(warm.session.peer_key), exc
+            )
+            warm.close()
+            return None
+        except asyncio.CancelledError:
+            warm.close()
+            raise
+        server.warm.rebound += 1
+        return rebound
 
     async def incoming(peer: int, lane: int, deadline: float) -> tuple[Slot, Connection]:
         """The lane `peer` dials to us; a member that crashed meanwhile is not waited for."""
@@ -333,7 +372,8 @@ async def connect_lanes(
             receiving[slot] = connection
         for peer, lane in plan.await_to_send:
             slot, connection = await incoming(peer, lanes + lane, deadline)
-            await _await_go(connection, failure_timeout)
+            if not isinstance(connection, WarmLane):  # a kept lane has no asyncio stream to read ahead
+                await _await_go(connection, failure_timeout)
             sending[slot] = connection
         return sending, receiving
 
@@ -356,7 +396,7 @@ async def connect_lanes(
             await asyncio.wait(tasks, timeout=DIALS_CANCEL_S)
 
 
-async def _send_go(connection: Connection, timeout: float) -> None:
+async def _send_go(connection: StreamConnection, timeout: float) -> None:
     """A reversed lane, dialer side (it receives): stop asyncio reading first, then let the
     listener send. Its frames then wait in the kernel for the raw socket (lanes.detach); frames
     sent before would have been swallowed by asyncio's read-ahead."""
@@ -365,7 +405,7 @@ async def _send_go(connection: Connection, timeout: float) -> None:
     await write_frame(writer, {"kind": "go"}, timeout=timeout)
 
 
-async def _await_go(connection: Connection, timeout: float) -> None:
+async def _await_go(connection: StreamConnection, timeout: float) -> None:
     """A reversed lane, listener side (it sends): wait for the dialer's go (see `_send_go`)."""
     reader, writer, _ = connection
     transport = stream_transport(writer)

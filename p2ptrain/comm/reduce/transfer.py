@@ -19,6 +19,8 @@ from typing import Protocol
 from p2ptrain.comm.codec.quant import Buffer
 from p2ptrain.comm.net.attempt import Connection
 from p2ptrain.comm.transport import lanes
+from p2ptrain.comm.transport.handshake import Session
+from p2ptrain.comm.transport.resume import WarmLane
 from p2ptrain.comm.transport.seal import FrameSeal
 from p2ptrain.comm.transport.wire import PeerClosed
 
@@ -90,17 +92,52 @@ class Transfer:
         self.watched: dict[int, socket.socket] = {}
         """fd → each socket we only send on, watched by the event loop."""
         self.running = 0
+        self.adopted: list[tuple[lanes.Channel, Session, bool]] = []
+        """Every lane's channel, its session, and whether we send on it."""
 
     def adopt(self, connection: Connection, sending: bool) -> lanes.Channel:
-        """Take a connection's socket out of asyncio, with the seal of the direction we use it in;
-        `stop` closes it whatever happens next."""
-        _, writer, session = connection
-        if session.keys is None:
-            raise PeerClosed("the connection has no keys: its handshake did not complete")
-        sock = lanes.detach(writer)
+        """Take a connection's socket out of asyncio (a kept lane's is out already), with the seal
+        of the direction we use it in; `stop` closes it unless `keep` took it first."""
+        if isinstance(connection, WarmLane):
+            sock, session = connection.sock, connection.session
+            seal = connection.sending if sending else connection.receiving
+        else:
+            _, writer, session = connection
+            if session.keys is None:
+                raise PeerClosed("the connection has no keys: its handshake did not complete")
+            sock = lanes.detach(writer)
+            seal = FrameSeal(session.keys.sending if sending else session.keys.receiving)
         self.plan.sockets.append(sock)
-        key = session.keys.sending if sending else session.keys.receiving
-        return lanes.Channel(sock, FrameSeal(key))
+        channel = lanes.Channel(sock, seal)
+        self.adopted.append((channel, session, sending))
+        return channel
+
+    def keep(
+        self, wanted: Callable[[lanes.Channel, Session], bool], trailing: frozenset[str]
+    ) -> list[WarmLane]:
+        """Once the all-reduce succeeded: the lanes `wanted` says to keep for the next step
+        (transport/resume.py), out of `stop`'s hands, with the seals whose counters go on.
+        `trailing`: the kinds of frames of this step that may still come on them."""
+        kept = []
+        for channel, session, sending in self.adopted:
+            if session.keys is None or not wanted(channel, session):
+                continue
+            unused = FrameSeal(session.keys.receiving if sending else session.keys.sending)
+            outgoing, incoming = (channel.seal, unused) if sending else (unused, channel.seal)
+            fd = channel.sock.fileno()
+            if self.watched.pop(fd, None) is not None:
+                self.loop.remove_reader(fd)
+            self.plan.sockets.remove(channel.sock)
+            kept.append(
+                WarmLane(
+                    sock=channel.sock,
+                    session=session,
+                    sending=outgoing,
+                    receiving=incoming,
+                    trailing=trailing,
+                )
+            )
+        return kept
 
     def start(
         self, outgoing: dict[tuple[int, int], lanes.Channel], incoming: dict[tuple[int, int], lanes.Channel]

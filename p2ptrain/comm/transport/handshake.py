@@ -56,9 +56,10 @@ from p2ptrain.identity import PUBLIC_KEY_BYTES, NodeIdentity, short_id, verify
 
 log = logging.getLogger(__name__)
 
-_DOMAIN = b"p2ptrain/ring-handshake/v5\0"
+_DOMAIN = b"p2ptrain/ring-handshake/v6\0"
 """Bumped with every change of the data-phase protocol, so that nodes of two versions refuse each
-other's handshakes instead of failing steps (v5: keepalives between data frames)."""
+other's handshakes instead of failing steps (v5: keepalives between data frames; v6: warm lanes,
+resume.py)."""
 NONCE_BYTES = 32
 DIGEST_BYTES = 32
 MAX_HANDSHAKE_FRAME = 1024
@@ -100,6 +101,8 @@ class Session:
     attempt: int = 0
     keys: SessionKeys | None = None
     """This end's keys for the frames that follow (seal.py)."""
+    dialed: bool = False
+    """This end dialed the connection."""
 
 
 @dataclass(frozen=True)
@@ -128,7 +131,7 @@ class Refusal:
     """The listener's attempt, when the dialer's is older."""
 
 
-def _transcript(role: bytes, session: Session, *, dialer: bytes, listener: bytes, nonces: bytes) -> bytes:
+def transcript_of(role: bytes, session: Session, *, dialer: bytes, listener: bytes, nonces: bytes) -> bytes:
     numbers = (
         session.step.to_bytes(8, "big") + session.lane.to_bytes(1, "big") + session.attempt.to_bytes(4, "big")
     )
@@ -231,29 +234,44 @@ async def dial(
     if not verify(
         peer_key,
         signature,
-        _transcript(b"L", session, dialer=identity.public_key, listener=peer_key, nonces=nonces),
+        transcript_of(b"L", session, dialer=identity.public_key, listener=peer_key, nonces=nonces),
     ):
         raise HandshakeError(f"{short_id(peer_key)} failed to prove its key")
     proof = identity.sign(
-        _transcript(b"D", session, dialer=identity.public_key, listener=peer_key, nonces=nonces)
+        transcript_of(b"D", session, dialer=identity.public_key, listener=peer_key, nonces=nonces)
     )
     await write_frame(writer, {"kind": "proof", "signature": proof}, timeout=timeout)
     answer = await read_frame(reader, timeout, MAX_HANDSHAKE_FRAME)
     if answer.kind == "refuse":
-        reason = f"{short_id(peer_key)}: {answer.header.get('reason', 'no reason given')}"
-        if answer.header.get("views_differ") is True:
-            raise ViewsDiffer(f"peer refused: {reason[:200]}")
-        if answer.header.get("retry") is True:
-            raise PeerBusy(reason)
-        if "attempt" in answer.header:
-            raise AttemptBehind(reason, _int_field(answer.header, "attempt", MAX_ATTEMPT + 1))
+        raise_refusal(answer.header, peer_key)
     try:
         expect(answer, "ok")
         secret = ephemeral.shared(peer_ephemeral)
     except FrameError as exc:
         raise HandshakeError(str(exc)) from None
-    base = _transcript(b"K", session, dialer=identity.public_key, listener=peer_key, nonces=nonces)
-    return replace(session, keys=derive_keys(secret, base, dialer=True))
+    base = transcript_of(b"K", session, dialer=identity.public_key, listener=peer_key, nonces=nonces)
+    return replace(session, keys=derive_keys(secret, base, dialer=True), dialed=True)
+
+
+def raise_refusal(header: dict, peer_key: bytes) -> None:
+    """Raise what a listener's refusal (`header`, kind "refuse") means for the dialer: ViewsDiffer,
+    PeerBusy (dial again), AttemptBehind (start the next attempt at the peer's), or nothing (a plain
+    no: the caller's check of the answer raises)."""
+    reason = f"{short_id(peer_key)}: {header.get('reason', 'no reason given')}"
+    if header.get("views_differ") is True:
+        raise ViewsDiffer(f"peer refused: {reason[:200]}")
+    if header.get("retry") is True:
+        raise PeerBusy(reason)
+    if "attempt" in header:
+        raise AttemptBehind(reason, _int_field(header, "attempt", MAX_ATTEMPT + 1))
+
+
+def refusal_fields(refusal: Refusal) -> dict:
+    """The fields of a refusal frame that say why (see `raise_refusal`)."""
+    answer: dict = {"reason": refusal.reason, "retry": refusal.retry}
+    if refusal.attempt is not None:
+        answer["attempt"] = refusal.attempt
+    return answer
 
 
 @dataclass(frozen=True)
@@ -332,7 +350,7 @@ async def accept_any(
         digest = _bytes_field(hello.header, "digest", DIGEST_BYTES)
         known = peek(step) if peek is not None else None
         if known is not None and known.digest == digest:
-            _check_member(known, identity, peer=peer_key, step=step, lane=lane, digest=None)
+            check_member(known, identity, peer=peer_key, step=step, lane=lane, digest=None)
         if credentials is not None:
             credentials.verify_peer(peer_key, hello.header)
         session = Session(
@@ -346,7 +364,7 @@ async def accept_any(
         nonce, ephemeral = secrets.token_bytes(NONCE_BYTES), Ephemeral()
         nonces = peer_nonce + nonce + peer_ephemeral + ephemeral.public
         signature = identity.sign(
-            _transcript(b"L", session, dialer=peer_key, listener=identity.public_key, nonces=nonces)
+            transcript_of(b"L", session, dialer=peer_key, listener=identity.public_key, nonces=nonces)
         )
         welcome = {
             **({"ticket": credentials.ticket} if credentials is not None else {}),
@@ -358,14 +376,16 @@ async def accept_any(
         }
         await write_frame(writer, welcome, timeout=timeout)
         proof = expect(await read_frame(reader, timeout, MAX_HANDSHAKE_FRAME), "proof")
-        transcript = _transcript(b"D", session, dialer=peer_key, listener=identity.public_key, nonces=nonces)
+        transcript = transcript_of(
+            b"D", session, dialer=peer_key, listener=identity.public_key, nonces=nonces
+        )
         if not verify(peer_key, _bytes_field(proof.header, "signature", 64), transcript):
             raise HandshakeError(f"{short_id(peer_key)} failed to prove its key")
         admission = await resolve(step, peer_key)  # the key is proven now
         if admission is None:
             raise HandshakeError(f"step {step} is not a step this node is reducing")
-        _check_member(admission, identity, peer=peer_key, step=step, lane=lane, digest=digest)
-        base = _transcript(b"K", session, dialer=peer_key, listener=identity.public_key, nonces=nonces)
+        check_member(admission, identity, peer=peer_key, step=step, lane=lane, digest=digest)
+        base = transcript_of(b"K", session, dialer=peer_key, listener=identity.public_key, nonces=nonces)
         session = replace(session, keys=derive_keys(ephemeral.shared(peer_ephemeral), base, dialer=False))
     except (HandshakeError, FrameError) as exc:
         (log_refusal or _log_refusal)(str(exc))
@@ -374,17 +394,14 @@ async def accept_any(
     refusal = claim(session) if claim is not None else None
     if refusal is not None:
         log.info("sent %s to another attempt: %s", short_id(peer_key), refusal.reason)
-        answer: dict = {"reason": refusal.reason, "retry": refusal.retry}
-        if refusal.attempt is not None:
-            answer["attempt"] = refusal.attempt
-        await _refuse(writer, answer)
+        await _refuse(writer, refusal_fields(refusal))
         raise HandshakeError(refusal.reason)
     stream_transport(writer).pause_reading()  # the rest of this connection is read from its raw socket
     await write_frame(writer, {"kind": "ok"}, timeout=timeout)
     return session
 
 
-def _check_member(
+def check_member(
     admission: Admission, identity: NodeIdentity, *, peer: bytes, step: int, lane: int, digest: bytes | None
 ) -> None:
     """Raise HandshakeError unless `peer` may connect on `lane` (with `digest`, where given).

@@ -22,9 +22,10 @@ import os
 import socket
 import struct
 import termios
+import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from p2ptrain.comm.transport.seal import TAG_BYTES, FrameSeal
 from p2ptrain.comm.transport.wire import (
@@ -38,6 +39,8 @@ from p2ptrain.comm.transport.wire import (
     parse_prefix,
     stream_transport,
 )
+
+T = TypeVar("T")
 
 
 class Channel:
@@ -251,3 +254,32 @@ def shut(sock: socket.socket) -> None:
     """Wake every thread blocked on `sock` (they get an error at once); the caller closes it later."""
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
+
+
+async def on_own_thread(work: Callable[[], T], name: str) -> T:
+    """`work()` on a thread of its own, for blocking calls on these sockets that may wait long
+    (the barrier, a kept lane's rebind). Not asyncio's default executor: a few waits there (one per
+    lane) took every worker, and the calls that would have ended them queued behind them.
+    Cancelled, it leaves the thread to end when the caller shuts the socket it blocks on."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if done.done():  # cancelled meanwhile
+            return
+        if error is None:
+            done.set_result(result)  # type: ignore[arg-type]
+        else:
+            done.set_exception(error)
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = work()
+        except BaseException as exc:  # handed to the waiting coroutine
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return await done

@@ -51,19 +51,24 @@ class Ephemeral:
 
 @dataclass(frozen=True)
 class SessionKeys:
-    """The two AES-256-GCM keys of one connection, as seen from one end."""
+    """The two AES-256-GCM keys of one connection, as seen from one end, and the secret a kept
+    connection's next step derives its own keys from (transport/resume.py)."""
 
     sending: bytes
     receiving: bytes
+    resume: bytes = b""
 
 
 def derive_keys(secret: bytes, transcript: bytes, dialer: bool) -> SessionKeys:
-    """Both directions' keys from the X25519 secret, bound to the handshake transcript."""
+    """Both directions' keys, and the resumption secret, from `secret` (the X25519 secret of a
+    handshake, or a kept connection's resumption secret), bound to `transcript`."""
     material = HKDF(
-        algorithm=hashes.SHA256(), length=64, salt=hashlib.sha256(transcript).digest(), info=_INFO
+        algorithm=hashes.SHA256(), length=96, salt=hashlib.sha256(transcript).digest(), info=_INFO
     ).derive(secret)
-    to_listener, to_dialer = material[:32], material[32:]
-    return SessionKeys(to_listener, to_dialer) if dialer else SessionKeys(to_dialer, to_listener)
+    to_listener, to_dialer, resume = material[:32], material[32:64], material[64:]
+    if dialer:
+        return SessionKeys(to_listener, to_dialer, resume)
+    return SessionKeys(to_dialer, to_listener, resume)
 
 
 class FrameSeal:
