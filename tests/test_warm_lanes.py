@@ -15,9 +15,9 @@ import pytest
 
 from p2ptrain.comm.transport import resume
 from p2ptrain.comm.transport.handshake import PeerBusy, Session
-from p2ptrain.comm.transport.resume import WarmLane
+from p2ptrain.comm.transport.resume import Rebind, WarmLane
 from p2ptrain.comm.transport.seal import FrameSeal, derive_keys
-from p2ptrain.comm.transport.wire import FrameError
+from p2ptrain.comm.transport.wire import FrameError, PeerTimeout
 from p2ptrain.config import CommConfig, Topology
 from tests.support.ring_procs import Outcome, run_ring
 
@@ -145,6 +145,25 @@ def test_a_refusal_means_what_a_fresh_handshake_s_would() -> None:
     thread = answered(listener, lambda lane, _: lane.send(busy, 1.0))
     with pytest.raises(PeerBusy):
         resume.request(dialer, step=5, attempt=1, digest=b"e" * 32, answer_timeout=5.0, setup_timeout=5.0)
+    thread.join(5)
+    for lane in (dialer, listener):
+        lane.close()
+
+
+def test_a_listener_that_only_ever_says_held_does_not_hold_the_dialer_past_the_setup_timeout() -> None:
+    dialer, listener = kept_pair()
+
+    stop = threading.Event()
+
+    def hold(lane: WarmLane, _: Rebind) -> None:
+        while not stop.wait(0.1):  # a "held" every 0.1 s until the test ends
+            lane.send({"kind": resume.HELD}, 1.0)
+
+    thread = answered(listener, hold)
+    with pytest.raises(PeerTimeout):
+        resume.request(dialer, step=5, attempt=0, digest=b"e" * 32, answer_timeout=1.0, setup_timeout=0.5)
+    assert thread.is_alive()  # the frames kept coming: the deadline, not their end, stopped the wait
+    stop.set()
     thread.join(5)
     for lane in (dialer, listener):
         lane.close()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import secrets
 import socket
+import time
 from dataclasses import dataclass, field, replace
 
 from p2ptrain.comm.transport import lanes
@@ -41,7 +42,7 @@ from p2ptrain.comm.transport.handshake import (
     transcript_of,
 )
 from p2ptrain.comm.transport.seal import FrameSeal, derive_keys
-from p2ptrain.comm.transport.wire import FrameError
+from p2ptrain.comm.transport.wire import FrameError, PeerTimeout
 from p2ptrain.config import MAX_CONNECTIONS
 from p2ptrain.identity import short_id
 
@@ -135,13 +136,16 @@ def request(
     asked = Rebind(step=step, attempt=attempt, digest=digest, nonce=secrets.token_bytes(NONCE_BYTES))
     header = {"kind": REBIND, "step": step, "attempt": attempt, "digest": digest, "nonce": asked.nonce}
     lane.send(header | {"lane": lane.session.lane}, answer_timeout)
-    timeout = answer_timeout
+    held_until = None  # once held: one deadline, which more "held" frames do not move
     while True:
+        timeout = answer_timeout if held_until is None else held_until - time.monotonic()
+        if timeout <= 0:
+            raise PeerTimeout(f"held for {setup_timeout:.0f} s without an answer")
         answer = lane.receive(timeout)
         if answer is None:
             continue
         if answer.get("kind") == HELD:
-            timeout = setup_timeout
+            held_until = held_until or time.monotonic() + setup_timeout
             continue
         break
     peer = lane.session.peer_key
