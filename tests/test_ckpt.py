@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
@@ -149,6 +150,53 @@ def test_sidecar_serves_ranges_and_only_manifest_files(
     refused = [record.getMessage() for record in caplog.records if "refused" in record.getMessage()]
     assert len(refused) == 2, refused
     assert "more like it" not in refused[0] and "(and 5 more like it in the last" in refused[1], refused
+
+
+JUNK_CLIENT = """
+import socket, sys
+port = int(sys.argv[1])
+probes = [
+    b"GARBAGE\\r\\n\\r\\n",
+    b"GET / HTTP/1.1\\r\\nX-A: " + b"a" * 20000 + b"\\r\\n\\r\\n",
+    b"\\x16\\x03\\x01\\x02\\x00\\x01\\x00\\x01\\xfc\\x03\\x03" + bytes(64),
+    b"GET /manifest HTTP/1.1\\r\\nHost: x\\r\\nContent-Length: -5\\r\\n\\r\\n",
+    b"POST /manifest HTTP/1.1\\r\\nHost: x\\r\\nTransfer-Encoding: chunked\\r\\n\\r\\nzz\\r\\n",
+]
+for _ in range(20):
+    for probe in probes:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(probe)
+            assert sock.recv(64).startswith(b"HTTP/1.0 400"), probe[:20]
+"""
+
+
+@pytest.mark.procs
+def test_malformed_http_from_a_stranger_is_one_throttled_line_not_a_traceback(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A separate process sends 100 requests that are not HTTP (junk, a header line past 8 KiB, a
+    TLS hello, a bad Content-Length, a bad chunk): each is answered 400, the log holds no traceback
+    and at most a line per 10 s with a count, and the sidecar serves an honest client after."""
+
+    async def scenario() -> None:
+        peers = Peers()
+        try:
+            url, _ = await peers.add(tmp_path, 1)
+            port = url.rsplit(":", 1)[1]
+            junk = await asyncio.create_subprocess_exec(sys.executable, "-c", JUNK_CLIENT, port)
+            assert await asyncio.wait_for(junk.wait(), 120) == 0
+            async with aiohttp.ClientSession() as session, session.get(f"{url}/manifest") as response:
+                assert parse_manifest(await response.read()).outer_step == STEP
+        finally:
+            await peers.close()
+
+    with caplog.at_level(logging.DEBUG, logger="aiohttp"), caplog.at_level(logging.INFO, logger="p2ptrain"):
+        run(scenario())
+    shown = [record for record in caplog.records if record.levelno >= logging.INFO]
+    assert not [record for record in shown if record.exc_info], "a traceback in the log"
+    said = [record.getMessage() for record in shown if "Error handling request" in record.getMessage()]
+    assert 1 <= len(said) <= 3 and all("\n" not in line for line in said), said
+    assert "more like it" in said[-1], said  # the rest counted, said at close
 
 
 def test_majority_of_live_members_decides() -> None:

@@ -10,7 +10,11 @@ Anyone who can reach the port can open connections, and each costs an open file.
 - a connection must deliver each complete request head within `request_timeout` seconds of
   opening (or of its last response): aiohttp's keep-alive timer closes a connection that is
   waiting for a request, which covers a client trickling its headers byte by byte. A download in
-  progress is never cut.
+  progress is never cut;
+- a request that is not HTTP (junk, a TLS hello on the port, a header line past 8 KiB, a bad
+  Content-Length) is answered 400 and logged as one line, at most every 10 s with a count
+  (`StrangersLog`): aiohttp's own log wrote a traceback for each, so anyone could fill a node's
+  log. An exception of a handler of ours still gets its traceback: that is a bug to see.
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ import contextlib
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from p2ptrain.deadline import within
 from p2ptrain.untrusted import ThrottledLog
@@ -117,26 +123,52 @@ class _Budgeted(asyncio.Protocol):
             self._inner.resume_writing()
 
 
+class StrangersLog(logging.LoggerAdapter):
+    """aiohttp's server log for connections anyone may open (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.getLogger("aiohttp.server"), {})
+        self.malformed = ThrottledLog(log)
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True, **kwargs: Any) -> None:
+        if isinstance(exc_info, HttpProcessingError):
+            reason = " ".join(str(exc_info.message).split())[:200]  # one line, whatever was sent
+            self.malformed.warning("%s: %s (%s)", str(msg) % args, type(exc_info).__name__, reason)
+            return
+        super().exception(msg, *args, exc_info=exc_info, **kwargs)
+
+
 class Served:
     """A running application: its aiohttp runner and our listening server."""
 
-    def __init__(self, runner: web.AppRunner, server: asyncio.Server, budget: ConnectionBudget):
+    def __init__(
+        self,
+        runner: web.AppRunner,
+        server: asyncio.Server,
+        budget: ConnectionBudget,
+        logs: list[ThrottledLog],
+    ):
         self.runner = runner
         self.server = server
         self.budget = budget
+        self.logs = logs
+        """What strangers did, counted: the last counts are said at close, not lost."""
 
     async def close(self) -> None:
         self.server.close()
         await self.runner.cleanup()
         with contextlib.suppress(asyncio.TimeoutError):
             await within(self.server.wait_closed(), 5.0)
+        for throttled in self.logs:
+            throttled.flush()
 
 
 async def start_app(
     app: web.Application, host: str, *, port: int, budget: ConnectionBudget | None = None
 ) -> tuple[Served, int]:
     """Serve `app` on `host`:`port` (0: a free one) within `budget`; returns it and the bound port."""
-    runner = web.AppRunner(app, access_log=None, keepalive_timeout=REQUEST_TIMEOUT)
+    strangers = StrangersLog()
+    runner = web.AppRunner(app, access_log=None, keepalive_timeout=REQUEST_TIMEOUT, logger=strangers)
     await runner.setup()
     assert runner.server is not None, "set up above"
     handler_factory, budget = runner.server, budget or ConnectionBudget()
@@ -144,4 +176,6 @@ async def start_app(
     server = await asyncio.get_running_loop().create_server(
         lambda: _Budgeted(handler_factory(), budget, refusals), host, port
     )
-    return Served(runner, server, budget), int(server.sockets[0].getsockname()[1])
+    return Served(runner, server, budget, [refusals, strangers.malformed]), int(
+        server.sockets[0].getsockname()[1]
+    )
