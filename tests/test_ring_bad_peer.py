@@ -146,24 +146,51 @@ async def idle_connections(
     return [await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0)) for _ in range(count)]
 
 
-def test_one_source_holds_at_most_its_share_of_pending_handshakes(tmp_path: Path) -> None:
-    """Idle connections beyond a source's share are closed at once; memory stays bounded."""
+def test_a_member_behind_a_flooders_address_gets_through_and_the_source_holds_only_its_share(
+    tmp_path: Path,
+) -> None:
+    """A source's idle connections beyond its share displace its oldest idle one (so the source
+    never holds more, and memory stays bounded), and a member dialing from that same address — a
+    home router or carrier-grade NAT it shares with the flooder — completes its handshake. (Before,
+    every newcomer from a source at its share was closed at once: the member with it.)"""
 
     async def scenario() -> None:
-        server = DataPlaneServer(
-            identity=load_or_create_identity(tmp_path / "x"), comm=CommConfig(failure_timeout=5.0)
+        listener_id, member_id = (
+            load_or_create_identity(tmp_path / "l"),
+            load_or_create_identity(tmp_path / "m"),
         )
-        _, port = await server.start()
+        server = DataPlaneServer(
+            identity=listener_id, comm=CommConfig(failure_timeout=5.0), setup_timeout=5.0
+        )
+        host, port = await server.start()
         idle = await idle_connections(port, "127.0.0.2", MAX_PENDING_PER_SOURCE)
         await settle(lambda: server.pending_handshakes == MAX_PENDING_PER_SOURCE, "the source's share held")
-        reader, writer = (await idle_connections(port, "127.0.0.2", 1))[0]
-        assert await asyncio.wait_for(reader.read(), 2.0) == b"", "closed at once"
+        idle += await idle_connections(port, "127.0.0.2", 1)
+        assert await asyncio.wait_for(idle[0][0].read(), 2.0) == b"", "the oldest idle one gave way"
+        await settle(lambda: server.pending.evicted == 1, "one evicted")
         assert server.pending_handshakes == MAX_PENDING_PER_SOURCE
-        for _, idle_writer in [*idle, (reader, writer)]:
+        listener = Member(key=listener_id.public_key, host=host, port=port)
+        members = [listener, Member(key=member_id.public_key, host="127.0.0.2", port=1)]
+        digest = membership_digest(STEP, members)
+        server.at_step(STEP)
+        registration = server.expect(STEP, [member_id.public_key], digest=digest)
+        reader, writer = await asyncio.open_connection(host, port, local_addr=("127.0.0.2", 0))
+        await dial(
+            reader,
+            writer,
+            identity=member_id,
+            expected_peer=listener_id.public_key,
+            step=STEP,
+            digest=digest,
+            timeout=5.0,
+        )
+        assert (await asyncio.wait_for(registration.incoming[(member_id.public_key, 0)], 5)) is not None
+        writer.close()
+        for _, idle_writer in idle:
             idle_writer.close()
         await server.close()
 
-    asyncio.run(scenario())
+    asyncio.run(asyncio.wait_for(scenario(), 60))
 
 
 def test_a_member_gets_through_a_full_pool_of_idle_connections(tmp_path: Path) -> None:

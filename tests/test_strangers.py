@@ -109,14 +109,26 @@ def test_the_probe_of_a_named_node_takes_our_views_differ_to_a_step_nobody_is_at
     assert answers == {"honest": True, "closed port": False, "differs": False, "refuses": True}
 
 
-@pytest.mark.parametrize("mode", ["idle", "hellos", "reaches", "records"])
+@pytest.mark.parametrize(
+    ("mode", "source"),
+    [
+        ("idle", "127.0.0.2"),
+        ("hellos", "127.0.0.2"),
+        ("reaches", "127.0.0.2"),
+        ("records", "127.0.0.2"),
+        ("idle", "127.0.0.1"),  # the address its peers dial from
+    ],
+)
 def test_a_flood_on_one_nodes_data_port_does_not_keep_it_out_of_the_steps(
-    swarm: LocalSwarm, mode: str
+    swarm: LocalSwarm, mode: str, source: str
 ) -> None:
     """500 connections from another address (idle ones, hellos for step 10⁹ from fresh keys,
     requests for reachability probes, or pushed records: junk, a stranger's, and node1's death
     forged far ahead of its sequence), reopened as fast as the node closes them: the node still
-    takes part in every step, with node1 in every one."""
+    takes part in every step, with node1 in every one. And 500 idle ones from the very address
+    the node's peers dial from (one home router, one carrier-grade NAT): its peers' dials still get
+    in (the policy that lets them, an idle connection of the source giving way to its newcomer, is
+    test_ring_bad_peer's; here the drill's retries got through even without it)."""
     swarm.start_bootstrap()
     claim = load_or_create_identity(swarm.root / "node1").public_key.hex()  # node1 starts with this key
 
@@ -124,7 +136,7 @@ def test_a_flood_on_one_nodes_data_port_does_not_keep_it_out_of_the_steps(
         """The flood is on before the drill's first step (node1 and node2 are not started yet): a
         port chosen beforehand could be taken by another test's node before node0 binds it."""
         target = f"127.0.0.1:{data_port(swarm, 'node0', timeout=120)}"
-        flood = ["--mode", mode, "--count", "500", "--target", target, "--claim", claim]
+        flood = ["--mode", mode, "--count", "500", "--target", target, "--claim", claim, "--source", source]
         swarm.children.spawn(
             "flooder",
             [sys.executable, "-m", "tests.support.flooder", *flood],
@@ -133,7 +145,14 @@ def test_a_flood_on_one_nodes_data_port_does_not_keep_it_out_of_the_steps(
         wait_until(lambda: flood_counts(swarm)[0] > 0, timeout=60, what="the flood")
 
     names = start_drill(
-        swarm, FLOOD_STEPS, "--set", "comm.failure_timeout=3", bootstrap=False, after_node0=flood_node0
+        swarm,
+        FLOOD_STEPS,
+        "--set",
+        "comm.failure_timeout=3",
+        "--set",
+        "comm.warm_lanes=false",
+        bootstrap=False,
+        after_node0=flood_node0,
     )
     logs = finish(swarm, names)
     assert_agreement(logs, range(FLOOD_STEPS))
@@ -143,7 +162,8 @@ def test_a_flood_on_one_nodes_data_port_does_not_keep_it_out_of_the_steps(
     refusals = [
         line for line in swarm.log("node0").splitlines() if "127.0.0.2" in line or "far ahead" in line
     ]
-    assert 0 < len(refusals) < 30, "refusals are logged, a few lines per 10 s"
+    if source == "127.0.0.2":  # from the peers' own address the flood's connections give way unsaid
+        assert 0 < len(refusals) < 30, "refusals are logged, a few lines per 10 s"
 
 
 def flood_counts(swarm: LocalSwarm) -> tuple[int, int]:

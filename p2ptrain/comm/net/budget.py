@@ -6,7 +6,11 @@ is a stranger's, and it costs the node a socket, a task and memory. Two phases, 
 1. **Before the hello** (the dialer's first frame): at most `per_source` connections from one
    address and `total` in all. When the pool is full the *oldest* one is dropped for the newcomer:
    an honest dialer sends its hello within milliseconds, so idle connections — the flood — are the
-   ones that grow old. A single source cannot fill the pool at all. A hello for a step this node
+   ones that grow old. A single source cannot fill the pool at all. When a source holds its share,
+   its oldest connection that has sent nothing gives way to its newcomer, and one that has begun
+   its hello never does: members behind one address (a home router, a carrier-grade NAT, a campus)
+   share it with whoever floods from there, and refusing the newcomer, as before, kept a member
+   whose peers dial from the flood's address out of every step. A hello for a step this node
    has not registered keeps its slot until the dialer has proven its key.
    **A hello for a step under way** moves to a second pool of the same kind while our signed
    welcome waits for the dialer's proof (one round trip): MAX_PROVING, MAX_PROVING_PER_SOURCE of
@@ -25,10 +29,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
+import struct
+import termios
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable, Sized
 from dataclasses import dataclass, field
+from typing import SupportsIndex
 
 from p2ptrain.deadline import within
 
@@ -45,6 +53,37 @@ MAX_WAITING_STRANGERS = 32
 """Connections of non-candidates waiting for this node to reach their step."""
 
 
+Spoke = Callable[[], bool]
+"""Whether a pending connection has sent any byte yet (received here, or waiting in the kernel)."""
+
+
+def _idle(entry: tuple[str, asyncio.StreamWriter, Spoke | None], source: str) -> bool:
+    """A pending connection of `source` that has sent nothing (one of a pool that does not ask
+    is never taken for idle)."""
+    return entry[0] == source and entry[2] is not None and not entry[2]()
+
+
+def unread_bytes(writer: asyncio.StreamWriter) -> int:
+    """Bytes that have arrived on the connection's socket and wait to be read (Linux's FIONREAD)."""
+    sock = writer.transport.get_extra_info("socket")
+    if sock is None:
+        return 0
+    try:
+        return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, bytes(4)))[0])
+    except OSError:
+        return 0
+
+
+class CountingReader(asyncio.StreamReader):
+    """A StreamReader that counts the bytes that reached it (the data port's, for `Spoke`)."""
+
+    received = 0
+
+    def feed_data(self, data: Iterable[SupportsIndex]) -> None:
+        self.received += len(data) if isinstance(data, Sized) else 1
+        super().feed_data(data)
+
+
 @dataclass(kw_only=True)
 class PendingBudget:
     """Connections of one phase (before the hello; welcomed, before the proof), by source address,
@@ -52,7 +91,9 @@ class PendingBudget:
 
     total: int = MAX_PENDING_HANDSHAKES
     per_source: int = MAX_PENDING_PER_SOURCE
-    _order: OrderedDict[int, tuple[str, asyncio.StreamWriter]] = field(default_factory=OrderedDict)
+    _order: OrderedDict[int, tuple[str, asyncio.StreamWriter, Spoke | None]] = field(
+        default_factory=OrderedDict
+    )
     _by_source: Counter[str] = field(default_factory=Counter)
     _next: int = 0
     refused: int = 0
@@ -61,20 +102,32 @@ class PendingBudget:
     def __len__(self) -> int:
         return len(self._order)
 
-    def enter(self, source: str, writer: asyncio.StreamWriter) -> int | None:
-        """A ticket for this connection, or None when its source already holds its share."""
+    def held_by(self, source: str) -> int:
+        """Connections of `source` in this pool."""
+        return self._by_source[source]
+
+    def enter(self, source: str, writer: asyncio.StreamWriter, spoke: Spoke | None = None) -> int | None:
+        """A ticket for this connection, or None when its source holds its share and none of its
+        connections is idle. `spoke`: whether the connection has sent bytes (such a one is not
+        given up for another of its source; None: this pool does not ask)."""
         if self._by_source[source] >= self.per_source:
-            self.refused += 1
-            return None
-        if len(self._order) >= self.total:
-            _, (old_source, old_writer) = self._order.popitem(last=False)
-            self._release(old_source)
-            old_writer.transport.abort()  # its handshake task ends on the closed connection
-            self.evicted += 1
+            idle = next((ticket for ticket, entry in self._order.items() if _idle(entry, source)), None)
+            if idle is None:
+                self.refused += 1
+                return None
+            self._evict(idle)
+        elif len(self._order) >= self.total:
+            self._evict(next(iter(self._order)))
         self._next += 1
-        self._order[self._next] = (source, writer)
+        self._order[self._next] = (source, writer, spoke)
         self._by_source[source] += 1
         return self._next
+
+    def _evict(self, ticket: int) -> None:
+        old_source, old_writer, _ = self._order.pop(ticket)
+        self._release(old_source)
+        old_writer.transport.abort()  # its handshake task ends on the closed connection
+        self.evicted += 1
 
     def leave(self, ticket: int) -> None:
         """The connection left the phase (or ended): it no longer counts here."""

@@ -26,9 +26,11 @@ from p2ptrain.comm.net.attempt import LaneKey, Registration
 from p2ptrain.comm.net.budget import (
     MAX_PROVING,
     MAX_PROVING_PER_SOURCE,
+    CountingReader,
     PendingBudget,
     Tickets,
     WaitingBudget,
+    unread_bytes,
     wait_until,
 )
 from p2ptrain.comm.net.members import Member
@@ -130,7 +132,12 @@ class DataPlaneServer:
         """Lanes kept from steps that succeeded, for the next (transport/resume.py)."""
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
-        self._server = await asyncio.start_server(self._on_connection, host, port)
+        loop = asyncio.get_running_loop()
+
+        def connection() -> asyncio.StreamReaderProtocol:  # asyncio.start_server's, counting bytes
+            return asyncio.StreamReaderProtocol(CountingReader(loop=loop), self._on_connection, loop=loop)
+
+        self._server = await loop.create_server(connection, host, port)
         self.address = self._server.sockets[0].getsockname()[:2]
         return self.address
 
@@ -318,7 +325,12 @@ class DataPlaneServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         source = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
-        ticket = self.pending.enter(source, writer)
+
+        def spoke() -> bool:
+            return (isinstance(reader, CountingReader) and reader.received > 0) or unread_bytes(writer) > 0
+
+        at_share = self.pending.held_by(source) >= self.pending.per_source
+        ticket = self.pending.enter(source, writer, spoke)
         if ticket is None:
             self._over_cap.warning(
                 "data-plane connection from %s refused: %d of its handshakes already pending",
@@ -327,6 +339,12 @@ class DataPlaneServer:
             )
             writer.transport.abort()
             return
+        if at_share:
+            self._over_cap.warning(
+                "data-plane connection from %s: %d of its handshakes pending, its oldest idle one closed",
+                source,
+                self.pending.per_source,
+            )
         try:
             await self._answer(reader, writer, source=source, ticket=ticket)
         finally:
