@@ -1,8 +1,9 @@
 """Bytes that came from the network: decoded with every size bounded before it is allocated, and
-refused with log lines that a flood of them cannot multiply."""
+refused with log lines that a flood of them cannot multiply; and who sent them, for budgets."""
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import time
 from typing import Any
@@ -81,3 +82,21 @@ class ThrottledLog:
         self._last = now
         self._skipped = 0
         self.logger.log(self.level, message + suffix, *args)
+
+
+def budget_source(peer: object) -> str:
+    """Whom a connection from `peer` (a socket's peername) counts against in per-source budgets:
+    its IPv4 address, or its IPv6 /64 — one host is often given a whole /64, and a budget per
+    address would give it 2⁶⁴ shares. An IPv4 peer on a dual-stack socket counts as its IPv4."""
+    host = peer[0] if isinstance(peer, tuple) and peer else None
+    if not isinstance(host, str):
+        return "?"
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])  # a link-local scope id aside
+    except ValueError:
+        return host
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{address}/64", strict=False))
+    return str(address)

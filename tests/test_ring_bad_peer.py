@@ -24,6 +24,7 @@ from p2ptrain.comm.transport.wire import MAGIC, PREFIX, VERSION, encode_frame, e
 from p2ptrain.config import CommConfig
 from p2ptrain.identity import load_or_create_identity
 from p2ptrain.procs import ChildProcesses, free_port
+from p2ptrain.untrusted import budget_source
 from tests.support.flooder import hello
 from tests.support.helpers import discard, read_address, settle
 from tests.support.ring_procs import run_ring
@@ -191,6 +192,17 @@ def test_a_member_behind_a_flooders_address_gets_through_and_the_source_holds_on
         await server.close()
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_an_ipv6_host_counts_as_its_64_in_every_per_source_budget() -> None:
+    """A host given a whole IPv6 /64 would otherwise hold 2⁶⁴ shares of the budgets."""
+    assert budget_source(("2001:db8:1:2::1", 4000, 0, 0)) == budget_source(("2001:db8:1:2:ffff::9", 1, 0, 0))
+    assert budget_source(("2001:db8:1:2::1", 4000, 0, 0)) == "2001:db8:1:2::/64"
+    assert budget_source(("2001:db8:1:3::1", 4000, 0, 0)) != budget_source(("2001:db8:1:2::1", 4000, 0, 0))
+    assert budget_source(("fe80::1%eth0", 4000, 0, 2)) == "fe80::/64"
+    assert budget_source(("::ffff:192.0.2.7", 4000, 0, 0)) == "192.0.2.7"  # IPv4 on a dual-stack socket
+    assert budget_source(("192.0.2.7", 4000)) != budget_source(("192.0.2.8", 4000))  # IPv4: per address
+    assert budget_source(None) == "?" and budget_source(("not an address", 1)) == "not an address"
 
 
 def test_a_member_gets_through_a_full_pool_of_idle_connections(tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from p2ptrain.deadline import within
-from p2ptrain.untrusted import ThrottledLog
+from p2ptrain.untrusted import ThrottledLog, budget_source
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class _Budgeted(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         peer = transport.get_extra_info("peername")
-        source = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        source = budget_source(peer)
         if not self._budget.admit(source, transport):
             self._refusals.warning(
                 "HTTP connection from %s refused: %d connections open (at most %d per source, %d in all)",

@@ -56,7 +56,7 @@ from p2ptrain.comm.transport.wire import ClosedBetweenFrames, FrameError, WireEr
 from p2ptrain.config import CommConfig
 from p2ptrain.deadline import within
 from p2ptrain.identity import NodeIdentity, short_id
-from p2ptrain.untrusted import ThrottledLog
+from p2ptrain.untrusted import ThrottledLog, budget_source
 
 log = logging.getLogger(__name__)
 KEPT_STEPS = 4
@@ -325,12 +325,13 @@ class DataPlaneServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         source = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        counted_as = budget_source(peer)  # an IPv6 /64 as one source
 
         def spoke() -> bool:
             return (isinstance(reader, CountingReader) and reader.received > 0) or unread_bytes(writer) > 0
 
-        at_share = self.pending.held_by(source) >= self.pending.per_source
-        ticket = self.pending.enter(source, writer, spoke)
+        at_share = self.pending.held_by(counted_as) >= self.pending.per_source
+        ticket = self.pending.enter(counted_as, writer, spoke)
         if ticket is None:
             self._over_cap.warning(
                 "data-plane connection from %s refused: %d of its handshakes already pending",
@@ -346,7 +347,7 @@ class DataPlaneServer:
                 self.pending.per_source,
             )
         try:
-            await self._answer(reader, writer, source=source, ticket=ticket)
+            await self._answer(reader, writer, source=source, ticket=ticket, counted_as=counted_as)
         finally:
             self.pending.leave(ticket)
 
@@ -363,10 +364,16 @@ class DataPlaneServer:
         source: str,
         ticket: int | None,
         relayed: bool = False,
+        counted_as: str | None = None,
     ) -> None:
-        """Read the first frame and serve what it asks: a probe, a relay, or a ring lane's handshake."""
+        """Read the first frame and serve what it asks: a probe, a relay, or a ring lane's handshake.
+        `counted_as`: whom the connection counts against in the budgets (`source` if None)."""
         tickets = Tickets(
-            pending=self.pending, proving=self.proving, source=source, writer=writer, ticket=ticket
+            pending=self.pending,
+            proving=self.proving,
+            source=counted_as or source,
+            writer=writer,
+            ticket=ticket,
         )
 
         def peek(step: int) -> Admission | None:
