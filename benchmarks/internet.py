@@ -28,6 +28,8 @@ Per step (medians over the steps after the first, which opens the connections):
   to have every frame (wall clocks of one machine): what the barrier itself costs;
 - sync_s: a member's ready → all-reduce done (election included), the slowest member's;
 - wire_overhead: bytes a member sent over its payload bytes (framing, seals, handshakes);
+- lanes_rebound: lanes of the step that were kept from the step before and re-bound
+  (comm.warm_lanes), the rest dialed afresh;
 - measured_rtt_ratio: the round trips the members' kernels measured on their lanes over the paths'
   own (queueing behind the step's own bytes makes it > 1);
 plus steps_given_up, steps_with_two_results (a fork: never), and the router's per-host counts of
@@ -199,10 +201,13 @@ def figures(
     steps: dict[int, list[dict[str, Any]]] = {}
     given_up = 0
     for lines in logs.values():
+        before = 0  # the node's lanes re-bound so far (a running count)
         for line in lines:
             if "given_up" in line:
                 given_up += 1
             else:
+                line["rebound_here"] = line.get("lanes_rebound", 0) - before
+                before = line.get("lanes_rebound", 0)
                 steps.setdefault(line["step"], []).append(line)
     rows = []
     for step, entries in sorted(steps.items()):
@@ -237,6 +242,7 @@ def figures(
                 **{key: max(entry[key] for entry in entries) for key in PHASES},
                 "barrier_after_last_frame_s": round(results - frames_in, 3),
                 "wire_overhead": round(max(entry["bytes_sent"] for entry in entries) / payload, 3),
+                "lanes_rebound": sum(entry["rebound_here"] for entry in entries) // 2,  # both ends count
                 "measured_rtt_ratio": _rtt_ratio(entries, lab=lab, hosts=hosts),
             }
         )
@@ -254,6 +260,7 @@ def figures(
         **{key: median(key) for key in ("decided_after_last_ready_s", "election_rtts", "sync_s")},
         **{key: median(key) for key in (*PHASES, "barrier_after_last_frame_s")},
         "wire_overhead": median("wire_overhead"),
+        "lanes_rebound": median("lanes_rebound"),
         "measured_rtt_ratio": median("measured_rtt_ratio"),
         "per_step": rows,
     }

@@ -122,6 +122,7 @@ async def run_drill(
                     "round_trips": {key.hex(): round(s, 4) for key, s in result.stats.round_trips.items()},
                     "bytes_sent": result.stats.bytes_sent,
                     "lanes_accepted": server.lanes_accepted,
+                    "lanes_rebound": server.warm.rebound,
                     "relayed_bytes": server.relay.bytes_relayed,
                     "records": [sync.pusher.sent, sync.reads.records_taken],
                     "dht": [dht.traffic.stored, dht.traffic.read, dht.traffic.calls],
