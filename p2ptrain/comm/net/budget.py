@@ -29,15 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
-import struct
-import termios
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterable, Sized
 from dataclasses import dataclass, field
 from typing import SupportsIndex
 
+from p2ptrain.comm.transport import lanes
 from p2ptrain.deadline import within
 
 MAX_PENDING_HANDSHAKES = 64
@@ -69,7 +67,7 @@ def unread_bytes(writer: asyncio.StreamWriter) -> int:
     if sock is None:
         return 0
     try:
-        return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, bytes(4)))[0])
+        return lanes.unread(sock.fileno())
     except OSError:
         return 0
 

@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Collection, Sequence
 
-from p2ptrain.comm.net.attempt import LaneKey, Registration
+from p2ptrain.comm.net.attempt import Connection, LaneKey, Registration
 from p2ptrain.comm.net.budget import (
     MAX_PROVING,
     MAX_PROVING_PER_SOURCE,
@@ -436,15 +436,21 @@ class DataPlaneServer:
         finally:
             tickets.proven()  # or refused, or gone
 
+        if not self._hand_over(session, (reader, writer, session)):
+            writer.close()  # the attempt ended while "ok" was on its way
+
+    def _hand_over(self, session: Session, connection: Connection) -> bool:
+        """Give an accepted lane (handshaken or re-bound) to the attempt that waits for it; False
+        when that attempt has ended meanwhile (the caller closes the lane)."""
         registration = self._expected.get(session.step)
         future = None
         if registration is not None and registration.attempt == session.attempt:
             future = registration.incoming.get((session.peer_key, session.lane))
         if future is None or future.done():
-            writer.close()  # the attempt ended while "ok" was on its way
-            return
+            return False
         self.lanes_accepted += 1
-        future.set_result((reader, writer, session))
+        future.set_result(connection)
+        return True
 
     async def _rebind(self, lane: resume.WarmLane, header: dict) -> None:
         """A rebind on a lane a peer dialed and both ends kept (warm.py): answered as that peer's
@@ -491,16 +497,10 @@ class DataPlaneServer:
         except asyncio.CancelledError:
             lane.close()
             raise
-        registration = self._expected.get(asked.step)
-        future = None
-        if registration is not None and registration.attempt == asked.attempt:
-            future = registration.incoming.get((peer, lane.session.lane))
-        if future is None or future.done():
+        if not self._hand_over(rebound.session, rebound):
             rebound.close()  # the attempt ended while "ok" was on its way
             return
-        self.lanes_accepted += 1
         self.warm.rebound += 1
-        future.set_result(rebound)
 
     async def _tell(self, lane: resume.WarmLane, header: dict) -> None:
         """One frame on a kept lane, from a thread of its own (a peer that does not read holds it)."""

@@ -497,13 +497,11 @@ class _AllReduce:
         quant.dequantize_chunks(chunks, buffer)
 
 
-def _keep_lanes(
-    plan: _AllReduce, transfer: Transfer, *, members: Sequence[Member], me: int
-) -> list[WarmLane]:
+def _keep_lanes(plan: _AllReduce, transfer: Transfer, members: Sequence[Member]) -> list[WarmLane]:
     """The lanes of a step that succeeded to keep for the next (transport/resume.py): all but the
     relayed ones (the next step may have another relay) and the lane to the ring successor if a
     barrier frame on it may have gone out cut (the barrier's sends are best effort)."""
-    relayed = {member.key for member in members if needs_relay(member, members[me])}
+    relayed = {member.key for member in members if needs_relay(member, members[plan.index])}
     whole = plan.to_successor.release()
     successor_lane = plan.to_successor.channel
 
@@ -602,7 +600,7 @@ async def all_reduce(
         plan.stats.barrier_s = time.monotonic() - transferred_at
         server.completed(step)
         if comm.warm_lanes:
-            kept = _keep_lanes(plan, transfer, members=members, me=keys.index(identity.public_key))
+            kept = _keep_lanes(plan, transfer, members)
     except AllReduceError as exc:
         level = logging.INFO if exc.views_differ else logging.WARNING  # normal while records spread
         log.log(level, "all-reduce of step %d failed: %s", step, exc)

@@ -236,7 +236,16 @@ def round_trip_s(sock: socket.socket) -> float | None:
 
 def unacknowledged(sock: socket.socket) -> int:
     """Bytes sent on `sock` that the peer has not acknowledged yet (Linux's SIOCOUTQ)."""
-    return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, bytes(4)))[0])
+    return _queued(sock.fileno(), termios.TIOCOUTQ)
+
+
+def unread(fd: int) -> int:
+    """Bytes that have arrived on the socket `fd` and wait to be read (Linux's FIONREAD)."""
+    return _queued(fd, termios.FIONREAD)
+
+
+def _queued(fd: int, request: int) -> int:
+    return int(struct.unpack("i", fcntl.ioctl(fd, request, bytes(4)))[0])
 
 
 def readable_state(sock: socket.socket) -> Literal["idle", "closed", "data"]:

@@ -134,8 +134,16 @@ def request(
     plain no, or WireError (the lane is gone): in each case the lane is spent. Returns the lane as
     the new step's (its session and seals)."""
     asked = Rebind(step=step, attempt=attempt, digest=digest, nonce=secrets.token_bytes(NONCE_BYTES))
-    header = {"kind": REBIND, "step": step, "attempt": attempt, "digest": digest, "nonce": asked.nonce}
-    lane.send(header | {"lane": lane.session.lane}, answer_timeout)
+    number = lane.session.lane
+    header = {
+        "kind": REBIND,
+        "step": step,
+        "attempt": attempt,
+        "digest": digest,
+        "nonce": asked.nonce,
+        "lane": number,
+    }
+    lane.send(header, answer_timeout)
     held_until = None  # once held: one deadline, which more "held" frames do not move
     while True:
         timeout = answer_timeout if held_until is None else held_until - time.monotonic()
