@@ -263,7 +263,14 @@ def test_status_page_in_a_real_browser(swarm: LocalSwarm, tmp_path: Path) -> Non
         stale = browser.execute_script(text, "stale")
         assert "No live node now" in stale and "last known state, as seen at" in stale, stale
         assert len(browser.find_elements(By.CSS_SELECTOR, "#nodes.stale tbody tr.node-row")) == 2
-        assert len(browser.find_elements(By.CSS_SELECTOR, "#ring circle.ring-node")) == 2
+        # the ring of the last step seen: both, or one alone if the second to get its SIGTERM
+        # finished a step without the first (seen in CI on a loaded machine) -- whichever it was,
+        # the page draws the ring the API holds
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status") as reply:
+            last_ring = json.loads(reply.read())["last_known"]["last_ring"]
+        assert 1 <= len(last_ring["members"]) <= 2, last_ring
+        circles = browser.find_elements(By.CSS_SELECTOR, "#ring circle.ring-node")
+        assert len(circles) == len(last_ring["members"]), last_ring
         assert "last seen" in browser.execute_script(text, "ring-step")
         assert "no completed step yet" not in browser.execute_script(text, "ring")
         assert len(browser.find_elements(By.CSS_SELECTOR, "#loss polyline.loss-curve")) == 2
