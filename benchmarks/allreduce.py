@@ -2,7 +2,7 @@
 
     python -m benchmarks.allreduce --json [--mib 64] [--rounds 5] [--bandwidth MBIT] [--connections M]
                                    [--chunk-kib K]
-                                   [--bits 4] [--topology butterfly] [--clip X]
+                                   [--bits 4] [--topology butterfly] [--robust centered]
                                    [--delay MS,...] [--loss PCT,...] [--up MBIT,...] [--down MBIT,...]
 
 Every member holds its own N(0,1) fp32 vector. A gloo barrier starts each round; a round's time is
@@ -14,8 +14,9 @@ time of the int8 ring at that bandwidth) / (measured time). --connections M give
 parallel TCP connections per neighbour (comm.connections), --chunk-kib the pipelining unit
 (comm.chunk_bytes, in KiB of fp32); --bits 4 sends 4-bit codes (comm.bits;
 the `int8_ring_*` figures are then those of the 4-bit ring). --topology picks ring or butterfly
-(comm.topology; auto: the ring at 3 members); --clip X > 0 runs robust aggregation (comm.clip: the
-butterfly, signed norm claims, signed results, every member's check), to set beside
+(comm.topology; auto: the ring at 3 members); --robust clip|centered runs robust aggregation
+(comm.robust, with --clip X its comm.clip, default 1: the butterfly, signed norm claims, signed
+results, every member's check; centered clipping at the owners), to set beside
 `--topology butterfly`.
 
 With any of --delay, --jitter, --loss, --up or --down (benchmarks/paths.py) the members run in the
@@ -42,7 +43,7 @@ import numpy as np
 
 from benchmarks.common import parser, payload_bytes, report, unwind_on_sigterm
 from benchmarks.paths import add_path_flags, check_path_flags, lab_figures, lab_for, wants_lab
-from p2ptrain.config import Topology
+from p2ptrain.config import Aggregation, Topology
 from p2ptrain.procs import free_port
 
 WORLD = 3
@@ -65,7 +66,8 @@ def worker(
     chunk_bytes: int = 4 << 20,
     bits: int = 8,
     topology: Topology = "auto",
-    clip: float = 0.0,
+    robust: Aggregation = "off",
+    clip: float = 1.0,
 ) -> None:
     """One member: `rounds` ring all-reduces, then `rounds` gloo all-reduces, timings to `out`."""
     import torch
@@ -89,6 +91,7 @@ def worker(
             chunk_bytes=chunk_bytes,
             bits=bits,
             topology=topology,
+            robust=robust,
             clip=clip,
         )
         server = DataPlaneServer(identity=identity, comm=comm, setup_timeout=60)
@@ -161,7 +164,8 @@ def run(
     chunk_bytes: int = 4 << 20,
     bits: int = 8,
     topology: Topology = "auto",
-    clip: float = 0.0,
+    robust: Aggregation = "off",
+    clip: float = 1.0,
     paths: argparse.Namespace | None = None,
 ) -> dict[str, Any]:
     """`paths`: the lab's flags, to run over the internet lab instead of tc-limited links."""
@@ -196,6 +200,8 @@ def run(
                 str(bits),
                 "--topology",
                 topology,
+                "--robust",
+                robust,
                 "--clip",
                 str(clip),
             ]
@@ -245,6 +251,7 @@ def run(
         "chunk_kib": chunk_bytes >> 10,
         "bits": bits,
         "topology": topology,
+        "robust": robust,
         "clip": clip,
         "rounds": rounds,
         "int8_ring_s": round(ring_s, 4),
@@ -290,7 +297,10 @@ def main() -> None:
     arguments.add_argument(
         "--topology", choices=["auto", "ring", "butterfly"], default="auto", help="comm.topology"
     )
-    arguments.add_argument("--clip", type=float, default=0.0, help="comm.clip: robust aggregation when > 0")
+    arguments.add_argument(
+        "--robust", choices=["off", "clip", "centered"], default="off", help="comm.robust (default off)"
+    )
+    arguments.add_argument("--clip", type=float, default=1.0, help="comm.clip under --robust (default 1)")
     add_path_flags(arguments)
     arguments.add_argument("--worker", type=int, help=argparse_hidden())
     arguments.add_argument("--host", help=argparse_hidden())
@@ -303,8 +313,8 @@ def main() -> None:
         arguments.error("--chunk-kib must be at least 4")
     if not 1 <= args.connections <= 16:
         arguments.error("--connections must be within 1..16")
-    if not 0 <= args.clip <= 1000:
-        arguments.error("--clip must be within 0..1000")
+    if not 0 < args.clip <= 1000:
+        arguments.error("--clip must be above 0 and at most 1000")
     if args.worker is not None:
         worker(
             args.worker,
@@ -317,6 +327,7 @@ def main() -> None:
             chunk_bytes=args.chunk_kib << 10,
             bits=args.bits,
             topology=args.topology,
+            robust=args.robust,
             clip=args.clip,
         )
         return
@@ -334,6 +345,7 @@ def main() -> None:
             chunk_bytes=args.chunk_kib << 10,
             bits=args.bits,
             topology=args.topology,
+            robust=args.robust,
             clip=args.clip,
             paths=args if wants_lab(args) else None,
         )

@@ -1,7 +1,8 @@
 """Does DiLoCo with int8 sync train as well as fp32 sync, and better than one node alone?
 
     python -m benchmarks.quality --json [--steps 300] [--seeds 1] [--tail 10] [--out DIR]
-                                    [--set comm.clip=1.5] [--only robust|bits|overlap]
+                                    [--set comm.robust=clip] [--only robust|bits|overlap]
+                                    [--robust-nodes 3] [--attackers 1] [--cases mean,robust,...]
                                     [--config debug] [--device cpu|cuda] [--held-out-files K]
 
 On the `debug` config over the embedded corpus, three runs of the same number of inner steps per
@@ -29,11 +30,16 @@ start correction at its default (`--set outer.overlap.start_correction=0`: witho
 does where the sync takes K steps (benchmarks.swarm's taken_after_steps). Here, in one process, an
 answer has no sync time to arrive after, so these runs take it at τ, take_on_arrival off.
 
-Robust aggregation, 3 nodes through the int8 all-reduce: (c) the plain weighted mean, (d) with
-`comm.clip` (1 unless set; butterfly, shares clipped at the owners), (e) the same with node 2
-sending 100 × its pseudo-gradient from the first outer step, (f) that poisoner against the plain mean. Reports
-clipped_vs_mean_loss_ratio = d / c (target within 0.5 % of 1) and poisoned_vs_honest_loss_ratio =
-e / d (target ≤ 1.03), with loss_poisoned_unclipped for scale.
+Robust aggregation, `--robust-nodes` (3) nodes through the int8 all-reduce, `--cases` of them: the
+plain weighted mean ("mean"), the run's rule ("robust": comm.robust, centered clipping in an open
+run, `--set comm.robust=clip` for norm clipping alone; the butterfly, shares aggregated at the
+owners), and that rule with the last `--attackers` (1) nodes poisoning from the first outer step:
+sending 100 × their pseudo-gradient ("robust x100") or, P2PTRAIN_INJECT_ATTACK's kinds, the
+opposite of their own, the opposite of the last shared result at their own norm, a random
+direction at it, their own of 3 steps before, or zeros with their full token count ("robust
+opposite", … "robust zero"); "mean x100" and "mean opposite" are two of them against the plain
+mean, for scale. Reports robust_vs_mean_loss_ratio (target within 0.5 % of 1) and
+<kind>_vs_honest_loss_ratio, each against the honest robust run (target ≤ 1.03).
 
 Writes quality.csv and, with matplotlib installed, quality.png into --out.
 
@@ -65,6 +71,7 @@ from p2ptrain.comm.net.server import DataPlaneServer
 from p2ptrain.comm.reduce.allreduce import all_reduce
 from p2ptrain.config import CommConfig, Config, load_config
 from p2ptrain.errors import UserError
+from p2ptrain.faults import Poisoner
 from p2ptrain.identity import load_or_create_identity
 from p2ptrain.train.agent_link import AgentLink, SoloLink
 from p2ptrain.train.data import node_batches
@@ -132,19 +139,34 @@ def exact_mean(buffers: list[torch.Tensor], weights: list[int], step: int) -> No
 class Int8Ring:
     """The real int8 all-reduce between in-process members, each with its own server and key."""
 
-    def __init__(self, count: int, root: Path, comm: CommConfig | None = None, poison: float = 1.0):
+    def __init__(
+        self,
+        count: int,
+        root: Path,
+        comm: CommConfig | None = None,
+        poison: float = 1.0,
+        attack: str = "",
+        attackers: int = 1,
+    ):
         self.loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self.loop)
         self.poison = poison
-        """The last member multiplies its pseudo-gradient by this (a poisoner, values finite)."""
+        """The last `attackers` members multiply their pseudo-gradients by this (values finite)."""
+        self.poisoners = [Poisoner.parse(f"1:{attack}", "attack") for _ in range(attackers)] if attack else []
+        """The last members send wrong pseudo-gradients of this kind (faults.Poisoner) from step 1."""
+        self.attackers = attackers
         self.identities = [load_or_create_identity(root / f"id{i}") for i in range(count)]
         comm = comm or CommConfig()
         self.servers = [DataPlaneServer(identity=identity, comm=comm) for identity in self.identities]
         self.ports = [self.loop.run_until_complete(s.start("127.0.0.1", 0))[1] for s in self.servers]
 
     def __call__(self, buffers: list[torch.Tensor], weights: list[int], step: int) -> None:
+        poisoned = buffers[len(buffers) - self.attackers :]
         if self.poison != 1.0:
-            buffers[-1].mul_(self.poison)
+            for buffer in poisoned:
+                buffer.mul_(self.poison)
+        for poisoner, buffer in zip(self.poisoners, poisoned, strict=False):
+            poisoner.corrupt(step, buffer.numpy())
         members = [
             Member(key=identity.public_key, host="127.0.0.1", port=port, weight=float(weight))
             for identity, port, weight in zip(self.identities, self.ports, weights, strict=True)
@@ -154,11 +176,36 @@ class Int8Ring:
             for server, buf in zip(self.servers, buffers, strict=True)
         ]
         self.loop.run_until_complete(asyncio.gather(*runs))
+        for poisoner, buffer in zip(self.poisoners, poisoned, strict=False):
+            poisoner.remember(buffer.numpy())
 
     def close(self) -> None:
         for server in self.servers:
             self.loop.run_until_complete(server.close())
         self.loop.close()
+
+
+@dataclass(frozen=True)
+class RobustCase:
+    """One robust-aggregation run: the rule, and what its poisoners send."""
+
+    robust: bool
+    """The run's rule (comm.robust: centered unless set) where true; the plain mean where false."""
+    poison: float = 1.0
+    """The poisoners' factor on their own pseudo-gradient (P2PTRAIN_INJECT_SCALE's)."""
+    attack: str = ""
+    """What the poisoners send instead (P2PTRAIN_INJECT_ATTACK's kinds, faults.Poisoner)."""
+
+
+ROBUST_CASES = {
+    "mean": RobustCase(False),
+    "robust": RobustCase(True),
+    "robust x100": RobustCase(True, poison=100.0),
+    **{f"robust {kind}": RobustCase(True, attack=kind) for kind in Poisoner.KINDS},
+    "mean x100": RobustCase(False, poison=100.0),
+    "mean opposite": RobustCase(False, attack="opposite"),
+}
+"""Robust aggregation's runs, `--robust-nodes` members of which `--attackers` poison from step 1."""
 
 
 @dataclass(frozen=True)
@@ -170,6 +217,9 @@ class Bench:
     device: torch.device
     held_out_files: int = 0
     """The files the held-out sequences come from in turn (0: as the nodes read)."""
+    robust_nodes: int = 3
+    attackers: int = 1
+    robust_cases: tuple[str, ...] = tuple(ROBUST_CASES)
 
     def trainer(self, name: str, config: Config, index: int, link: AgentLink | None = None) -> Trainer:
         """Node `index` of run `name` (its own folder under `work`)."""
@@ -304,15 +354,6 @@ def rounded(value: float) -> float | None:
     return None if math.isnan(value) else round(value, 4)
 
 
-ROBUST_CASES = {
-    "3 nodes mean": (False, 1.0),
-    "3 nodes clipped": (True, 1.0),
-    "3 nodes clipped, one poisoner x100": (True, 100.0),
-    "3 nodes mean, one poisoner x100": (False, 100.0),
-}
-"""Robust aggregation's runs: (shares clipped at comm.clip, or 1 where unset; the poisoner's factor)."""
-
-
 Runner = Callable[[str, Config, int, Averager, Bench], Curve]
 """`run` or `run_overlapped`."""
 
@@ -339,8 +380,24 @@ def seed_runs(config: Config, only: str | None, bench: Bench) -> dict[str, Curve
     if only is None:
         curves["2 nodes fp32"] = run("2 nodes fp32", config, 2, exact_mean, bench)
         curves["1 node"] = run("1 node", config, 1, lambda buffers, weights, step: None, bench)
-    for name, (clipped, poison) in ROBUST_CASES.items() if only in (None, "robust") else ():
-        through_ring(name, 3, CommConfig(clip=config.comm.clip or 1.0) if clipped else None, poison)
+    for name, case in ROBUST_CASES.items() if only in (None, "robust") else ():
+        if name not in bench.robust_cases:
+            continue
+        comm = config.comm if case.robust else config.comm.model_copy(update={"robust": "off"})
+        members = bench.robust_nodes
+        title = f"{members} nodes {name}"
+        ring = Int8Ring(
+            members,
+            bench.work / f"{title.replace(' ', '-').replace(',', '')}-{config.train.seed}",
+            comm,
+            case.poison,
+            case.attack,
+            bench.attackers if case.poison != 1.0 or case.attack else 0,
+        )
+        try:
+            curves[name] = run(title, config, members, ring, bench)
+        finally:
+            ring.close()
     return curves
 
 
@@ -364,9 +421,21 @@ def main() -> None:
     cli.add_argument(
         "--only",
         choices=["robust", "bits", "overlap"],
-        help="only the 3-node robust runs, the int8 and int4 ones, or int8 without and with overlap",
+        help="only the robust runs, the int8 and int4 ones, or int8 without and with overlap",
+    )
+    cli.add_argument("--robust-nodes", type=int, default=3, help="members of the robust runs (default 3)")
+    cli.add_argument("--attackers", type=int, default=1, help="poisoners among them (default 1)")
+    cli.add_argument(
+        "--cases",
+        default=",".join(ROBUST_CASES),
+        help=f"the robust runs, comma-separated (default all: {', '.join(ROBUST_CASES)})",
     )
     args = cli.parse_args()
+    cases = tuple(case.strip() for case in args.cases.split(","))
+    if unknown := [case for case in cases if case not in ROBUST_CASES]:
+        cli.error(f"--cases: no such run {unknown[0]!r} (known: {', '.join(ROBUST_CASES)})")
+    if not 3 <= args.robust_nodes <= 16 or not 1 <= args.attackers < args.robust_nodes / 2:
+        cli.error("--robust-nodes must be 3 to 16 and --attackers at least 1 and fewer than half of them")
     if args.seeds < 1 or args.tail < 1 or args.steps < 1:
         cli.error("--steps, --seeds and --tail must be at least 1")
     if not 0 <= args.held_out_files <= 256:
@@ -391,9 +460,10 @@ def main() -> None:
         first = config.train.seed
         for seed in range(first, first + args.seeds):
             seeded = config.model_copy(update={"train": config.train.model_copy(update={"seed": seed})})
-            for name, curve in seed_runs(
-                seeded, args.only, Bench(Path(tmp), writer, device, args.held_out_files)
-            ).items():
+            bench = Bench(
+                Path(tmp), writer, device, args.held_out_files, args.robust_nodes, args.attackers, cases
+            )
+            for name, curve in seed_runs(seeded, args.only, bench).items():
                 last[name] = tail_mean(curve, args.tail)
                 sums[name] = sums.get(name, 0.0) + last[name]
     plotted = plot(out / "quality.csv", out / "quality.png")
@@ -409,7 +479,7 @@ def main() -> None:
             "inner_steps": args.steps,
             "seeds": args.seeds,
             "tail": args.tail,
-            "clip": config.comm.clip or 1.0,
+            "clip": config.comm.clip,
             "loss_int8": loss("2 nodes int8"),
             "loss_fp32": loss("2 nodes fp32"),
             "loss_single": loss("1 node"),
@@ -419,12 +489,19 @@ def main() -> None:
             "bits4_vs_int8_loss_ratio": ratio("2 nodes int4", "2 nodes int8"),
             "loss_overlap": loss("2 nodes int8 overlap"),
             "overlap_vs_blocking_loss_ratio": ratio("2 nodes int8 overlap", "2 nodes int8"),
-            "loss_3_mean": loss("3 nodes mean"),
-            "loss_3_clipped": loss("3 nodes clipped"),
-            "loss_poisoned_clipped": loss("3 nodes clipped, one poisoner x100"),
-            "loss_poisoned_unclipped": loss("3 nodes mean, one poisoner x100"),
-            "clipped_vs_mean_loss_ratio": ratio("3 nodes clipped", "3 nodes mean"),
-            "poisoned_vs_honest_loss_ratio": ratio("3 nodes clipped, one poisoner x100", "3 nodes clipped"),
+            "robust": config.comm.robust,
+            "robust_nodes": args.robust_nodes,
+            "attackers": args.attackers,
+            "loss_robust_mean": loss("mean"),
+            "loss_robust": loss("robust"),
+            "robust_vs_mean_loss_ratio": ratio("robust", "mean"),
+            **{
+                f"{name.split(' ')[1]}_vs_honest_loss_ratio": ratio(name, "robust")
+                for name in ROBUST_CASES
+                if name.startswith("robust ")
+            },
+            "unprotected_x100_vs_honest_loss_ratio": ratio("mean x100", "mean"),
+            "unprotected_opposite_vs_honest_loss_ratio": ratio("mean opposite", "mean"),
             "csv": str(out / "quality.csv"),
             "png": str(out / "quality.png") if plotted else None,
             "seconds": round(time.monotonic() - started, 1),

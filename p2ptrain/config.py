@@ -28,6 +28,8 @@ from p2ptrain.config_files import describe, env_overrides, flag_overrides, read_
 from p2ptrain.errors import ConfigError
 
 Topology = Literal["auto", "ring", "butterfly"]
+Robust = Literal["auto", "off", "clip", "centered"]
+Aggregation = Literal["off", "clip", "centered"]
 """comm.topology: the reduce-scatter path (auto: the ring at 3 members or fewer, else butterfly)."""
 
 MAX_CONNECTIONS = 16
@@ -397,12 +399,29 @@ class CommConfig(Section):
     handshake per lane and step."""
     topology: Annotated[Topology, SHARED] = "auto"
     """Reduce-scatter path: ring (neighbours only) or butterfly (straight to each segment's owner)."""
-    clip: Annotated[float, SHARED] = Field(0.0, ge=0, le=1000)
-    """Robust aggregation when > 0: the butterfly's owner of each chunk clips every member's share
-    to `clip` × the median of the members' signed norm claims (weight-normalised; and to the
-    member's own claim) before it sums them, so one member's huge but finite pseudo-gradient counts
-    as at most `clip` typical ones; every member checks each owner's sum against the claims
-    (comm/robust/). 0: the plain weighted mean (ring or butterfly)."""
+    robust: Annotated[Robust, SHARED] = "auto"
+    """How the segments' owners aggregate the members' shares (comm/robust/, the butterfly):
+    "centered" bounds each share's size (`clip`) and then its pull away from the coordinate-wise
+    median, so a member counts as at most about one typical member in size and in direction;
+    "clip": the size only; "off": the plain weighted mean (ring or butterfly). "auto": centered in
+    an open run (no run.authority), off in a closed one, whose members an authority admitted.
+    Every member checks each owner's sum against the members' signed norm claims."""
+    clip: Annotated[float, SHARED] = Field(1.0, gt=0, le=1000)
+    """Under robust aggregation, a member's share counts with a norm of at most `clip` × the median
+    of the members' signed norm claims (weight-normalised), and at most its own claim."""
+
+    @field_validator("clip", mode="before")
+    @classmethod
+    def _clip_zero_was_off(cls, value: object) -> object:
+        if value == 0:
+            raise ValueError('0 no longer turns robust aggregation off: set comm.robust = "off"')
+        return value
+
+    @property
+    def aggregation(self) -> Aggregation:
+        """The rule in force. A run's Config settles "auto" when it is built (open or closed run);
+        a CommConfig on its own (benchmarks, tests), with no run to ask, takes it as "off"."""
+        return "off" if self.robust == "auto" else self.robust
 
 
 class Config(Section):
@@ -416,6 +435,14 @@ class Config(Section):
     data: DataConfig = DataConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     metrics: MetricsConfig = MetricsConfig()
+
+    @model_validator(mode="after")
+    def _robust_by_default_in_open_runs(self) -> Config:
+        """comm.robust "auto": an open run takes strangers' shares, so centered clipping; a closed
+        run's operator admitted every member and keeps the plain mean unless they choose otherwise."""
+        if self.comm.robust == "auto":
+            self.comm.robust = "off" if self.run.authority else "centered"
+        return self
 
     def shared(self) -> dict[str, Any]:
         """What every member of a run must share (the SHARED fields, by section): run id, model,

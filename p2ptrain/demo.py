@@ -27,7 +27,7 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from p2ptrain.ckpt.format import MANIFEST_FILE, latest_checkpoint
-from p2ptrain.config import load_config
+from p2ptrain.config import Config, load_config
 from p2ptrain.errors import UserError
 from p2ptrain.procs import ChildProcesses
 from p2ptrain.train.metrics import read_metrics
@@ -123,8 +123,12 @@ class _Demo:
         """Where a SIGINT or SIGTERM is noted (checked while starting and following the run)."""
         self.settings = [flag for setting in settings for flag in ("--set", setting)]
         """Config overrides for every node (`--set KEY=VALUE`)."""
-        self.inner_steps = _inner_steps(settings)
+        config = _node_config(settings)
+        self.inner_steps = config.train.inner_steps
         """H: the run lasts `steps` outer steps of it (train.max_steps follows it)."""
+        self.robust = config.comm.robust
+        """The aggregation rule the nodes take: an open run's default unless the overrides set one."""
+        self.open_run = not config.run.authority
         self.work_dir = work_dir.resolve()
         self.place = place
         self.logs = self.work_dir / "logs"
@@ -208,7 +212,12 @@ class _Demo:
             self.signals.check()
             self.start_node(name, "--set", f"swarm.wait_nodes={self.nodes}")
         self.say(
-            f"started {self.nodes} nodes: the debug model, {self.steps} outer steps of H={self.inner_steps}"
+            f"started {self.nodes} nodes: the debug model, {self.steps} outer steps of H={self.inner_steps}; "
+            + (
+                "an open run, so robust aggregation is on (comm.robust: centered clipping)"
+                if self.robust == "centered" and self.open_run
+                else f"comm.robust: {self.robust}"
+            )
         )
 
     def start_node(self, name: str, *extra: str) -> None:
@@ -359,10 +368,10 @@ class _Demo:
         }
 
 
-def _inner_steps(settings: Sequence[str]) -> int:
-    """H as the nodes will have it: the demo's, unless the overrides set another (read by the
-    config loader the nodes use, environment included)."""
-    return load_config("debug", overrides=[f"train.inner_steps={INNER_STEPS}", *settings]).train.inner_steps
+def _node_config(settings: Sequence[str]) -> Config:
+    """The config as the nodes will have it: the demo's H unless the overrides set another (read by
+    the config loader the nodes use, environment included)."""
+    return load_config("debug", overrides=[f"train.inner_steps={INNER_STEPS}", *settings])
 
 
 LOSS_IS = "the mean loss of a step's inner phase, on the node that finished the step first (its line's)"

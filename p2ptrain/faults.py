@@ -12,6 +12,11 @@ Read once per process from the environment:
     P2PTRAIN_INJECT_SCALE=N:FACTOR    from outer step N on, the node multiplies its pseudo-gradient by
                                       FACTOR before the all-reduce (negative flips it): a poisoner
                                       whose values stay finite (agent)
+    P2PTRAIN_INJECT_ATTACK=N:KIND     from outer step N on, the node sends a well-shaped but wrong
+                                      pseudo-gradient (Poisoner.KINDS): the opposite of its own, the
+                                      opposite of the last shared result at its own norm, a random
+                                      direction at its own norm, its own from K steps ago
+                                      (stale:K, default 3), or zeros with its full token count (agent)
     P2PTRAIN_INJECT_SLOW_START=S      the node starts its ranks S seconds after its record is up, as
                                       one that probes its reachability behind NAT first, or loads
                                       torch from a slow disk (agent)
@@ -22,10 +27,14 @@ Read once per process from the environment:
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from p2ptrain.errors import UserError
 
@@ -68,6 +77,69 @@ def shift_wall_clock() -> float:
     return offset
 
 
+@dataclass(kw_only=True)
+class Poisoner:
+    """A member that sends a well-shaped but wrong pseudo-gradient from outer step `start` on: finite,
+    of a typical norm, with its full token count — what norm clipping alone lets through."""
+
+    KINDS = ("opposite", "against_result", "random", "stale", "zero")
+    start: int
+    kind: str
+    lag: int = 3
+    """stale: how many outer steps old the sent pseudo-gradient is."""
+    history: deque[np.ndarray] = field(default_factory=deque)
+    last_result: np.ndarray | None = None
+
+    @classmethod
+    def parse(cls, text: str, source: str = "P2PTRAIN_INJECT_ATTACK") -> Poisoner:
+        """ "STEP:KIND" or "STEP:stale:K"; UserError for anything else."""
+        step, _, rest = text.partition(":")
+        kind, _, lag = rest.partition(":")
+        try:
+            poisoner = cls(start=int(step), kind=kind, lag=int(lag) if lag else 3)
+        except ValueError:
+            poisoner = None
+        if poisoner is None or kind not in cls.KINDS or poisoner.lag < 1 or (lag and kind != "stale"):
+            raise UserError(
+                f"{source}={text!r}: expected STEP:KIND (KIND one of {', '.join(cls.KINDS)}; stale:K)"
+            )
+        return poisoner
+
+    def corrupt(self, step: int, vector: np.ndarray) -> bool:
+        """Replace `vector` (this member's pseudo-gradient of `step`) in place; whether it did."""
+        own = vector.copy() if self.kind == "stale" else None
+        if own is not None:
+            self.history.append(own)
+            if len(self.history) > self.lag + 1:
+                self.history.popleft()
+        if step < self.start:
+            return False
+        size = float(np.linalg.norm(vector.astype(np.float64)))
+        if self.kind == "opposite":
+            np.negative(vector, out=vector)
+        elif self.kind == "zero":
+            vector[:] = 0
+        elif self.kind == "stale":
+            if len(self.history) <= self.lag:
+                return False  # nothing that old yet
+            vector[:] = self.history[0]
+        else:
+            if self.kind == "random":
+                direction = np.random.default_rng(step).standard_normal(vector.size)
+            elif self.last_result is not None:
+                direction = -self.last_result.astype(np.float64)
+            else:
+                direction = -vector.astype(np.float64)  # no shared result yet: its own, negated
+            length = float(np.linalg.norm(direction))
+            vector[:] = direction * (size / length if length > 0 and math.isfinite(length) else 0.0)
+        return True
+
+    def remember(self, result: np.ndarray) -> None:
+        """The shared result of a step (against_result turns the next ones against it)."""
+        if self.kind == "against_result":
+            self.last_result = result.copy()
+
+
 @dataclass(frozen=True, kw_only=True)
 class Faults:
     nan_step: int = NEVER
@@ -78,6 +150,8 @@ class Faults:
     scale_step: int = NEVER
     scale_factor: float = 1.0
     slow_start: float = 0.0
+    attack: str = ""
+    """P2PTRAIN_INJECT_ATTACK's text, checked here; `poisoner()` makes the (stateful) attacker."""
 
     @classmethod
     def from_env(cls) -> Faults:
@@ -93,6 +167,9 @@ class Faults:
             scale_pair = (int(scale_step), float(scale_factor)) if scale else (NEVER, 1.0)
         except ValueError:
             raise UserError(f"P2PTRAIN_INJECT_SCALE={scale!r}: expected STEP:FACTOR") from None
+        attack = os.environ.get("P2PTRAIN_INJECT_ATTACK", "")
+        if attack:
+            Poisoner.parse(attack)
         return cls(
             nan_step=_step("P2PTRAIN_INJECT_NAN_STEP"),
             late_step=late_pair[0],
@@ -102,7 +179,12 @@ class Faults:
             scale_step=scale_pair[0],
             scale_factor=scale_pair[1],
             slow_start=_seconds("P2PTRAIN_INJECT_SLOW_START"),
+            attack=attack,
         )
+
+    def poisoner(self) -> Poisoner | None:
+        """The attacker P2PTRAIN_INJECT_ATTACK asks for, if any."""
+        return Poisoner.parse(self.attack) if self.attack else None
 
     def scale(self, step: int) -> float:
         """The factor P2PTRAIN_INJECT_SCALE applies to this node's pseudo-gradient of `step`."""

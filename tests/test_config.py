@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from p2ptrain import config_reference
-from p2ptrain.config import CONFIG_DIR, Config, config_differences, load_config
+from p2ptrain.config import CONFIG_DIR, CommConfig, Config, config_differences, load_config
 from p2ptrain.config_reference import undocumented
 from p2ptrain.errors import ConfigError
 from tests.support.helpers import assert_one_line_error, cli
@@ -165,9 +165,24 @@ def test_the_shared_fields_are_those_marked_and_no_others() -> None:
         *(f"train.{key}" for key in ("warmup_steps", "max_steps", "grad_clip", "seed")),
         *(f"outer.{key}" for key in ("lr", "momentum", "nesterov", "overlap")),
         *(f"comm.{key}" for key in ("quant_block", "bits", "chunk_bytes", "connections", "zstd")),
-        *(f"comm.{key}" for key in ("topology", "clip")),
+        *(f"comm.{key}" for key in ("topology", "robust", "clip")),
     }
     assert set(shared["outer"]["overlap"]) == set(Config().outer.overlap.model_dump())
+
+
+def test_an_open_run_aggregates_robustly_by_default_and_a_closed_one_keeps_its_operators_choice() -> None:
+    """comm.robust "auto" is settled when the run's config is built: centered clipping where anyone
+    may join (the README's first join line sets nothing), the plain mean where an authority admits
+    every member, and whatever is set explicitly in either."""
+    authority = ["run.authority=" + "ab" * 32]
+    assert load_config("debug", environ={}).comm.robust == "centered"
+    assert load_config("debug", overrides=authority, environ={}).comm.robust == "off"
+    closed = load_config("debug", overrides=[*authority, "comm.robust=centered"], environ={})
+    assert closed.comm.robust == "centered"
+    assert load_config("debug", overrides=["comm.robust=off"], environ={}).comm.robust == "off"
+    assert CommConfig().aggregation == "off"  # no run to ask: the plain mean
+    with pytest.raises(ConfigError, match=r'comm\.robust = "off"'):
+        load_config("debug", overrides=["comm.clip=0"], environ={})
 
 
 def test_a_setting_that_differs_is_named_by_its_dotted_key() -> None:

@@ -1,5 +1,6 @@
-"""Robust aggregation's rules: the owner's clipping (robust.clipped_sum) to the limits from the members'
-signed norm claims, the bound every member checks an owner's result against, the claims' format."""
+"""Robust aggregation's rules: the owner's clipping (clipping.clipped_sum) to the limits from the
+members' signed norm claims, centered clipping around their coordinate-wise median
+(clipping.robust_sum), the bound every member checks an owner's result against, the claims' format."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from p2ptrain.comm.robust import claims
-from p2ptrain.comm.robust.clipping import clipped_sum, norm
+from p2ptrain.comm.robust.clipping import clipped_sum, coordinate_median, norm, robust_sum
 from p2ptrain.comm.transport.wire import FrameError
 from p2ptrain.identity import load_or_create_identity
 
@@ -91,6 +92,99 @@ def test_an_honest_sum_is_within_the_bound_and_an_inflated_one_is_not() -> None:
         assert norm(total) <= bound
         unclipped = sum(v * np.float32(0.25) for v in values)
         assert norm(unclipped) > 10 * bound
+
+
+def correlated(count: int, length: int = 20_000, shared: float = 0.5, seed: int = 2) -> list[np.ndarray]:
+    """Pseudo-gradients of members that learned the same thing in part: a common direction plus
+    each one's own noise (cosine `shared` between two of them)."""
+    rng = np.random.default_rng(seed)
+    common = rng.standard_normal(length)
+    return [
+        (np.sqrt(shared) * common + np.sqrt(1 - shared) * rng.standard_normal(length)).astype(np.float32)
+        for _ in range(count)
+    ]
+
+
+def owners_sum(
+    values: list[np.ndarray], *, centered: bool, clip: float = 1.0
+) -> tuple[np.ndarray, list[int]]:
+    """What an owner makes of equal-weight members' values, each claiming its true norm."""
+    fractions = [1 / len(values)] * len(values)
+    limits = claims.limits(np.array([norm(v) for v in values]), fractions, clip=clip, bits=8)
+    arrived = {m: v * np.float32(fractions[m]) for m, v in enumerate(values)}
+    summed = robust_sum(arrived, fractions, limits, centered=centered)
+    return summed.total, summed.pulled
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 5, 8, 9, 12])
+def test_the_coordinate_median_is_numpys(count: int) -> None:
+    rows = np.random.default_rng(count).standard_normal((count, 1001)).astype(np.float32)
+    assert np.array_equal(coordinate_median(rows), np.median(rows, axis=0).astype(np.float32))
+
+
+@pytest.mark.parametrize("count", [3, 4, 7])
+def test_honest_shares_keep_their_mean_under_centered_clipping(count: int) -> None:
+    for shared in (0.0, 0.5):
+        values = correlated(count, shared=shared)
+        mean = np.mean(values, axis=0)
+        total, pulled = owners_sum(values, centered=True, clip=2.0)
+        assert norm(total - mean) <= 0.01 * norm(mean), shared
+        assert pulled == []
+
+
+@pytest.mark.parametrize(("count", "poisoners"), [(3, 1), (4, 1), (7, 2)])
+def test_a_share_turned_against_the_others_is_held_near_their_centre(count: int, poisoners: int) -> None:
+    """The negation of a member's own pseudo-gradient, at its honest norm: norm clipping cannot
+    tell it from an honest share; centered clipping keeps most of the honest members' direction."""
+    values = correlated(count, shared=0.7)
+    honest = np.mean(values[: count - poisoners], axis=0)
+    for member in range(count - poisoners, count):
+        values[member] = -values[member]
+    clipped, _ = owners_sum(values, centered=False)
+    centered, pulled = owners_sum(values, centered=True)
+
+    def along(total: np.ndarray) -> float:
+        return float(np.dot(total, honest) / np.dot(honest, honest))
+
+    assert along(clipped) < 0.6  # the mean's pull: (count − 2 × poisoners) / count
+    assert along(centered) > along(clipped) + 0.15
+    assert norm(centered - honest) < 0.75 * norm(clipped - honest)
+    assert set(pulled) == set(range(count - poisoners, count))  # and the node says whom
+
+
+def test_centered_results_stay_within_the_bound_every_member_checks() -> None:
+    rng = np.random.default_rng(5)
+    for trial in range(40):
+        count = int(rng.integers(3, 9))
+        values = [
+            rng.standard_normal(512).astype(np.float32) * np.float32(rng.uniform(0.1, 10))
+            for _ in range(count)
+        ]
+        if trial % 2:  # aligned poisoners: the worst case for the centre's norm
+            values[1:3] = [values[0] * np.float32(50), values[0] * np.float32(50)]
+        fractions = list(rng.dirichlet(np.ones(count)))
+        claimed = np.array([norm(v) for v in values])
+        limits = claims.limits(claimed, fractions, clip=1.0, bits=8)
+        arrived = {m: v * np.float32(fractions[m]) for m, v in enumerate(values)}
+        total = robust_sum(arrived, fractions, limits, centered=True).total
+        assert np.isfinite(total).all()
+        assert (
+            norm(total)
+            <= claims.result_bound(claimed, fractions, clip=1.0, bits=8) / claims.SLACK[8] * 1.0001
+        )
+
+
+def test_centered_clipping_needs_three_weighted_members_and_ignores_weight_zero() -> None:
+    arrived = shares(3)
+    arrived[2] = arrived[2] * np.float32(1e6)  # a "joiner" that sends values anyway
+    fractions = [0.5, 0.5, 0.0]
+    limits = honest_limits(arrived, fractions, 2.0)
+    summed = robust_sum(arrived, fractions, limits, centered=True)
+    assert np.array_equal(summed.total, clipped_sum(arrived, fractions, limits)[0])
+    arrived = shares(4)
+    arrived[3] = np.full(1000, 3e38, np.float32)  # finite, its norm overflows: counts as zeros
+    summed = robust_sum(arrived, [0.25] * 4, honest_limits(arrived, [0.25] * 4, 2.0), centered=True)
+    assert np.isfinite(summed.total).all()
 
 
 def test_claims_round_trip_and_anything_else_is_refused(tmp_path: Path) -> None:

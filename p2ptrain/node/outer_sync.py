@@ -99,6 +99,7 @@ class OuterSync:
         self.standby = StandbyRelays(dht, config.run.id, authority=config.run.authority_key)
         """The run's standby relays (bootstrap --relay), for steps whose members are all behind NAT."""
         self.faults = Faults.from_env()
+        self.poisoner = self.faults.poisoner()
         self.extras = RecordExtras()
         self.crashes = CrashWatch(on_crash=self.roster.crashed)
         self.offences = Offences()
@@ -237,6 +238,8 @@ class OuterSync:
         if (factor := self.faults.scale(step)) != 1.0:
             log.warning("fault injection: sending %g × this node's pseudo-gradient of step %d", factor, step)
             np.multiply(vector, np.float32(factor), out=vector)
+        if self.poisoner is not None and self.poisoner.corrupt(step, vector):
+            log.warning("fault injection: sending a %s pseudo-gradient in step %d", self.poisoner.kind, step)
         await self._probe_offenders(step)
         ignored = self.offences.named_at(step)
         named, tried = set(ignored), set[bytes]()
@@ -256,6 +259,8 @@ class OuterSync:
         finally:
             self.reads.stop()  # the step is over: a read under way is of no use now
         members = result.election.keys
+        if self.poisoner is not None:
+            self.poisoner.remember(vector)  # the all-reduce left the shared result in it
         self.roster.took_part(members)
         self.offences.step_done(step, members, named=named - ignored, failed=tried.difference(members))
         self._last_members = (step, frozenset(members))
@@ -360,6 +365,14 @@ class OuterSync:
                 log.warning(
                     "step %d: clipped %s's share in %d chunk(s) (comm.clip: its pseudo-gradient is "
                     "far larger than the members' median)",
+                    step,
+                    short_id(key),
+                    chunks,
+                )
+            for key, chunks in stats.pulled.items():
+                log.warning(
+                    "step %d: held %s's share in toward the members' median in %d chunk(s) (comm.robust "
+                    "centered: its pseudo-gradient points far from the others')",
                     step,
                     short_id(key),
                     chunks,

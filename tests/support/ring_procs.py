@@ -245,11 +245,15 @@ def lie(fault: str, factor: int) -> None:
     if fault == "lying_owner":
 
         def unclipped(
-            arrived: dict[int, np.ndarray], fractions: Sequence[float], limits: Sequence[float] | np.ndarray
-        ) -> tuple[np.ndarray, list[int]]:
-            return np.asarray(np.sum(list(arrived.values()), axis=0, dtype=np.float32)), []
+            arrived: dict[int, np.ndarray],
+            fractions: Sequence[float],
+            limits: Sequence[float] | np.ndarray,
+            *,
+            centered: bool,
+        ) -> clipping.RobustSum:
+            return clipping.RobustSum(np.asarray(np.sum(list(arrived.values()), axis=0, dtype=np.float32)))
 
-        clipping.clipped_sum = unclipped
+        clipping.robust_sum = unclipped
     elif fault == "low_claims":
         honest = claims.chunk_norms
         claims.chunk_norms = lambda values, bounds: honest(values, bounds) / factor

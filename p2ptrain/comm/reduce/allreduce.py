@@ -16,8 +16,9 @@ chunks (`chunk_bytes`). Two reduce-scatter topologies share one all-gather:
   unchanged, and every member, the owner included, decodes the same bytes: bit-identical results.
 
 `comm.topology = "auto"` takes the ring up to 3 members (where it meets the 1 % error budget), the
-butterfly above and whenever `comm.clip` > 0: its owners clip the shares they sum to limits every
-member can check (robust/aggregator.py). Each member scales its values by its share of the weights.
+butterfly above and under robust aggregation (`comm.robust`, on by default in open runs): its owners
+clip the shares they sum, in size to limits every member can check and in direction around their
+coordinate-wise median (robust/aggregator.py). Each member scales its values by its share of the weights.
 
 Who sends which frames to whom is schedule.py. Connections are set up and authenticated on the event
 loop (or kept from the step before and re-bound to this one: transport/resume.py); the transfer
@@ -118,6 +119,9 @@ class ReduceStats:
     """Seconds, the kernel's smoothed round trip to each peer we sent to (the slowest of its lanes)."""
     clipped: dict[bytes, int] = field(default_factory=dict)
     """Robust aggregation: member → chunks of ours (we own them) in which its share was clipped."""
+    pulled: dict[bytes, int] = field(default_factory=dict)
+    """Centered clipping: member → chunks of ours in which its share pointed so far from the others'
+    that it counted at under half its offset from their centre (clipping.PULLED_FAR)."""
 
 
 class _AllReduce:
@@ -160,7 +164,7 @@ class _AllReduce:
         """OpenMP threads per kernel call: the transfer threads already run kernels side by side,
         and more threads than cores make OpenMP spin (measured: twice the CPU time on 2 cores)."""
         self.aggregator: RobustAggregator | None = None
-        """Robust aggregation (`comm.clip` > 0): clips and signs our segment, checks the others'."""
+        """Robust aggregation (`comm.robust`): aggregates and signs our segment, checks the others'."""
         if self.schedule.robust:
             most = max(len(chunks) for chunks in self.schedule.chunks)
             self.max_payload = max(self.max_payload, self.n * claims.claim_bytes(most))
@@ -639,6 +643,7 @@ async def all_reduce(
     plan.stats.result = plan.finals
     if plan.aggregator is not None:
         plan.stats.clipped = dict(plan.aggregator.clipped)
+        plan.stats.pulled = dict(plan.aggregator.pulled)
     plan.stats.link_rates = link_rates({plan.keys[peer]: held for peer, held in plan.held_up.items()})
     plan.stats.seconds = time.monotonic() - started
     return plan.stats

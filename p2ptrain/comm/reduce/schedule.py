@@ -44,7 +44,7 @@ CLAIMS, BUNDLE = "cl", "bd"
 def choose_topology(comm: CommConfig, members: int, behind_nat: int = 0) -> str:
     """`behind_nat`: members nobody can dial. Two of them connect through a relay (relay.py), and
     the butterfly connects every pair: "auto" then takes the ring, whose order keeps them apart."""
-    if comm.clip > 0:
+    if comm.aggregation != "off":
         return "butterfly"  # the ring re-encodes partial sums: no member's share is seen alone
     if comm.topology != "auto":
         return comm.topology
@@ -65,9 +65,9 @@ class Schedule:
     """Per segment, the (start, stop) of its chunks."""
     lanes: int
     robust: bool = False
-    """comm.clip > 0: each reduce-scatter stream starts with the sender's signed norm claims ("cl")
-    and each segment of the all-gather with its owner's bundle of claims ("bd"), claims.py; in those
-    frames `chunk` is the segment and (start, stop) is empty."""
+    """Robust aggregation (comm.robust): each reduce-scatter stream starts with the sender's signed
+    norm claims ("cl") and each segment of the all-gather with its owner's bundle of claims ("bd"),
+    claims.py; in those frames `chunk` is the segment and (start, stop) is empty."""
 
     @classmethod
     def of(cls, *, index: int, n: int, length: int, comm: CommConfig, behind_nat: int = 0) -> Schedule:
@@ -83,7 +83,7 @@ class Schedule:
             topology=topology,
             chunks=chunks,
             lanes=comm.connections,
-            robust=comm.clip > 0,
+            robust=comm.aggregation != "off",
         )
 
     @property

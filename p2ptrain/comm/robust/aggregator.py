@@ -1,7 +1,7 @@
 """Robust aggregation inside one all-reduce: the owner's side (clip to the claimed limits, sign the
 result) and every member's (check signatures as frames arrive, the bound once all are in).
 
-The all-reduce (reduce/allreduce.py) holds one `RobustAggregator` when `comm.clip` > 0 and hands it
+The all-reduce (reduce/allreduce.py) holds one `RobustAggregator` under `comm.robust` and hands it
 the frames that concern it; the aggregator hands back what it produces through a `ResultSink`.
 claims.Ledger holds the signed state; clipping.py the arithmetic.
 """
@@ -35,7 +35,7 @@ class ResultSink(Protocol):
 
 
 class RobustAggregator:
-    """One member's robust aggregation in one all-reduce (the butterfly with `comm.clip` > 0).
+    """One member's robust aggregation in one all-reduce (the butterfly under `comm.robust`).
 
     Its methods are called from the transfer's threads. A frame that proves a peer broke the
     protocol raises AllReduceError naming that peer."""
@@ -52,9 +52,10 @@ class RobustAggregator:
         self.own = ledger.own
         self.block = comm.quant_block
         self.bits = comm.bits
+        self.centered = comm.aggregation == "centered"
         self.threads = threads
         self.sink = sink
-        self.lock = threading.Lock()  # guards limits, waiting and clipped
+        self.lock = threading.Lock()  # guards limits, waiting, clipped and pulled
         self.chunk_locks = [threading.Lock() for _ in ledger.chunks[ledger.own_segment]]
         self.contributions: dict[int, dict[int, np.ndarray]] = {}
         """Chunk of our segment → the members' decoded shares of it so far."""
@@ -64,6 +65,8 @@ class RobustAggregator:
         """Chunks of ours whose shares are all in, waiting for the last claims."""
         self.clipped: dict[bytes, int] = {}
         """Member → chunks of ours (we own them) in which its share was clipped."""
+        self.pulled: dict[bytes, int] = {}
+        """Member → chunks of ours in which centered clipping held its share far in."""
 
     def _blame(self, peer: int, message: str) -> AllReduceError:
         """The attempt fails and names `peer`: what it sent proves it broke the protocol."""
@@ -117,12 +120,13 @@ class RobustAggregator:
         with self.chunk_locks[chunk]:
             arrived = self.contributions.pop(chunk)
         arrived[self.index] = np.multiply(self.own[start:stop], np.float32(self.fractions[self.index]))
-        total, clipped = clipping.clipped_sum(arrived, self.fractions, self.limits[chunk])
+        summed = clipping.robust_sum(arrived, self.fractions, self.limits[chunk], centered=self.centered)
         with self.lock:
-            for key in (self.keys[member] for member in clipped):
-                self.clipped[key] = self.clipped.get(key, 0) + 1
+            for counts, members in ((self.clipped, summed.clipped), (self.pulled, summed.pulled)):
+                for key in (self.keys[member] for member in members):
+                    counts[key] = counts.get(key, 0) + 1
         final = quant.encode_payload(
-            total,
+            summed.total,
             self.block,
             scale=1.0,
             threads=self.threads,

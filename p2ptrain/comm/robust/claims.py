@@ -1,6 +1,6 @@
 """Robust aggregation that every member can check: signed norm claims and signed chunk results.
 
-With `comm.clip` > 0 (the butterfly, robust.py) the owner of a segment clips the members' shares of
+Under `comm.robust` (the butterfly, clipping.py) the owner of a segment clips the members' shares of
 it before summing. An owner that does not clip, or writes anything it likes into its segment,
 would otherwise change every member's params silently. So:
 
@@ -14,8 +14,9 @@ would otherwise change every member's params silently. So:
    bundle and the chunks travel around the ring unchanged; every member checks the signatures as
    the frames arrive (a forwarder that changed one is named: honest members check before they
    forward) and, once all frames are in, that each chunk's norm is within the clip rule's bound
-   Σ fᵢ · limitᵢ × slack. A result outside it fails the attempt on every honest member alike (the
-   same bytes, the same claims), naming the owner: its signature shows the result is its own.
+   Σ fᵢ · limitᵢ × slack (centered clipping's result is scaled into it, clipping.py). A result
+   outside it fails the attempt on every honest member alike (the same bytes, the same claims),
+   naming the owner: its signature shows the result is its own.
 
 One member cannot equivocate usefully: a claim about a chunk matters only to that chunk's owner and
 to the check of that owner's result, which uses the very claims the owner used (signed by their
