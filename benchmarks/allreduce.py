@@ -2,7 +2,7 @@
 
     python -m benchmarks.allreduce --json [--mib 64] [--rounds 5] [--bandwidth MBIT] [--connections M]
                                    [--chunk-kib K]
-                                   [--bits 4] [--topology butterfly] [--robust centered]
+                                   [--bits 4] [--topology butterfly] [--robust reweighted]
                                    [--delay MS,...] [--loss PCT,...] [--up MBIT,...] [--down MBIT,...]
 
 Every member holds its own N(0,1) fp32 vector. A gloo barrier starts each round; a round's time is
@@ -14,9 +14,9 @@ time of the int8 ring at that bandwidth) / (measured time). --connections M give
 parallel TCP connections per neighbour (comm.connections), --chunk-kib the pipelining unit
 (comm.chunk_bytes, in KiB of fp32); --bits 4 sends 4-bit codes (comm.bits;
 the `int8_ring_*` figures are then those of the 4-bit ring). --topology picks ring or butterfly
-(comm.topology; auto: the ring at 3 members); --robust clip|centered runs robust aggregation
+(comm.topology; auto: the ring at 3 members); --robust clip|reweighted runs robust aggregation
 (comm.robust, with --clip X its comm.clip, default 1: the butterfly, signed norm claims, signed
-results, every member's check; centered clipping at the owners), to set beside
+results, every member's check; the reweighted mean at the owners), to set beside
 `--topology butterfly`.
 
 With any of --delay, --jitter, --loss, --up or --down (benchmarks/paths.py) the members run in the
@@ -298,7 +298,7 @@ def main() -> None:
         "--topology", choices=["auto", "ring", "butterfly"], default="auto", help="comm.topology"
     )
     arguments.add_argument(
-        "--robust", choices=["off", "clip", "centered"], default="off", help="comm.robust (default off)"
+        "--robust", choices=["off", "clip", "reweighted"], default="off", help="comm.robust (default off)"
     )
     arguments.add_argument("--clip", type=float, default=1.0, help="comm.clip under --robust (default 1)")
     add_path_flags(arguments)

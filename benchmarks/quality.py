@@ -31,7 +31,7 @@ does where the sync takes K steps (benchmarks.swarm's taken_after_steps). Here, 
 answer has no sync time to arrive after, so these runs take it at τ, take_on_arrival off.
 
 Robust aggregation, `--robust-nodes` (3) nodes through the int8 all-reduce, `--cases` of them: the
-plain weighted mean ("mean"), the run's rule ("robust": comm.robust, centered clipping in an open
+plain weighted mean ("mean"), the run's rule ("robust": comm.robust, the reweighted mean in an open
 run, `--set comm.robust=clip` for norm clipping alone; the butterfly, shares aggregated at the
 owners), and that rule with the last `--attackers` (1) nodes poisoning from the first outer step:
 sending 100 × their pseudo-gradient ("robust x100") or, P2PTRAIN_INJECT_ATTACK's kinds, the
@@ -190,7 +190,7 @@ class RobustCase:
     """One robust-aggregation run: the rule, and what its poisoners send."""
 
     robust: bool
-    """The run's rule (comm.robust: centered unless set) where true; the plain mean where false."""
+    """The run's rule (comm.robust: reweighted unless set) where true; the plain mean where false."""
     poison: float = 1.0
     """The poisoners' factor on their own pseudo-gradient (P2PTRAIN_INJECT_SCALE's)."""
     attack: str = ""

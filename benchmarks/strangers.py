@@ -10,7 +10,10 @@ up to 0.3 s) for --steps outer steps, once per case:
   address nobody listens on (127.0.0.1:9) — tests/support/stranger.py;
 - `stranger_silent`: the same with an address that accepts connections and never answers;
 - `stranger_differs`: the same with an address that answers every hello "our views differ";
-- `node_dead_address`: a fourth, real drill node that announces 127.0.0.1:9 (`node.data_announce`).
+- `node_dead_address`: a fourth, real drill node that announces 127.0.0.1:9 (`node.data_announce`);
+- `flood_own_address`: 500 idle TCP connections to node0's data port, reopened as fast as it closes
+  them, from 127.0.0.1 — the very address its peers dial from, as a flooder behind the same home
+  router or carrier-grade NAT would be (tests/support/flooder.py, on from before the first step).
 
 Per case: the step rate (steps per second of node0, first to last step), steps given up, steps
 that needed more than one attempt, the longest sync; and `<case>_vs_honest`, the step rate over
@@ -21,8 +24,10 @@ honest nodes (e.g. `--set comm.failure_timeout=3`).
 from __future__ import annotations
 
 import json
+import re
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +42,15 @@ from benchmarks.common import (
 from p2ptrain.procs import ChildProcesses
 
 NODES = 3
-CASES = ("honest", "stranger_refused", "stranger_silent", "stranger_differs", "node_dead_address")
+CASES = (
+    "honest",
+    "stranger_refused",
+    "stranger_silent",
+    "stranger_differs",
+    "node_dead_address",
+    "flood_own_address",
+)
+FLOOD_CONNECTIONS = 500
 
 
 def join(root: Path, name: str, *, peer: str, steps: int, extra: list[str]) -> list[str]:
@@ -81,6 +94,8 @@ def run_case(case: str, steps: int, *, settings: list[str], keep: Path | None) -
                     join(root, name, peer=peer, steps=steps, extra=settings),
                     log_path=root / f"{name}.log",
                 )
+                if index == 0 and case == "flood_own_address":
+                    flood(children, root, port=data_port(root / "node0.log", children))
             for index in range(NODES):
                 code = children.wait(f"node{index}", timeout=60 + 20 * steps)
                 if code != 0:
@@ -99,6 +114,28 @@ def run_case(case: str, steps: int, *, settings: list[str], keep: Path | None) -
         "retried_steps": sum(1 for line in done if line.get("attempts", 1) > 1),
         "max_sync_s": max((line["sync_s"] for line in done), default=float("nan")),
     }
+
+
+def data_port(log: Path, children: ChildProcesses, timeout: float = 120) -> int:
+    """The data port node0 says it listens on ("data plane on port N")."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        found = re.search(r"data plane on port (\d+)", text)
+        if found:
+            return int(found.group(1))
+        if children.wait("node0", 0) is not None:
+            raise SystemExit(f"benchmarks.strangers: error: node0 exited before its data plane was up\n{log}")
+        time.sleep(0.2)
+    raise SystemExit(f"benchmarks.strangers: error: node0 said no data port within {timeout:.0f} s")
+
+
+def flood(children: ChildProcesses, root: Path, *, port: int) -> None:
+    """The idle flood from the honest nodes' own address, on before node1 and node2 start."""
+    command = [sys.executable, "-m", "tests.support.flooder", "--mode", "idle", "--source", "127.0.0.1"]
+    command += ["--count", str(FLOOD_CONNECTIONS), "--target", f"127.0.0.1:{port}"]
+    children.spawn("flooder", command, log_path=root / "flooder.log")
+    wait_for_file(root / "flooder.log", 60, "strangers")
 
 
 def main() -> None:

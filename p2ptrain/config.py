@@ -28,8 +28,8 @@ from p2ptrain.config_files import describe, env_overrides, flag_overrides, read_
 from p2ptrain.errors import ConfigError
 
 Topology = Literal["auto", "ring", "butterfly"]
-Robust = Literal["auto", "off", "clip", "centered"]
-Aggregation = Literal["off", "clip", "centered"]
+Robust = Literal["auto", "off", "clip", "reweighted"]
+Aggregation = Literal["off", "clip", "reweighted"]
 """comm.topology: the reduce-scatter path (auto: the ring at 3 members or fewer, else butterfly)."""
 
 MAX_CONNECTIONS = 16
@@ -401,9 +401,10 @@ class CommConfig(Section):
     """Reduce-scatter path: ring (neighbours only) or butterfly (straight to each segment's owner)."""
     robust: Annotated[Robust, SHARED] = "auto"
     """How the segments' owners aggregate the members' shares (comm/robust/, the butterfly):
-    "centered" bounds each share's size (`clip`) and then its pull away from the coordinate-wise
-    median, so a member counts as at most about one typical member in size and in direction;
-    "clip": the size only; "off": the plain weighted mean (ring or butterfly). "auto": centered in
+    "reweighted" bounds each share's size (`clip`) and then takes a weighted mean that leaves out
+    shares pointing away from the others' (around their coordinate-wise median), so a member
+    counts as at most about one typical member in size and in direction; "clip": the size only;
+    "off": the plain weighted mean (ring or butterfly). "auto": reweighted in
     an open run (no run.authority), off in a closed one, whose members an authority admitted.
     Every member checks each owner's sum against the members' signed norm claims."""
     clip: Annotated[float, SHARED] = Field(1.0, gt=0, le=1000)
@@ -438,10 +439,10 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _robust_by_default_in_open_runs(self) -> Config:
-        """comm.robust "auto": an open run takes strangers' shares, so centered clipping; a closed
+        """comm.robust "auto": an open run takes strangers' shares, so the reweighted mean; a closed
         run's operator admitted every member and keeps the plain mean unless they choose otherwise."""
         if self.comm.robust == "auto":
-            self.comm.robust = "off" if self.run.authority else "centered"
+            self.comm.robust = "off" if self.run.authority else "reweighted"
         return self
 
     def shared(self) -> dict[str, Any]:

@@ -214,8 +214,8 @@ class _Demo:
         self.say(
             f"started {self.nodes} nodes: the debug model, {self.steps} outer steps of H={self.inner_steps}; "
             + (
-                "an open run, so robust aggregation is on (comm.robust: centered clipping)"
-                if self.robust == "centered" and self.open_run
+                "an open run, so robust aggregation is on (comm.robust: reweighted)"
+                if self.robust == "reweighted" and self.open_run
                 else f"comm.robust: {self.robust}"
             )
         )

@@ -171,14 +171,14 @@ def test_the_shared_fields_are_those_marked_and_no_others() -> None:
 
 
 def test_an_open_run_aggregates_robustly_by_default_and_a_closed_one_keeps_its_operators_choice() -> None:
-    """comm.robust "auto" is settled when the run's config is built: centered clipping where anyone
+    """comm.robust "auto" is settled when the run's config is built: the reweighted mean where anyone
     may join (the README's first join line sets nothing), the plain mean where an authority admits
     every member, and whatever is set explicitly in either."""
     authority = ["run.authority=" + "ab" * 32]
-    assert load_config("debug", environ={}).comm.robust == "centered"
+    assert load_config("debug", environ={}).comm.robust == "reweighted"
     assert load_config("debug", overrides=authority, environ={}).comm.robust == "off"
-    closed = load_config("debug", overrides=[*authority, "comm.robust=centered"], environ={})
-    assert closed.comm.robust == "centered"
+    closed = load_config("debug", overrides=[*authority, "comm.robust=reweighted"], environ={})
+    assert closed.comm.robust == "reweighted"
     assert load_config("debug", overrides=["comm.robust=off"], environ={}).comm.robust == "off"
     assert CommConfig().aggregation == "off"  # no run to ask: the plain mean
     with pytest.raises(ConfigError, match=r'comm\.robust = "off"'):

@@ -356,14 +356,16 @@ def test_members_retrying_at_once_after_a_stale_view_converge(tmp_path: Path, n:
 
 @pytest.mark.procs
 def test_robust_aggregation_clips_a_poisoner_and_leaves_honest_members_alone(tmp_path: Path) -> None:
-    """4 members, butterfly with comm.clip = 2 and centered clipping (an open run's default); member 3
+    """4 members, butterfly with comm.clip = 2 and the reweighted mean (an open run's default); member 3
     sends 100 × its vector. Unclipped, the mean would be ~50× off; clipped, member 3 counts as at
     most two typical members."""
     n, length = 4, 100_003
-    comm = CommConfig(chunk_bytes=1 << 16, robust="centered", clip=2.0)
+    comm = CommConfig(chunk_bytes=1 << 16, robust="reweighted", clip=2.0)
     _, honest, inputs = run_ring(tmp_path / "honest", n, length, comm=comm)
     exact = weighted_mean(inputs, [1.0] * n)
-    assert relative_error(honest[0], exact) <= BUDGET, "no honest share is clipped"
+    # honest shares keep about their weight: 4 unrelated vectors sit at slightly different distances
+    # from their median, which the reweighted mean weighs (measured 1.7 % beside int8's ~0.9 %)
+    assert relative_error(honest[0], exact) <= 0.03, "honest shares keep about their weight"
     poisoner = {3: ("scale", 100)}
     outcomes, poisoned, _ = run_ring(tmp_path / "poisoned", n, length, comm=comm, faults=poisoner)
     assert all(outcome.ok for outcome in outcomes.values()), outcomes

@@ -25,7 +25,7 @@ def test_an_owner_that_does_not_clip_is_named_by_every_other_member_and_nothing_
     """Member 2 sends 100 × its values and sums its own segment without clipping: the others' checks
     of that segment against the bound from the claims it forwarded fail, naming it; nobody applies
     anything (a result is saved only on success)."""
-    comm = CommConfig(chunk_bytes=1 << 16, robust="centered", clip=1.0, connections=connections)
+    comm = CommConfig(chunk_bytes=1 << 16, robust="reweighted", clip=1.0, connections=connections)
     outcomes, results, _ = run_ring(tmp_path, N, LENGTH, comm=comm, faults={2: ("lying_owner", 100)})
     honest = [0, 1, 3]
     assert all(not outcomes[i].ok for i in honest), outcomes
@@ -49,7 +49,7 @@ def test_a_member_that_claims_less_than_it_sends_is_cut_to_its_claim(tmp_path: P
 def test_a_member_that_changes_a_chunk_it_passes_on_is_named_by_the_next(tmp_path: Path) -> None:
     """Member 1 flips a byte of every all-gather chunk it forwards: member 2 finds the owner's
     signature broken and names member 1; no member holds a changed result."""
-    comm = CommConfig(chunk_bytes=1 << 16, robust="centered", clip=1.0)
+    comm = CommConfig(chunk_bytes=1 << 16, robust="reweighted", clip=1.0)
     outcomes, results, inputs = run_ring(tmp_path, N, LENGTH, comm=comm, faults={1: ("tamper_forward", 0)})
     assert not outcomes[2].ok and outcomes[2].named == 1, outcomes
     assert "does not carry its owner's signature" in outcomes[2].error

@@ -363,16 +363,16 @@ class OuterSync:
             self.extras.remember_links(stats.link_rates)
             for key, chunks in stats.clipped.items():
                 log.warning(
-                    "step %d: clipped %s's share in %d chunk(s) (comm.clip: its pseudo-gradient is "
-                    "far larger than the members' median)",
+                    "step %d: cut %s's share to under half its norm in %d chunk(s) (comm.clip: its "
+                    "pseudo-gradient is far larger than the members' median)",
                     step,
                     short_id(key),
                     chunks,
                 )
-            for key, chunks in stats.pulled.items():
+            for key, chunks in stats.left_out.items():
                 log.warning(
-                    "step %d: held %s's share in toward the members' median in %d chunk(s) (comm.robust "
-                    "centered: its pseudo-gradient points far from the others')",
+                    "step %d: counted %s's share at under half its weight in %d chunk(s) (comm.robust "
+                    "reweighted: its pseudo-gradient points away from the others')",
                     step,
                     short_id(key),
                     chunks,

@@ -249,7 +249,7 @@ def lie(fault: str, factor: int) -> None:
             fractions: Sequence[float],
             limits: Sequence[float] | np.ndarray,
             *,
-            centered: bool,
+            reweighted: bool,
         ) -> clipping.RobustSum:
             return clipping.RobustSum(np.asarray(np.sum(list(arrived.values()), axis=0, dtype=np.float32)))
 

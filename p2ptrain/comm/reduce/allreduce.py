@@ -17,8 +17,8 @@ chunks (`chunk_bytes`). Two reduce-scatter topologies share one all-gather:
 
 `comm.topology = "auto"` takes the ring up to 3 members (where it meets the 1 % error budget), the
 butterfly above and under robust aggregation (`comm.robust`, on by default in open runs): its owners
-clip the shares they sum, in size to limits every member can check and in direction around their
-coordinate-wise median (robust/aggregator.py). Each member scales its values by its share of the weights.
+clip the shares they sum to limits every member can check and leave out those pointing away from
+the others' (robust/aggregator.py). Each member scales its values by its share of the weights.
 
 Who sends which frames to whom is schedule.py. Connections are set up and authenticated on the event
 loop (or kept from the step before and re-bound to this one: transport/resume.py); the transfer
@@ -118,10 +118,11 @@ class ReduceStats:
     round_trips: dict[bytes, float] = field(default_factory=dict)
     """Seconds, the kernel's smoothed round trip to each peer we sent to (the slowest of its lanes)."""
     clipped: dict[bytes, int] = field(default_factory=dict)
-    """Robust aggregation: member → chunks of ours (we own them) in which its share was clipped."""
-    pulled: dict[bytes, int] = field(default_factory=dict)
-    """Centered clipping: member → chunks of ours in which its share pointed so far from the others'
-    that it counted at under half its offset from their centre (clipping.PULLED_FAR)."""
+    """Robust aggregation: member → chunks of ours (we own them) in which its share was cut to under
+    half its norm (clipping.CUT_FAR)."""
+    left_out: dict[bytes, int] = field(default_factory=dict)
+    """The reweighted mean: member → chunks of ours in which its share pointed so far from the
+    others' that it counted at under half its weight (clipping.LEFT_OUT)."""
 
 
 class _AllReduce:
@@ -643,7 +644,7 @@ async def all_reduce(
     plan.stats.result = plan.finals
     if plan.aggregator is not None:
         plan.stats.clipped = dict(plan.aggregator.clipped)
-        plan.stats.pulled = dict(plan.aggregator.pulled)
+        plan.stats.left_out = dict(plan.aggregator.left_out)
     plan.stats.link_rates = link_rates({plan.keys[peer]: held for peer, held in plan.held_up.items()})
     plan.stats.seconds = time.monotonic() - started
     return plan.stats

@@ -37,14 +37,22 @@ def chunk_bounds(start: int, stop: int, chunk: int) -> list[tuple[int, int]]:
 
 
 AUTO_RING_MAX_MEMBERS = 3
+MIN_ROBUST_MEMBERS = 3
+"""Robust aggregation needs a majority to tell a poisoner from: with two members neither outvotes
+the other, so their step is the plain mean (ring, no claims) whatever comm.robust says."""
 CLAIMS, BUNDLE = "cl", "bd"
 """Robust aggregation's frames: a member's signed norm claims, an owner's bundle of them (claims.py)."""
+
+
+def robust(comm: CommConfig, members: int) -> bool:
+    """Whether a step of `members` aggregates robustly (the same answer on every member)."""
+    return comm.aggregation != "off" and members >= MIN_ROBUST_MEMBERS
 
 
 def choose_topology(comm: CommConfig, members: int, behind_nat: int = 0) -> str:
     """`behind_nat`: members nobody can dial. Two of them connect through a relay (relay.py), and
     the butterfly connects every pair: "auto" then takes the ring, whose order keeps them apart."""
-    if comm.aggregation != "off":
+    if robust(comm, members):
         return "butterfly"  # the ring re-encodes partial sums: no member's share is seen alone
     if comm.topology != "auto":
         return comm.topology
@@ -83,7 +91,7 @@ class Schedule:
             topology=topology,
             chunks=chunks,
             lanes=comm.connections,
-            robust=comm.aggregation != "off",
+            robust=robust(comm, n),
         )
 
     @property

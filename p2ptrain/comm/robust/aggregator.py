@@ -52,10 +52,10 @@ class RobustAggregator:
         self.own = ledger.own
         self.block = comm.quant_block
         self.bits = comm.bits
-        self.centered = comm.aggregation == "centered"
+        self.reweighted = comm.aggregation == "reweighted"
         self.threads = threads
         self.sink = sink
-        self.lock = threading.Lock()  # guards limits, waiting, clipped and pulled
+        self.lock = threading.Lock()  # guards limits, waiting, clipped and left_out
         self.chunk_locks = [threading.Lock() for _ in ledger.chunks[ledger.own_segment]]
         self.contributions: dict[int, dict[int, np.ndarray]] = {}
         """Chunk of our segment → the members' decoded shares of it so far."""
@@ -64,9 +64,9 @@ class RobustAggregator:
         self.waiting: list[int] = []
         """Chunks of ours whose shares are all in, waiting for the last claims."""
         self.clipped: dict[bytes, int] = {}
-        """Member → chunks of ours (we own them) in which its share was clipped."""
-        self.pulled: dict[bytes, int] = {}
-        """Member → chunks of ours in which centered clipping held its share far in."""
+        """Member → chunks of ours (we own them) in which its share was cut to under half its norm."""
+        self.left_out: dict[bytes, int] = {}
+        """Member → chunks of ours in which the reweighted mean counted it at under half its weight."""
 
     def _blame(self, peer: int, message: str) -> AllReduceError:
         """The attempt fails and names `peer`: what it sent proves it broke the protocol."""
@@ -120,9 +120,9 @@ class RobustAggregator:
         with self.chunk_locks[chunk]:
             arrived = self.contributions.pop(chunk)
         arrived[self.index] = np.multiply(self.own[start:stop], np.float32(self.fractions[self.index]))
-        summed = clipping.robust_sum(arrived, self.fractions, self.limits[chunk], centered=self.centered)
+        summed = clipping.robust_sum(arrived, self.fractions, self.limits[chunk], reweighted=self.reweighted)
         with self.lock:
-            for counts, members in ((self.clipped, summed.clipped), (self.pulled, summed.pulled)):
+            for counts, members in ((self.clipped, summed.clipped), (self.left_out, summed.left_out)):
                 for key in (self.keys[member] for member in members):
                     counts[key] = counts.get(key, 0) + 1
         final = quant.encode_payload(

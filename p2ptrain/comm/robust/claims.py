@@ -14,7 +14,7 @@ would otherwise change every member's params silently. So:
    bundle and the chunks travel around the ring unchanged; every member checks the signatures as
    the frames arrive (a forwarder that changed one is named: honest members check before they
    forward) and, once all frames are in, that each chunk's norm is within the clip rule's bound
-   Σ fᵢ · limitᵢ × slack (centered clipping's result is scaled into it, clipping.py). A result
+   Σ fᵢ · limitᵢ × slack (the reweighted mean is scaled into it, clipping.py). A result
    outside it fails the attempt on every honest member alike (the same bytes, the same claims),
    naming the owner: its signature shows the result is its own.
 

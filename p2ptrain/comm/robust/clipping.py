@@ -1,6 +1,6 @@
 """Robust aggregation: a member's pseudo-gradient can move the average by about as much as an honest
-member's, whatever its size (norm clipping) and, under `comm.robust = "centered"`, whatever its
-direction (centered clipping).
+member's, whatever its size (norm clipping) and, under `comm.robust = "reweighted"`, whatever its
+direction (a reweighted mean that leaves out shares pointing away from the others).
 
 With robust aggregation (`comm.robust`) the all-reduce takes the butterfly, where the owner of each
 chunk receives every member's share of it separately (the ring sums them on the way and cannot).
@@ -9,21 +9,24 @@ weight share (so a member that processed more tokens is not held against the oth
 every share whose normalised norm is above its limit down to that limit before summing. The limits
 come from the members' signed norm claims (claims.py): min(claim × slack, `clip` × the median
 claim), so every member can check the owner's sum against them. With one poisoner among three or
-more members the median is an honest norm. The owner counts whose shares it clipped
-(ReduceStats.clipped); the node logs it, so poisoning is never silent.
+more members the median is an honest norm. The owner counts whose shares it cut to under half
+their norm (ReduceStats.clipped); the node logs it, so poisoning is never silent.
 
 Norm clipping bounds a share's size, not its direction: a member sending the opposite of what it
-learned, at a typical norm, still pulls its weight backwards (measured: 14.7 % of held-out loss, one
-of three members). Centered clipping (Karimireddy, He, Jaggi 2021, around a robust centre) takes
-that away: per chunk, the owner takes the coordinate-wise median m of the weighted members'
-(weight-normalised, norm-clipped) shares y_i, each share's distance d_i = ‖y_i − m‖ and the median
-distance τ, and sums Σ f_i · (m + min(1, τ / d_i) · (y_i − m)). A share as far from the others as
-an honest one is counted whole (honest runs lose nothing measurable: the mean is kept where no
-share is unusually far); one far from them, the poisoner's, moves the result by at most τ · f_i
-from the centre, in whatever direction it points. With one poisoner among three or more members, m
-and τ are set by honest shares. Finally the result is scaled into the norm rule's bound Σ f_i ·
-limit_i, which every member checks (claims.py); a sum of norm-clipped shares never exceeds it, so an
-honest result is not changed by it.
+learned, at a typical norm, still pulls its weight backwards (measured: 15–21 % of held-out loss,
+one of three members). Centered clipping around the coordinate-wise median (Karimireddy, He, Jaggi
+2021) halved that but kept a member's weight in the sum, so the honest signal still shrank by it
+(5–10 %; docs/results/2026-12-quality.md). The rule kept here drops such a share's weight instead:
+starting from the coordinate-wise median of the weighted members' (weight-normalised,
+norm-clipped) shares y_i, REWEIGHT_ROUNDS times take each share's distance d_i to the centre c, the
+median distance τ, weights w_i = f_i · min(1, (τ / d_i)²) and the new centre c = Σ w_i y_i / Σ w_i.
+Honest shares of one run sit at similar distances and keep nearly all their weight (the result is
+within a few % of the mean); a share pointing elsewhere is far from a centre that moves toward the
+others with every round, and its weight falls with the square of that distance. With one poisoner
+among three or more members τ is an honest distance. The result is c × Σ f_i (the sum the
+all-reduce expects), scaled into the norm rule's bound Σ f_i · limit_i that every member checks
+(claims.py): a weighted mean of norm-clipped shares exceeds it only when weight moved to members
+with larger limits, and is then cut to it.
 """
 
 from __future__ import annotations
@@ -38,10 +41,15 @@ import numpy as np
 FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 SORTED_IN_PLACE = 8
 """Members up to which coordinate_median sorts with a network of min/max passes."""
-PULLED_FAR = 0.5
-"""A share counted at less than this fraction of its distance from the centre is reported (and
-logged by the node): honest shares in high dimension sit at similar distances, so only a share
-pointing well away from the others is pulled in this far."""
+CUT_FAR = 0.5
+"""A share cut to under this fraction of its norm is reported (and logged by the node). At clip 1
+every honest share above the median claim is cut a little, every step: not worth a warning."""
+REWEIGHT_ROUNDS = 3
+"""Rounds of the reweighted mean: measured on the debug model's pseudo-gradients, one round (or
+weights falling only linearly with distance) leaves a negated share about half its weight; three
+rounds with squared weights about a tenth."""
+LEFT_OUT = 0.5
+"""A share counted at under this fraction of its weight is reported (and logged by the node)."""
 
 
 def norm(values: np.ndarray) -> float:
@@ -60,7 +68,7 @@ def clipped_sum(
 ) -> tuple[np.ndarray, list[int]]:
     """Σ of every member's (weighted) share of one chunk, each scaled down to its limit (a norm per
     unit of weight: claims.limits) where above it, summed in member order; and the members whose
-    shares were clipped. A member of weight 0 counts for nothing."""
+    shares were cut to under CUT_FAR of their norm. A member of weight 0 counts for nothing."""
     total = np.zeros_like(next(iter(arrived.values())))
     clipped = []
     for member in sorted(arrived):
@@ -71,7 +79,8 @@ def clipped_sum(
         if size > limit:
             factor = limit / size if math.isfinite(size) else 0.0
             share = np.multiply(share, np.float32(factor))
-            clipped.append(member)
+            if factor < CUT_FAR:
+                clipped.append(member)
         total += share
     return total, clipped
 
@@ -83,8 +92,8 @@ class RobustSum:
     total: np.ndarray
     clipped: list[int] = field(default_factory=list)
     """Members whose shares were scaled down to their norm limit."""
-    pulled: list[int] = field(default_factory=list)
-    """Members whose shares centered clipping counted at under PULLED_FAR of their offset."""
+    left_out: list[int] = field(default_factory=list)
+    """Members whose shares the reweighted mean counted at under LEFT_OUT of their weight."""
 
 
 def robust_sum(
@@ -92,35 +101,36 @@ def robust_sum(
     fractions: Sequence[float],
     limits: Sequence[float] | np.ndarray,
     *,
-    centered: bool,
+    reweighted: bool,
 ) -> RobustSum:
-    """The owner's sum of one chunk: `clipped_sum`, and with `centered` centered clipping around
-    the coordinate-wise median (module docstring). Needs three weighted members to have a centre
-    other than the mean; with fewer it is the norm-clipped sum."""
+    """The owner's sum of one chunk: `clipped_sum`, and with `reweighted` the reweighted mean
+    (module docstring). Needs three weighted members to tell one from the others; with fewer it is
+    the norm-clipped sum."""
     total, clipped = clipped_sum(arrived, fractions, limits)
     weighted = [member for member in sorted(arrived) if fractions[member] > 0]
-    if not centered or len(weighted) < 3:
+    if not reweighted or len(weighted) < 3:
         return RobustSum(total, clipped)
     shares = np.stack(
         [_within_limit(arrived[member], fractions[member], limits[member]) for member in weighted]
     )
+    fractions_of = np.array([float(fractions[member]) for member in weighted])
     centre = coordinate_median(shares)
-    np.subtract(shares, centre, out=shares)  # each row: the share's offset from the centre
-    distances = [norm(row) for row in shares]
-    radius = statistics.median(distances)
-    weights = [float(fractions[member]) for member in weighted]
-    total = np.multiply(centre, np.float32(sum(weights)))
-    pulled = []
-    for member, weight, offset, distance in zip(weighted, weights, shares, distances, strict=True):
-        kept = min(1.0, radius / distance) if distance > 0 else 1.0
-        if kept < PULLED_FAR:
-            pulled.append(member)
-        total += np.multiply(offset, np.float32(weight * kept))
-    bound = float(np.dot(weights, [float(limits[member]) for member in weighted]))
+    kept = np.ones(len(weighted))
+    for _ in range(REWEIGHT_ROUNDS):
+        distances = np.array([norm(share - centre) for share in shares])
+        radius = statistics.median(distances.tolist())
+        kept = np.array([min(1.0, (radius / d) ** 2) if d > radius else 1.0 for d in distances])
+        weights = fractions_of * kept
+        centre = np.zeros_like(shares[0])
+        for share, weight in zip(shares, weights / weights.sum(), strict=True):
+            centre += np.multiply(share, np.float32(weight))
+    total = np.multiply(centre, np.float32(fractions_of.sum()))
+    bound = float(np.dot(fractions_of, [float(limits[member]) for member in weighted]))
     size = norm(total)
-    if size > bound:  # never for norm-clipped shares kept whole (the triangle inequality)
+    if size > bound:
         np.multiply(total, np.float32(bound / size), out=total)
-    return RobustSum(total, clipped, pulled)
+    left_out = [member for member, factor in zip(weighted, kept, strict=True) if factor < LEFT_OUT]
+    return RobustSum(total, clipped, left_out)
 
 
 def coordinate_median(rows: np.ndarray) -> np.ndarray:
