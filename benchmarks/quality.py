@@ -62,6 +62,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from benchmarks.common import parser, report
@@ -155,6 +156,8 @@ class Int8Ring:
         self.poisoners = [Poisoner.parse(f"1:{attack}", "attack") for _ in range(attackers)] if attack else []
         """The last members send wrong pseudo-gradients of this kind (faults.Poisoner) from step 1."""
         self.attackers = attackers
+        self.references: list[np.ndarray | None] = [None] * count
+        """Each member's last result (all_reduce's `reference`)."""
         self.identities = [load_or_create_identity(root / f"id{i}") for i in range(count)]
         comm = comm or CommConfig()
         self.servers = [DataPlaneServer(identity=identity, comm=comm) for identity in self.identities]
@@ -172,10 +175,12 @@ class Int8Ring:
             for identity, port, weight in zip(self.identities, self.ports, weights, strict=True)
         ]
         runs = [
-            all_reduce(server, step=step, members=members, buffer=buf.numpy())
-            for server, buf in zip(self.servers, buffers, strict=True)
+            all_reduce(server, step=step, members=members, buffer=buf.numpy(), reference=reference)
+            for server, buf, reference in zip(self.servers, buffers, self.references, strict=True)
         ]
         self.loop.run_until_complete(asyncio.gather(*runs))
+        if self.servers[0].comm.aggregation == "reweighted":  # as OuterSync keeps it
+            self.references = [buffer.numpy().copy() for buffer in buffers]
         for poisoner, buffer in zip(self.poisoners, poisoned, strict=False):
             poisoner.remember(buffer.numpy())
 

@@ -152,6 +152,46 @@ def test_a_share_turned_against_the_others_is_held_near_their_centre(count: int,
     assert set(left_out) == set(range(count - poisoners, count))  # and the node says whom
 
 
+@pytest.mark.parametrize("attack", ["opposite", "random", "zero", "against"])
+def test_shares_that_disagree_with_the_last_result_are_left_out(attack: str) -> None:
+    """The reference is the last result the owner took: honest pseudo-gradients agree with it alike
+    (here cosine about 0.5), a negated one, a random one, zeros and the last result turned around
+    do not, and lose their weight; the honest ones keep theirs whole."""
+    rng = np.random.default_rng(7)
+    length, count = 20_000, 4
+    last = rng.standard_normal(length).astype(np.float32)
+    values = [(0.6 * last + rng.standard_normal(length)).astype(np.float32) for _ in range(count)]
+    honest = np.mean(values[:-1], axis=0)
+    poisoned = {
+        "opposite": -values[-1],
+        "random": rng.standard_normal(length).astype(np.float32)
+        * np.float32(norm(values[-1]) / np.sqrt(length)),
+        "zero": np.zeros(length, np.float32),
+        "against": -last * np.float32(norm(values[-1]) / norm(last)),
+    }[attack]
+    fractions = [1 / count] * count
+    arrived = {m: v * np.float32(1 / count) for m, v in enumerate([*values[:-1], poisoned])}
+    limits = claims.limits(np.array([norm(v) for v in [*values[:-1], poisoned]]), fractions, clip=1.0, bits=8)
+    summed = robust_sum(arrived, fractions, limits, reweighted=True, reference=last)
+    assert summed.left_out == [count - 1]
+    assert norm(summed.total - honest) <= 0.02 * norm(honest)  # the honest members' mean, whole
+    honest_only = {m: v * np.float32(1 / count) for m, v in enumerate(values)}
+    limits = claims.limits(np.array([norm(v) for v in values]), fractions, clip=2.0, bits=8)
+    summed = robust_sum(honest_only, fractions, limits, reweighted=True, reference=last)
+    assert summed.left_out == [] and norm(summed.total - np.mean(values, axis=0)) <= 1e-5 * norm(honest)
+
+
+def test_a_reference_that_says_nothing_falls_back_to_the_median() -> None:
+    values = correlated(4, shared=0.7)
+    fractions = [0.25] * 4
+    limits = claims.limits(np.array([norm(v) for v in values]), fractions, clip=2.0, bits=8)
+    arrived = {m: v * np.float32(0.25) for m, v in enumerate(values)}
+    around_median = robust_sum(arrived, fractions, limits, reweighted=True).total
+    for reference in (np.zeros_like(values[0]), -np.mean(values, axis=0)):  # nothing, or turned away
+        total = robust_sum(arrived, fractions, limits, reweighted=True, reference=reference).total
+        assert np.array_equal(total, around_median)
+
+
 def test_reweighted_results_stay_within_the_bound_every_member_checks() -> None:
     rng = np.random.default_rng(5)
     for trial in range(40):

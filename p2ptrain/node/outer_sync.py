@@ -100,6 +100,10 @@ class OuterSync:
         """The run's standby relays (bootstrap --relay), for steps whose members are all behind NAT."""
         self.faults = Faults.from_env()
         self.poisoner = self.faults.poisoner()
+        self.last_result: np.ndarray | None = None
+        """The last all-reduce result this node took (robust aggregation weighs the shares of the
+        segment it owns by their agreement with it): one more model-sized fp32 vector, kept only
+        where comm.robust is "reweighted"."""
         self.extras = RecordExtras()
         self.crashes = CrashWatch(on_crash=self.roster.crashed)
         self.offences = Offences()
@@ -261,6 +265,10 @@ class OuterSync:
         members = result.election.keys
         if self.poisoner is not None:
             self.poisoner.remember(vector)  # the all-reduce left the shared result in it
+        if self.config.comm.aggregation == "reweighted" and len(members) > 1:
+            if self.last_result is None or self.last_result.shape != vector.shape:
+                self.last_result = np.empty_like(vector)
+            np.copyto(self.last_result, vector)
         self.roster.took_part(members)
         self.offences.step_done(step, members, named=named - ignored, failed=tried.difference(members))
         self._last_members = (step, frozenset(members))
@@ -320,6 +328,7 @@ class OuterSync:
                     buffer=vector,
                     progress=lambda *_: self.faults.die_mid_reduce(step),
                     relays=election.relays,
+                    reference=self.last_result,
                 )
                 stats = await finish_first(reduce, LEAVING_GRACE_S)  # a node that stops finishes it
             except AllReduceError as exc:

@@ -250,6 +250,7 @@ def lie(fault: str, factor: int) -> None:
             limits: Sequence[float] | np.ndarray,
             *,
             reweighted: bool,
+            reference: np.ndarray | None = None,
         ) -> clipping.RobustSum:
             return clipping.RobustSum(np.asarray(np.sum(list(arrived.values()), axis=0, dtype=np.float32)))
 

@@ -139,9 +139,10 @@ class _AllReduce:
         progress: Progress | None,
         identity: NodeIdentity,
         digest: bytes,
+        reference: np.ndarray | None = None,
     ):
         """Member `index` of `members` reduces `own` (read only, never written before success) in
-        attempt `digest` of `step`."""
+        attempt `digest` of `step`; `reference`: all_reduce's."""
         self.n = len(members)
         self.index = index
         self.keys = [member.key for member in members]
@@ -180,7 +181,9 @@ class _AllReduce:
                 chunks=self.schedule.chunks,
                 own=own,
             )
-            self.aggregator = RobustAggregator(ledger=ledger, comm=comm, threads=self.threads, sink=self)
+            self.aggregator = RobustAggregator(
+                ledger=ledger, comm=comm, threads=self.threads, sink=self, reference=reference
+            )
         self.min_rate = comm.slowest_link_mbit * 1e6 / 8
         """Bytes/s a frame in transit must keep up to extend its deadline (lanes.Deadline)."""
         self.working: dict[tuple[int, int], float] = {}
@@ -529,9 +532,12 @@ async def all_reduce(
     buffer: np.ndarray,
     progress: Progress | None = None,
     relays: Sequence[Member] = (),
+    reference: np.ndarray | None = None,
 ) -> ReduceStats:
     """Replace `buffer` (1-D fp32) with the weighted average over `members`, identical on all of them.
     `relays`: the standby relays the election listed (relay.relay_for), part of the digest.
+    `reference`: the last result this member took, of `buffer`'s length (robust aggregation weighs
+    the shares of the segment it owns by their agreement with it, clipping.robust_sum); None: none.
 
     Raises AllReduceError (buffer unchanged) when any member fails; see the module docstring.
     """
@@ -559,6 +565,7 @@ async def all_reduce(
         progress=progress,
         identity=identity,
         digest=digest,
+        reference=reference if reference is not None and reference.shape == buffer.shape else None,
     )
     lane_plan = LanePlan.of(members, plan.schedule)
     registration = server.expect(

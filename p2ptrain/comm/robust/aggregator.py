@@ -40,10 +40,19 @@ class RobustAggregator:
     Its methods are called from the transfer's threads. A frame that proves a peer broke the
     protocol raises AllReduceError naming that peer."""
 
-    def __init__(self, *, ledger: claims.Ledger, comm: CommConfig, threads: int, sink: ResultSink):
+    def __init__(
+        self,
+        *,
+        ledger: claims.Ledger,
+        comm: CommConfig,
+        threads: int,
+        sink: ResultSink,
+        reference: np.ndarray | None = None,
+    ):
         """`ledger`: this member's signed claims and results of the step (it knows the members,
         their shares, the chunks and this member's vector); `threads`: OpenMP threads per kernel
-        call."""
+        call; `reference`: the last result this member took (the whole vector), or None."""
+        self.reference = reference
         self.ledger = ledger
         self.step = ledger.step
         self.keys = ledger.keys
@@ -120,7 +129,13 @@ class RobustAggregator:
         with self.chunk_locks[chunk]:
             arrived = self.contributions.pop(chunk)
         arrived[self.index] = np.multiply(self.own[start:stop], np.float32(self.fractions[self.index]))
-        summed = clipping.robust_sum(arrived, self.fractions, self.limits[chunk], reweighted=self.reweighted)
+        summed = clipping.robust_sum(
+            arrived,
+            self.fractions,
+            self.limits[chunk],
+            reweighted=self.reweighted,
+            reference=None if self.reference is None else self.reference[start:stop],
+        )
         with self.lock:
             for counts, members in ((self.clipped, summed.clipped), (self.left_out, summed.left_out)):
                 for key in (self.keys[member] for member in members):

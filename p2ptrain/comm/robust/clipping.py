@@ -14,19 +14,29 @@ their norm (ReduceStats.clipped); the node logs it, so poisoning is never silent
 
 Norm clipping bounds a share's size, not its direction: a member sending the opposite of what it
 learned, at a typical norm, still pulls its weight backwards (measured: 15–21 % of held-out loss,
-one of three members). Centered clipping around the coordinate-wise median (Karimireddy, He, Jaggi
-2021) halved that but kept a member's weight in the sum, so the honest signal still shrank by it
-(5–10 %; docs/results/2026-12-quality.md). The rule kept here drops such a share's weight instead:
-starting from the coordinate-wise median of the weighted members' (weight-normalised,
-norm-clipped) shares y_i, REWEIGHT_ROUNDS times take each share's distance d_i to the centre c, the
-median distance τ, weights w_i = f_i · min(1, (τ / d_i)²) and the new centre c = Σ w_i y_i / Σ w_i.
-Honest shares of one run sit at similar distances and keep nearly all their weight (the result is
-within a few % of the mean); a share pointing elsewhere is far from a centre that moves toward the
-others with every round, and its weight falls with the square of that distance. With one poisoner
-among three or more members τ is an honest distance. The result is c × Σ f_i (the sum the
-all-reduce expects), scaled into the norm rule's bound Σ f_i · limit_i that every member checks
-(claims.py): a weighted mean of norm-clipped shares exceeds it only when weight moved to members
-with larger limits, and is then cut to it.
+one of three members). Under "reweighted" the owner then takes a weighted mean of the (weight-
+normalised, norm-clipped) shares y_i with weights f_i · k_i, k_i the fraction of its weight a
+share keeps, and scales it back to the sum the all-reduce expects (× Σ f_i):
+
+- k_i from agreement with the last result the owner took (`reference`, its chunk of the previous
+  step's average): whole from AGREEING × the members' median cosine with it up, falling linearly
+  to nothing at cosine 0. Honest pseudo-gradients of one run agree with the last result alike
+  (cosine 0.3–0.7 on the debug model, more than with each other, 0.1–0.5); a negated, random or
+  zero share, or the last result turned around, does not. With one poisoner among three or more
+  members the median cosine is an honest one. Where the reference says nothing (no previous
+  result: a node's first step, a joiner's; a median cosine ≤ 0, as at a sharp turn):
+- k_i from distance to the coordinate-wise median: REWEIGHT_ROUNDS rounds of a mean whose weights
+  are whole up to the median distance and fall with its square beyond. On the debug model this
+  kept about 85 % of the honest signal against a negated share (the reference ~100 %;
+  docs/results/2026-12-quality.md).
+
+Centered clipping around the coordinate-wise median (Karimireddy, He, Jaggi 2021), tried first,
+bounds a share's offset but keeps its weight: the honest signal still shrank by it. The result is
+then scaled into the norm rule's bound Σ f_i · limit_i that every member checks (claims.py): a
+weighted mean of norm-clipped shares exceeds it only when weight moved to members with larger
+limits, and is then cut to it. Only the owner computes any of this, so nothing in it needs to be
+bit-identical across members (the owner's encoded result is); an owner without a reference simply
+takes the fallback.
 """
 
 from __future__ import annotations
@@ -48,6 +58,10 @@ REWEIGHT_ROUNDS = 3
 """Rounds of the reweighted mean: measured on the debug model's pseudo-gradients, one round (or
 weights falling only linearly with distance) leaves a negated share about half its weight; three
 rounds with squared weights about a tenth."""
+AGREEING = 0.5
+"""A share whose cosine with the last result is at least this fraction of the members' median
+cosine keeps its whole weight: honest pseudo-gradients of one run agree with the last result
+alike (cosines 0.3–0.7 on the debug model), a negated, random or zero one does not."""
 LEFT_OUT = 0.5
 """A share counted at under this fraction of its weight is reported (and logged by the node)."""
 
@@ -102,10 +116,13 @@ def robust_sum(
     limits: Sequence[float] | np.ndarray,
     *,
     reweighted: bool,
+    reference: np.ndarray | None = None,
 ) -> RobustSum:
-    """The owner's sum of one chunk: `clipped_sum`, and with `reweighted` the reweighted mean
-    (module docstring). Needs three weighted members to tell one from the others; with fewer it is
-    the norm-clipped sum."""
+    """The owner's sum of one chunk: `clipped_sum`, and with `reweighted` a weighted mean that
+    leaves out shares pointing away from the others' (module docstring): weighed by their agreement
+    with `reference` (this chunk of the last result the owner took) where that says something, else
+    by their distance from the coordinate-wise median. Needs three weighted members to tell one from
+    the others; with fewer it is the norm-clipped sum."""
     total, clipped = clipped_sum(arrived, fractions, limits)
     weighted = [member for member in sorted(arrived) if fractions[member] > 0]
     if not reweighted or len(weighted) < 3:
@@ -114,16 +131,13 @@ def robust_sum(
         [_within_limit(arrived[member], fractions[member], limits[member]) for member in weighted]
     )
     fractions_of = np.array([float(fractions[member]) for member in weighted])
-    centre = coordinate_median(shares)
-    kept = np.ones(len(weighted))
-    for _ in range(REWEIGHT_ROUNDS):
-        distances = np.array([norm(share - centre) for share in shares])
-        radius = statistics.median(distances.tolist())
-        kept = np.array([min(1.0, (radius / d) ** 2) if d > radius else 1.0 for d in distances])
-        weights = fractions_of * kept
-        centre = np.zeros_like(shares[0])
-        for share, weight in zip(shares, weights / weights.sum(), strict=True):
-            centre += np.multiply(share, np.float32(weight))
+    kept = _agreement(shares, reference) if reference is not None else None
+    if kept is None:
+        kept = _around_the_median(shares, fractions_of)
+    weights = fractions_of * kept
+    centre = np.zeros_like(shares[0])
+    for share, weight in zip(shares, weights / weights.sum(), strict=True):
+        centre += np.multiply(share, np.float32(weight))
     total = np.multiply(centre, np.float32(fractions_of.sum()))
     bound = float(np.dot(fractions_of, [float(limits[member]) for member in weighted]))
     size = norm(total)
@@ -131,6 +145,44 @@ def robust_sum(
         np.multiply(total, np.float32(bound / size), out=total)
     left_out = [member for member, factor in zip(weighted, kept, strict=True) if factor < LEFT_OUT]
     return RobustSum(total, clipped, left_out)
+
+
+def _agreement(shares: np.ndarray, reference: np.ndarray) -> np.ndarray | None:
+    """Per share, the fraction of its weight it keeps by its cosine with `reference`: whole from
+    AGREEING × the median cosine up, falling linearly to nothing at 0 and below. None where the
+    reference says nothing: zero, or a median cosine that is not positive (the shares turned away
+    from the last result together, as at a sharp turn of the loss)."""
+    direction = norm(reference)
+    if not 0 < direction < math.inf:
+        return None
+    cosines = np.array(
+        [
+            float(np.dot(share, reference)) / (norm(share) * direction) if norm(share) > 0 else 0.0
+            for share in shares
+        ]
+    )
+    typical = float(np.median(cosines))
+    if not typical > 0:
+        return None
+    kept = np.clip(cosines / (AGREEING * typical), 0.0, 1.0)
+    return kept if kept.sum() > 0 else None
+
+
+def _around_the_median(shares: np.ndarray, fractions: np.ndarray) -> np.ndarray:
+    """Per share, the fraction of its weight it keeps in REWEIGHT_ROUNDS rounds of a mean weighed
+    by distance from the centre (starting at the coordinate-wise median): whole up to the median
+    distance, falling with its square beyond."""
+    centre = coordinate_median(shares)
+    kept = np.ones(len(shares))
+    for _ in range(REWEIGHT_ROUNDS):
+        distances = np.array([norm(share - centre) for share in shares])
+        radius = statistics.median(distances.tolist())
+        kept = np.array([min(1.0, (radius / d) ** 2) if d > radius else 1.0 for d in distances])
+        weights = fractions * kept
+        centre = np.zeros_like(shares[0])
+        for share, weight in zip(shares, weights / weights.sum(), strict=True):
+            centre += np.multiply(share, np.float32(weight))
+    return kept
 
 
 def coordinate_median(rows: np.ndarray) -> np.ndarray:
