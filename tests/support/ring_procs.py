@@ -235,7 +235,7 @@ def freeze_at_barrier() -> None:
 
 
 def lie(fault: str, factor: int) -> None:
-    """Make this process a dishonest member of a robust all-reduce (comm.clip > 0), as an attacker
+    """Make this process a dishonest member of a robust all-reduce (comm.robust), as an attacker
     would run modified code: "lying_owner" sums its segment without clipping; "low_claims" claims
     norms `factor` times smaller than its values; "tamper_forward" changes a byte of every chunk of
     the all-gather it passes on (the owner's signature then no longer matches). Against the
