@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from p2ptrain.comm.robust.clipping import MIN_MEMBERS
 from p2ptrain.config import CommConfig
 
 Stream = list[tuple[str, int, int]]
@@ -37,7 +38,7 @@ def chunk_bounds(start: int, stop: int, chunk: int) -> list[tuple[int, int]]:
 
 
 AUTO_RING_MAX_MEMBERS = 3
-MIN_ROBUST_MEMBERS = 3
+MIN_ROBUST_MEMBERS = MIN_MEMBERS
 """Robust aggregation needs a majority to tell a poisoner from: with two members neither outvotes
 the other, so their step is the plain mean (ring, no claims) whatever comm.robust says."""
 CLAIMS, BUNDLE = "cl", "bd"

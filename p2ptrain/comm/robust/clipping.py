@@ -51,6 +51,10 @@ import numpy as np
 FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 SORTED_IN_PLACE = 8
 """Members up to which coordinate_median sorts with a network of min/max passes."""
+MIN_MEMBERS = 3
+"""Weighted members robust aggregation needs to tell a poisoner from the others: with two neither
+outvotes the other (the norm clip alone applies; schedule.MIN_ROBUST_MEMBERS keeps such a step on
+the plain mean)."""
 CUT_FAR = 0.5
 """A share cut to under this fraction of its norm is reported (and logged by the node). At clip 1
 every honest share above the median claim is cut a little, every step: not worth a warning."""
@@ -88,15 +92,23 @@ def clipped_sum(
     for member in sorted(arrived):
         if fractions[member] <= 0:
             continue
-        share, limit = arrived[member], limits[member]
-        size = norm(share) / fractions[member]
-        if size > limit:
-            factor = limit / size if math.isfinite(size) else 0.0
+        share = arrived[member]
+        factor = limit_factor(share, fractions[member], limits[member])
+        if factor < 1.0:
             share = np.multiply(share, np.float32(factor))
             if factor < CUT_FAR:
                 clipped.append(member)
         total += share
     return total, clipped
+
+
+def limit_factor(share: np.ndarray, fraction: float, limit: float) -> float:
+    """What a weighted share is scaled by so that its norm per unit of weight is at most `limit`:
+    1 within it, 0 for a finite share whose norm overflows (never inf or NaN after scaling)."""
+    size = norm(share) / fraction
+    if not size > limit:
+        return 1.0
+    return limit / size if math.isfinite(size) else 0.0
 
 
 @dataclass
@@ -123,22 +135,22 @@ def robust_sum(
     with `reference` (this chunk of the last result the owner took) where that says something, else
     by their distance from the coordinate-wise median. Needs three weighted members to tell one from
     the others; with fewer it is the norm-clipped sum."""
-    total, clipped = clipped_sum(arrived, fractions, limits)
     weighted = [member for member in sorted(arrived) if fractions[member] > 0]
-    if not reweighted or len(weighted) < 3:
-        return RobustSum(total, clipped)
-    shares = np.stack(
-        [_within_limit(arrived[member], fractions[member], limits[member]) for member in weighted]
+    if not reweighted or len(weighted) < MIN_MEMBERS:
+        return RobustSum(*clipped_sum(arrived, fractions, limits))
+    factors = [limit_factor(arrived[member], fractions[member], limits[member]) for member in weighted]
+    clipped = [member for member, factor in zip(weighted, factors, strict=True) if factor < CUT_FAR]
+    shares = np.stack(  # each as one unit of weight, within its limit
+        [
+            np.multiply(arrived[member], np.float32(factor / fractions[member]))
+            for member, factor in zip(weighted, factors, strict=True)
+        ]
     )
     fractions_of = np.array([float(fractions[member]) for member in weighted])
     kept = _agreement(shares, reference) if reference is not None else None
     if kept is None:
         kept = _around_the_median(shares, fractions_of)
-    weights = fractions_of * kept
-    centre = np.zeros_like(shares[0])
-    for share, weight in zip(shares, weights / weights.sum(), strict=True):
-        centre += np.multiply(share, np.float32(weight))
-    total = np.multiply(centre, np.float32(fractions_of.sum()))
+    total = np.multiply(_weighted_mean(shares, fractions_of * kept), np.float32(fractions_of.sum()))
     bound = float(np.dot(fractions_of, [float(limits[member]) for member in weighted]))
     size = norm(total)
     if size > bound:
@@ -155,10 +167,11 @@ def _agreement(shares: np.ndarray, reference: np.ndarray) -> np.ndarray | None:
     direction = norm(reference)
     if not 0 < direction < math.inf:
         return None
+    sizes = [norm(share) for share in shares]
     cosines = np.array(
         [
-            float(np.dot(share, reference)) / (norm(share) * direction) if norm(share) > 0 else 0.0
-            for share in shares
+            float(np.dot(share, reference)) / (size * direction) if size > 0 else 0.0
+            for share, size in zip(shares, sizes, strict=True)
         ]
     )
     typical = float(np.median(cosines))
@@ -178,11 +191,16 @@ def _around_the_median(shares: np.ndarray, fractions: np.ndarray) -> np.ndarray:
         distances = np.array([norm(share - centre) for share in shares])
         radius = statistics.median(distances.tolist())
         kept = np.array([min(1.0, (radius / d) ** 2) if d > radius else 1.0 for d in distances])
-        weights = fractions * kept
-        centre = np.zeros_like(shares[0])
-        for share, weight in zip(shares, weights / weights.sum(), strict=True):
-            centre += np.multiply(share, np.float32(weight))
+        centre = _weighted_mean(shares, fractions * kept)
     return kept
+
+
+def _weighted_mean(shares: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Σ wᵢ yᵢ / Σ wᵢ over the rows of `shares`, float32, in row order."""
+    mean = np.zeros_like(shares[0])
+    for share, weight in zip(shares, weights / weights.sum(), strict=True):
+        mean += np.multiply(share, np.float32(weight))
+    return mean
 
 
 def coordinate_median(rows: np.ndarray) -> np.ndarray:
@@ -203,11 +221,3 @@ def coordinate_median(rows: np.ndarray) -> np.ndarray:
     if count % 2:
         return ordered[middle]
     return np.multiply(np.add(ordered[middle - 1], ordered[middle]), np.float32(0.5))
-
-
-def _within_limit(share: np.ndarray, fraction: float, limit: float) -> np.ndarray:
-    """A weighted share as one unit of weight, scaled down to its norm limit (as `clipped_sum`),
-    in one multiplication: a finite share whose norm overflows becomes zeros, not inf or NaN."""
-    size = norm(share) / fraction
-    factor = (limit / size if math.isfinite(size) else 0.0) if size > limit else 1.0
-    return np.multiply(share, np.float32(factor / fraction))
