@@ -82,4 +82,4 @@ $(STAMP): pyproject.toml setup.py $(wildcard cython_ext/*.pyx) | $(PY)
 	@touch $(STAMP)
 
 clean:
-	rm -rf build *.egg-info p2ptrain/_kernels*.so p2ptrain/_kernels.c cython_ext/*.c .pytest_cache .ruff_cache .mypy_cache
+	rm -rf build *.egg-info p2ptrain/_kernels*.so p2ptrain/_sparse*.so cython_ext/*.c .pytest_cache .ruff_cache .mypy_cache

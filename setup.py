@@ -1,4 +1,4 @@
-"""Builds cython_ext/ into the p2ptrain._kernels extension, with OpenMP where the compiler has it."""
+"""Builds cython_ext/ into the p2ptrain._kernels (dense codes) and p2ptrain._sparse extensions, with OpenMP where the compiler has it."""
 
 from __future__ import annotations
 
@@ -39,16 +39,19 @@ def compiler_has_openmp() -> bool:
 
 openmp = compiler_has_openmp()
 print(f"p2ptrain: building kernels {'with' if openmp else 'without'} OpenMP", file=sys.stderr)
-extension = Extension(
-    "p2ptrain._kernels",
-    sources=["cython_ext/kernels.pyx"],
-    extra_compile_args=BASE_FLAGS + (["-fopenmp"] if openmp else []),
-    extra_link_args=["-fopenmp"] if openmp else [],
-)
+extensions = [
+    Extension(
+        f"p2ptrain.{name}",
+        sources=[f"cython_ext/{source}"],
+        extra_compile_args=BASE_FLAGS + (["-fopenmp"] if openmp else []),
+        extra_link_args=["-fopenmp"] if openmp else [],
+    )
+    for name, source in (("_kernels", "kernels.pyx"), ("_sparse", "sparse.pyx"))
+]
 
 setup(
     ext_modules=cythonize(
-        [extension],
+        extensions,
         compiler_directives={
             "language_level": "3",
             "boundscheck": False,

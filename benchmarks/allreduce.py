@@ -1,7 +1,7 @@
 """The int8 ring all-reduce against torch.distributed gloo (fp32), 3 member processes.
 
     python -m benchmarks.allreduce --json [--mib 64] [--rounds 5] [--bandwidth MBIT] [--connections M]
-                                   [--chunk-kib K]
+                                   [--chunk-kib K] [--members N] [--codec sparse]
                                    [--bits 4] [--topology butterfly] [--robust reweighted]
                                    [--delay MS,...] [--loss PCT,...] [--up MBIT,...] [--down MBIT,...]
 
@@ -17,7 +17,11 @@ the `int8_ring_*` figures are then those of the 4-bit ring). --topology picks ri
 (comm.topology; auto: the ring at 3 members); --robust clip|reweighted runs robust aggregation
 (comm.robust, with --clip X its comm.clip, default 1: the butterfly, signed norm claims, signed
 results, every member's check; the reweighted mean at the owners), to set beside
-`--topology butterfly`.
+`--topology butterfly`. --members N runs N member processes; --codec sparse the sparse codec's
+gather instead (comm.codec; the `int8_ring_*` figures are then its, `rel_err` against the exact
+mean, which a top-k code is far from by design). Every run reports the bytes each member sent per
+all-reduce (`sent_bytes_per_member`, `sent_bits_per_value`) beside the dense int8 ring's at that
+member count (`dense_ring_bytes_per_member`).
 
 With any of --delay, --jitter, --loss, --up or --down (benchmarks/paths.py) the members run in the
 internet lab instead (one namespace each, joined by a userspace router with those paths; --bandwidth
@@ -43,10 +47,11 @@ import numpy as np
 
 from benchmarks.common import parser, payload_bytes, report, unwind_on_sigterm
 from benchmarks.paths import add_path_flags, check_path_flags, lab_figures, lab_for, wants_lab
-from p2ptrain.config import Aggregation, Topology
+from p2ptrain.config import Aggregation, Codec, Topology
 from p2ptrain.procs import free_port
 
 WORLD = 3
+"""Member processes unless --members says otherwise."""
 BLOCK = 256
 
 
@@ -68,8 +73,11 @@ def worker(
     topology: Topology = "auto",
     robust: Aggregation = "off",
     clip: float = 1.0,
+    codec: Codec = "dense",
+    world: int = WORLD,
 ) -> None:
-    """One member: `rounds` ring all-reduces, then `rounds` gloo all-reduces, timings to `out`."""
+    """One member of `world`: `rounds` ring all-reduces, then `rounds` gloo all-reduces, timings
+    (and the bytes it sent per all-reduce) to `out`."""
     import torch
     import torch.distributed as dist
 
@@ -79,10 +87,10 @@ def worker(
     from p2ptrain.config import CommConfig
     from p2ptrain.identity import load_or_create_identity
 
-    dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=world)
     data = _data(rank, length)
 
-    async def ring_rounds() -> tuple[list[float], np.ndarray]:
+    async def ring_rounds() -> tuple[list[float], np.ndarray, int]:
         identity = load_or_create_identity(out.parent / f"id{rank}")
         comm = CommConfig(
             quant_block=BLOCK,
@@ -93,25 +101,27 @@ def worker(
             topology=topology,
             robust=robust,
             clip=clip,
+            codec=codec,
         )
         server = DataPlaneServer(identity=identity, comm=comm, setup_timeout=60)
         listen_host, port = await server.start(host)
-        everyone: list[Any] = [None] * WORLD
+        everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, (identity.public_key, listen_host, port))
         members = [
             Member(key=key, host=member_host, port=member_port) for key, member_host, member_port in everyone
         ]
-        buffer, times = data.copy(), []
+        buffer, times, sent = data.copy(), [], 0
         for step in range(rounds + 1):
             np.copyto(buffer, data)
             await asyncio.get_running_loop().run_in_executor(None, dist.barrier)  # keep the loop free
             started = time.perf_counter()
-            await all_reduce(server, step=step, members=members, buffer=buffer)
+            stats = await all_reduce(server, step=step, members=members, buffer=buffer)
             times.append(time.perf_counter() - started)
+            sent = stats.bytes_sent
         await server.close()
-        return times[1:], buffer
+        return times[1:], buffer, sent
 
-    ring_times, result = asyncio.run(ring_rounds())
+    ring_times, result, sent = asyncio.run(ring_rounds())
     tensor, gloo_times = torch.from_numpy(data.copy()), []
     for _ in range(rounds + 1):
         tensor.copy_(torch.from_numpy(data))
@@ -119,8 +129,8 @@ def worker(
         started = time.perf_counter()
         dist.all_reduce(tensor)
         gloo_times.append(time.perf_counter() - started)
-    everyone_times: list[Any] = [None] * WORLD
-    dist.all_gather_object(everyone_times, (ring_times, gloo_times[1:]))
+    everyone_times: list[Any] = [None] * world
+    dist.all_gather_object(everyone_times, (ring_times, gloo_times[1:], sent))
     dist.destroy_process_group()
     if rank == 0:
         np.save(out.parent / "ring.npy", result)
@@ -128,7 +138,7 @@ def worker(
 
 
 def _run_members(commands: list[list[str]], root: Path, timeout: float) -> list[Any]:
-    logs = [open(root / f"member{rank}.log", "w") for rank in range(WORLD)]  # noqa: SIM115
+    logs = [open(root / f"member{rank}.log", "w") for rank in range(len(commands))]  # noqa: SIM115
     processes = [
         subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent
@@ -166,6 +176,8 @@ def run(
     topology: Topology = "auto",
     robust: Aggregation = "off",
     clip: float = 1.0,
+    codec: Codec = "dense",
+    world: int = WORLD,
     paths: argparse.Namespace | None = None,
 ) -> dict[str, Any]:
     """`paths`: the lab's flags, to run over the internet lab instead of tc-limited links."""
@@ -204,11 +216,15 @@ def run(
                 robust,
                 "--clip",
                 str(clip),
+                "--codec",
+                codec,
+                "--members",
+                str(world),
             ]
 
         timeout = 120 + rounds * (4 * length * 8 / (bandwidth * 1e6) * 2 if bandwidth else 5)
         if paths is not None:
-            with lab_for(paths, WORLD, bootstrap=False, rate=bandwidth) as lab:
+            with lab_for(paths, world, bootstrap=False, rate=bandwidth) as lab:
                 master = f"{lab.address(0)}:29517"
                 commands = [
                     [
@@ -217,26 +233,26 @@ def run(
                         "GLOO_SOCKET_IFNAME=tun0",
                         *command(rank, lab.address(rank), master),
                     ]
-                    for rank in range(WORLD)
+                    for rank in range(world)
                 ]
                 times = _run_members(commands, root, timeout)
-            one_way = max(lab.round_trip_s(a, b) / 2 for a in range(WORLD) for b in range(WORLD) if a != b)
+            one_way = max(lab.round_trip_s(a, b) / 2 for a in range(world) for b in range(world) if a != b)
             narrowest = (min(link.up_mbit for link in lab.links), one_way)
         elif bandwidth is None:
             master = f"127.0.0.1:{free_port()}"
-            times = _run_members([command(rank, "127.0.0.1", master) for rank in range(WORLD)], root, timeout)
+            times = _run_members([command(rank, "127.0.0.1", master) for rank in range(world)], root, timeout)
         else:
             from benchmarks.netns import limited_network
 
-            with limited_network(WORLD, bandwidth) as network:
+            with limited_network(world, bandwidth) as network:
                 master = f"{network.addresses[0]}:29517"
                 commands = [
                     network.command(rank, command(rank, network.addresses[rank], master))
-                    for rank in range(WORLD)
+                    for rank in range(world)
                 ]
                 times = _run_members(commands, root, timeout)
         result = np.load(root / "ring.npy")
-    exact = np.mean([_data(rank, length).astype(np.float64) for rank in range(WORLD)], axis=0)
+    exact = np.mean([_data(rank, length).astype(np.float64) for rank in range(world)], axis=0)
 
     def slowest(index: int) -> list[float]:
         """Per round, the slowest member's seconds: a round is over when its last member is done."""
@@ -245,7 +261,7 @@ def run(
     ring_rounds, gloo_rounds = slowest(0), slowest(1)
     ring_s, gloo_s = statistics.median(ring_rounds), statistics.median(gloo_rounds)
     summary: dict[str, Any] = {
-        "members": WORLD,
+        "members": world,
         "mib": mib,
         "connections": connections,
         "chunk_kib": chunk_bytes >> 10,
@@ -253,6 +269,7 @@ def run(
         "topology": topology,
         "robust": robust,
         "clip": clip,
+        "codec": codec,
         "rounds": rounds,
         "int8_ring_s": round(ring_s, 4),
         "gloo_fp32_s": round(gloo_s, 4),
@@ -260,10 +277,13 @@ def run(
         "rel_err": round(float(np.linalg.norm(result - exact) / np.linalg.norm(exact)), 5),
         "int8_ring_rounds_s": [round(seconds, 4) for seconds in ring_rounds],
         "gloo_fp32_rounds_s": [round(seconds, 4) for seconds in gloo_rounds],
+        "sent_bytes_per_member": max(member[2] for member in times),
+        "sent_bits_per_value": round(8 * max(member[2] for member in times) / length, 4),
+        "dense_ring_bytes_per_member": round(payload_bytes(length, world, bits=8, block=BLOCK)),
     }
-    wire_bytes = payload_bytes(length, WORLD, bits=bits, block=BLOCK)
+    wire_bytes = payload_bytes(length, world, bits=bits, block=BLOCK)
     if narrowest is not None and paths is not None:
-        physical_s = wire_bytes * 8 / (narrowest[0] * 1e6) + 2 * (WORLD - 1) * narrowest[1]
+        physical_s = wire_bytes * 8 / (narrowest[0] * 1e6) + 2 * (world - 1) * narrowest[1]
         summary.update(
             lab_figures(paths),
             physical_s=round(physical_s, 4),
@@ -301,6 +321,10 @@ def main() -> None:
         "--robust", choices=["off", "clip", "reweighted"], default="off", help="comm.robust (default off)"
     )
     arguments.add_argument("--clip", type=float, default=1.0, help="comm.clip under --robust (default 1)")
+    arguments.add_argument(
+        "--codec", choices=["dense", "sparse"], default="dense", help="comm.codec (sparse: the gather)"
+    )
+    arguments.add_argument("--members", type=int, default=WORLD, help="member processes (default 3)")
     add_path_flags(arguments)
     arguments.add_argument("--worker", type=int, help=argparse_hidden())
     arguments.add_argument("--host", help=argparse_hidden())
@@ -313,6 +337,8 @@ def main() -> None:
         arguments.error("--chunk-kib must be at least 4")
     if not 1 <= args.connections <= 16:
         arguments.error("--connections must be within 1..16")
+    if not 2 <= args.members <= 16:
+        arguments.error("--members must be within 2..16")
     if not 0 < args.clip <= 1000:
         arguments.error("--clip must be above 0 and at most 1000")
     if args.worker is not None:
@@ -329,6 +355,8 @@ def main() -> None:
             topology=args.topology,
             robust=args.robust,
             clip=args.clip,
+            codec=args.codec,
+            world=args.members,
         )
         return
     unwind_on_sigterm()
@@ -347,6 +375,8 @@ def main() -> None:
             topology=args.topology,
             robust=args.robust,
             clip=args.clip,
+            codec=args.codec,
+            world=args.members,
             paths=args if wants_lab(args) else None,
         )
     except Exception as exc:

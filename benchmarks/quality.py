@@ -1,7 +1,7 @@
 """Does DiLoCo with int8 sync train as well as fp32 sync, and better than one node alone?
 
     python -m benchmarks.quality --json [--steps 300] [--seeds 1] [--tail 10] [--out DIR]
-                                    [--set comm.robust=clip] [--only robust|bits|overlap]
+                                    [--set comm.robust=clip] [--only robust|bits|overlap|sparse]
                                     [--robust-nodes 3] [--attackers 1] [--cases mean,robust,...]
                                     [--config debug] [--device cpu|cuda] [--held-out-files K]
 
@@ -23,7 +23,11 @@ Reports int8_vs_fp32_loss_ratio (target within 2 % of 1) and diloco_vs_single_lo
 and, (a'') the same 2 nodes with 4-bit codes (comm.bits = 4), bits4_vs_int8_loss_ratio (target
 within 1 % of 1).
 
-And (a''') the same 2 nodes with `outer.overlap` (each step's average taken at the end of the next
+And (a''') the same 2 nodes with the sparse codec (comm.codec = "sparse": chunk-wise top-k of an
+error-feedback accumulator at 2 bits, SparseLoCo's outer step): sparse_vs_int8_loss_ratio (target
+≤ 1.02); `--only sparse` runs these two alone.
+
+And (a'''') the same 2 nodes with `outer.overlap` (each step's average taken at the end of the next
 inner phase, train/overlap.py): overlap_vs_blocking_loss_ratio (target within 1 % of 1), with the
 start correction at its default (`--set outer.overlap.start_correction=0`: without it).
 `--set outer.overlap.steps=K` takes it K inner steps in: what `outer.overlap.take_on_arrival` (on by default)
@@ -67,9 +71,11 @@ import torch
 
 from benchmarks.common import parser, report
 from p2ptrain.channel import Averaged, Ready
+from p2ptrain.comm.codec.sparse import ErrorFeedback
 from p2ptrain.comm.net.members import Member
 from p2ptrain.comm.net.server import DataPlaneServer
 from p2ptrain.comm.reduce.allreduce import all_reduce
+from p2ptrain.comm.reduce.gather import sparse_code
 from p2ptrain.config import CommConfig, Config, load_config
 from p2ptrain.errors import UserError
 from p2ptrain.faults import Poisoner
@@ -160,6 +166,13 @@ class Int8Ring:
         """Each member's last result (all_reduce's `reference`)."""
         self.identities = [load_or_create_identity(root / f"id{i}") for i in range(count)]
         comm = comm or CommConfig()
+        self.feedbacks = [
+            ErrorFeedback(code=sparse_code(comm), decay=comm.error_feedback)
+            if comm.codec == "sparse"
+            else None
+            for _ in range(count)
+        ]
+        """Each member's error feedback under the sparse codec (as OuterSync keeps it)."""
         self.servers = [DataPlaneServer(identity=identity, comm=comm) for identity in self.identities]
         self.ports = [self.loop.run_until_complete(s.start("127.0.0.1", 0))[1] for s in self.servers]
 
@@ -175,8 +188,12 @@ class Int8Ring:
             for identity, port, weight in zip(self.identities, self.ports, weights, strict=True)
         ]
         runs = [
-            all_reduce(server, step=step, members=members, buffer=buf.numpy(), reference=reference)
-            for server, buf, reference in zip(self.servers, buffers, self.references, strict=True)
+            all_reduce(
+                server, step=step, members=members, buffer=buf.numpy(), reference=reference, feedback=feedback
+            )
+            for server, buf, reference, feedback in zip(
+                self.servers, buffers, self.references, self.feedbacks, strict=True
+            )
         ]
         self.loop.run_until_complete(asyncio.gather(*runs))
         if self.servers[0].comm.aggregation == "reweighted":  # as OuterSync keeps it
@@ -363,21 +380,37 @@ Runner = Callable[[str, Config, int, Averager, Bench], Curve]
 """`run` or `run_overlapped`."""
 
 
+def sparse_config(config: Config) -> Config:
+    """`config` with comm.codec = "sparse", and with it SparseLoCo's outer step where no --set chose
+    outer.lr or outer.momentum (config.py); the robust rule is off, as in the int8 run it is compared to."""
+    tree = config.model_dump(exclude_unset=True)
+    tree.setdefault("comm", {}).update(codec="sparse", robust="off")
+    return Config.model_validate(tree)
+
+
 def seed_runs(config: Config, only: str | None, bench: Bench) -> dict[str, Curve]:
     """Every run `only` asks for, with config's train.seed: run name → curve."""
     curves: dict[str, Curve] = {}
 
     def through_ring(
-        name: str, nodes: int, comm: CommConfig | None = None, poison: float = 1, runner: Runner = run
+        name: str,
+        nodes: int,
+        comm: CommConfig | None = None,
+        poison: float = 1,
+        runner: Runner = run,
+        settings: Config = config,
     ) -> None:
         ring = Int8Ring(nodes, bench.work / f"{name.replace(' ', '-')}-{config.train.seed}", comm, poison)
         try:
-            curves[name] = runner(name, config, nodes, ring, bench)
+            curves[name] = runner(name, settings, nodes, ring, bench)
         finally:
             ring.close()
 
     if only != "robust":
         through_ring("2 nodes int8", 2)
+    if only in (None, "sparse"):
+        sparse = sparse_config(config)
+        through_ring("2 nodes sparse", 2, sparse.comm, settings=sparse)
     if only in (None, "bits"):
         through_ring("2 nodes int4", 2, CommConfig(bits=4))
     if only in (None, "overlap"):
@@ -425,8 +458,8 @@ def main() -> None:
     cli.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     cli.add_argument(
         "--only",
-        choices=["robust", "bits", "overlap"],
-        help="only the robust runs, the int8 and int4 ones, or int8 without and with overlap",
+        choices=["robust", "bits", "overlap", "sparse"],
+        help="only the robust runs, the int8 and int4 ones, int8 without and with overlap, int8 and sparse",
     )
     cli.add_argument("--robust-nodes", type=int, default=3, help="members of the robust runs (default 3)")
     cli.add_argument("--attackers", type=int, default=1, help="poisoners among them (default 1)")
@@ -492,6 +525,8 @@ def main() -> None:
             "diloco_vs_single_loss_ratio": ratio("2 nodes int8", "1 node"),
             "loss_int4": loss("2 nodes int4"),
             "bits4_vs_int8_loss_ratio": ratio("2 nodes int4", "2 nodes int8"),
+            "loss_sparse": loss("2 nodes sparse"),
+            "sparse_vs_int8_loss_ratio": ratio("2 nodes sparse", "2 nodes int8"),
             "loss_overlap": loss("2 nodes int8 overlap"),
             "overlap_vs_blocking_loss_ratio": ratio("2 nodes int8 overlap", "2 nodes int8"),
             "robust": config.comm.robust,

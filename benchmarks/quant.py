@@ -1,12 +1,17 @@
 """Throughput of the int8 (or int4) kernels against a torch-ops implementation of the same scheme and memcpy.
 
-    python -m benchmarks.quant --json [--bits 4]
+    python -m benchmarks.quant --json [--bits 4 | --codec sparse]
 
 GB/s are of fp32 input processed (4 bytes per value), 64 MiB buffer, median of several runs. With
 `--bits 4` also the fused ring hop, and why the 4-bit code is int4 with (min, step) per block: the
 relative L2 error of int4, FP4 E2M1 and FP4 E3M0 (one absmax scale per block, nearest level) at
 blocks of 256, on Gaussian values and on a real pseudo-gradient (the `debug` model after 10 AdamW
 steps).
+
+With `--codec sparse`, the sparse codec's kernels (codec/sparse.py, chunks of 4096, top 64): top-k
+selection and packing (`topk_pack`), the check of a received payload, and decode-accumulate, in
+GB/s of the fp32 vector they stand for, against memcpy and against torch.topk over the same chunks
+(the selection alone, as torch-based top-k codecs do it).
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ from p2ptrain.comm.codec.quant import (
     encode_payload,
     quantize,
 )
+from p2ptrain.comm.codec.sparse import SparseCode, squared_norm
+from p2ptrain.comm.codec.sparse import decode_add as sparse_decode_add
+from p2ptrain.comm.codec.sparse import encode as sparse_encode
 
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
 E3M0 = np.array([0] + [2.0**k for k in range(-6, 1)], np.float32)
@@ -107,11 +115,42 @@ def four_bits(values: np.ndarray, block: int, repeats: int) -> dict[str, float]:
     }
 
 
+def sparse_codes(values: np.ndarray, repeats: int) -> dict[str, float]:
+    code = SparseCode()
+    n, gigabytes = values.size, values.nbytes / 1e9
+    acc, copy = np.zeros(n, np.float32), np.empty_like(values)
+    payload = sparse_encode(values, code)
+    chunks = torch.from_numpy(values[: n // code.chunk * code.chunk]).view(-1, code.chunk)
+    return {
+        "topk_pack_gbps": gigabytes / median_seconds(lambda: sparse_encode(values, code), repeats),
+        "check_gbps": gigabytes / median_seconds(lambda: squared_norm(payload, n, code), repeats),
+        "decode_add_gbps": gigabytes
+        / median_seconds(lambda: sparse_decode_add(payload, acc, code, weight=0.5), repeats),
+        "torch_topk_gbps": gigabytes / median_seconds(lambda: chunks.abs().topk(code.k, dim=1), repeats),
+        "memcpy_gbps": gigabytes / median_seconds(lambda: np.copyto(copy, values), repeats),
+        "bits_per_value": code.bits_per_value(n),
+    }
+
+
 def main() -> None:
     cli = parser(__doc__)
     cli.add_argument("--bits", type=int, choices=[8, 4], default=8, help="code width (default %(default)s)")
+    cli.add_argument("--codec", choices=["dense", "sparse"], default="dense", help="comm.codec's kernels")
     args = cli.parse_args()
     n, block, repeats = (64 << 20) // 4, 256, 7
+    if args.codec == "sparse":
+        values = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+        speeds = {key: round(value, 3) for key, value in sparse_codes(values, repeats).items()}
+        summary: dict[str, object] = {
+            "codec": "sparse",
+            "buffer_mib": values.nbytes >> 20,
+            "threads": _kernels.max_threads(),
+            **speeds,
+        }
+        for kernel in ("topk_pack", "check", "decode_add", "torch_topk"):
+            summary[f"{kernel}_vs_memcpy"] = round(speeds[f"{kernel}_gbps"] / speeds["memcpy_gbps"], 2)
+        report(summary, args.json)
+        return
     if args.bits == 4:
         values = np.random.default_rng(0).standard_normal(n).astype(np.float32)
         speeds = {key: round(value, 3) for key, value in four_bits(values, block, repeats).items()}

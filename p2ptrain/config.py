@@ -30,6 +30,7 @@ from p2ptrain.errors import ConfigError
 Topology = Literal["auto", "ring", "butterfly"]
 Robust = Literal["auto", "off", "clip", "reweighted"]
 Aggregation = Literal["off", "clip", "reweighted"]
+Codec = Literal["dense", "sparse"]
 """comm.topology: the reduce-scatter path (auto: the ring at 3 members or fewer, else butterfly)."""
 
 MAX_CONNECTIONS = 16
@@ -411,6 +412,32 @@ class CommConfig(Section):
     """Under robust aggregation, a member's share counts with a norm of at most `clip` × the median
     of the members' signed norm claims (weight-normalised), and at most its own claim."""
 
+    codec: Annotated[Codec, SHARED] = "dense"
+    """What members send: "dense", every value at `bits` (the ring or the butterfly); "sparse", the
+    top `sparse_k` of every `sparse_chunk` values of an error-feedback accumulator at 2 bits, about
+    0.23 bits per value, sent to every other member (codec/sparse.py, reduce/gather.py). Sparse
+    sends (n − 1) shares per member: less than the dense ring up to a few dozen members (docs/05).
+    It changes the outer step's defaults to SparseLoCo's: outer.momentum 0, outer.lr 1."""
+    sparse_chunk: Annotated[int, SHARED] = Field(4096, ge=16, le=65536)
+    """Sparse codec: values per chunk, a power of two (an index takes log2 of it in bits)."""
+    sparse_k: Annotated[int, SHARED] = Field(64, ge=1, le=65536)
+    """Sparse codec: values kept per chunk (64 of 4096: 1.6 %, 0.234 bits per value)."""
+    error_feedback: Annotated[float, SHARED] = Field(0.95, ge=0, le=1)
+    """Sparse codec: how much of each node's unsent accumulator carries into the next step (β)."""
+
+    @field_validator("sparse_chunk")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError(f"must be a power of two, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _k_within_chunk(self) -> CommConfig:
+        if self.sparse_k > self.sparse_chunk:
+            raise ValueError(f"sparse_k ({self.sparse_k}) must be at most sparse_chunk ({self.sparse_chunk})")
+        return self
+
     @field_validator("clip", mode="before")
     @classmethod
     def _clip_zero_was_off(cls, value: object) -> object:
@@ -443,6 +470,17 @@ class Config(Section):
         run's operator admitted every member and keeps the plain mean unless they choose otherwise."""
         if self.comm.robust == "auto":
             self.comm.robust = "off" if self.run.authority else "reweighted"
+        return self
+
+    @model_validator(mode="after")
+    def _sparseloco_outer_step(self) -> Config:
+        """The sparse codec's error feedback stands in for the outer momentum (SparseLoCo): unless
+        set, its outer step is plain SGD at lr 1 on the mean of the decoded shares."""
+        if self.comm.codec == "sparse":
+            if "momentum" not in self.outer.model_fields_set:
+                self.outer.momentum = 0.0
+            if "lr" not in self.outer.model_fields_set:
+                self.outer.lr = 1.0
         return self
 
     def shared(self) -> dict[str, Any]:

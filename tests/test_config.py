@@ -166,6 +166,7 @@ def test_the_shared_fields_are_those_marked_and_no_others() -> None:
         *(f"outer.{key}" for key in ("lr", "momentum", "nesterov", "overlap")),
         *(f"comm.{key}" for key in ("quant_block", "bits", "chunk_bytes", "connections", "zstd")),
         *(f"comm.{key}" for key in ("topology", "robust", "clip")),
+        *(f"comm.{key}" for key in ("codec", "sparse_chunk", "sparse_k", "error_feedback")),
     }
     assert set(shared["outer"]["overlap"]) == set(Config().outer.overlap.model_dump())
 

@@ -143,3 +143,17 @@ def test_a_node_that_gave_a_step_up_takes_the_next_one_only_after_the_others_fin
     after = next(entry for entry in logs["node2"][3:] if "given_up" not in entry)
     assert after["ready_time"] > others_done, (after, others_done)
     assert "waiting for the others to end it" in swarm.log("node2")
+
+
+def test_a_swarm_on_the_sparse_codec_agrees_on_every_step_and_sends_a_fraction_of_the_bytes(
+    swarm: LocalSwarm,
+) -> None:
+    """comm.codec = "sparse": each node gathers the others' shares and computes the same mean
+    (reduce/gather.py), with its own error feedback; a 50k-value vector takes 1.5 kB a share."""
+    names = start_drill(swarm, 6, "--set", 'comm.codec="sparse"')
+    logs = finish(swarm, names)
+    assert all(len(log) == 6 for log in logs.values()), logs
+    assert_agreement(logs, range(6))
+    assert all(len(entry["members"]) == 3 for log in logs.values() for entry in log)
+    share = 50_000 // 4096 * 120 + 8 + 96 + 16  # 12 whole chunks' records and the last one's
+    assert all(entry["bytes_sent"] == 2 * share for log in logs.values() for entry in log), logs

@@ -17,11 +17,14 @@ from typing import Any
 
 import numpy as np
 
+from p2ptrain.comm.codec.sparse import ErrorFeedback
 from p2ptrain.comm.net.attempt import AllReduceError
 from p2ptrain.comm.net.reach import can_be_dialed
 from p2ptrain.comm.net.record_push import RecordPusher
 from p2ptrain.comm.net.server import DataPlaneServer
-from p2ptrain.comm.reduce.allreduce import ReduceStats, all_reduce
+from p2ptrain.comm.reduce.allreduce import all_reduce
+from p2ptrain.comm.reduce.gather import sparse_code
+from p2ptrain.comm.reduce.plan import ReduceStats
 from p2ptrain.config import Config
 from p2ptrain.faults import Faults
 from p2ptrain.identity import short_id
@@ -100,6 +103,14 @@ class OuterSync:
         """The run's standby relays (bootstrap --relay), for steps whose members are all behind NAT."""
         self.faults = Faults.from_env()
         self.poisoner = self.faults.poisoner()
+        comm = config.comm
+        self.feedback = (
+            ErrorFeedback(code=sparse_code(comm), decay=comm.error_feedback)
+            if comm.codec == "sparse"
+            else None
+        )
+        """This node's error-feedback accumulator under the sparse codec (codec/sparse.py): one more
+        model-sized fp32 vector, per node (a node that starts, or restarts, starts from zeros)."""
         self.last_result: np.ndarray | None = None
         """The last all-reduce result this node took (robust aggregation weighs the shares of the
         segment it owns by their agreement with it): one more model-sized fp32 vector, kept only
@@ -265,7 +276,7 @@ class OuterSync:
         members = result.election.keys
         if self.poisoner is not None:
             self.poisoner.remember(vector)  # the all-reduce left the shared result in it
-        if self.config.comm.aggregation == "reweighted" and len(members) > 1:
+        if self.config.comm.aggregation == "reweighted" and self.feedback is None and len(members) > 1:
             if self.last_result is None or self.last_result.shape != vector.shape:
                 self.last_result = np.empty_like(vector)
             np.copyto(self.last_result, vector)
@@ -329,6 +340,7 @@ class OuterSync:
                     progress=lambda *_: self.faults.die_mid_reduce(step),
                     relays=election.relays,
                     reference=self.last_result,
+                    feedback=self.feedback,
                 )
                 stats = await finish_first(reduce, LEAVING_GRACE_S)  # a node that stops finishes it
             except AllReduceError as exc:
@@ -379,6 +391,11 @@ class OuterSync:
                     chunks,
                 )
             for key, chunks in stats.left_out.items():
+                if self.feedback is not None:
+                    log.warning(
+                        "step %d: left out %s's share: malformed (every member did)", step, short_id(key)
+                    )
+                    continue
                 log.warning(
                     "step %d: counted %s's share at under half its weight in %d chunk(s) (comm.robust "
                     "reweighted: its pseudo-gradient points away from the others')",

@@ -235,12 +235,13 @@ class SwarmLink(SoloSwarm):
         if warning is not None:
             log.warning("%s", warning)
         comm = self.config.comm
-        self.results.add(
-            step,
-            StepResult(
-                numel=vector.shape[0], block=comm.quant_block, chunks=result.stats.result, bits=comm.bits
-            ),
-        )
+        if comm.codec == "dense":  # replaying a sparse step needs every share: not served yet
+            self.results.add(
+                step,
+                StepResult(
+                    numel=vector.shape[0], block=comm.quant_block, chunks=result.stats.result, bits=comm.bits
+                ),
+            )
         ring = [short_key(member.key) for member in result.election.members]
         averaged = Averaged(step, len(ring), ring, seconds, result.stats.bytes_sent)
         averaged.relayed_bytes = self.server.relay.bytes_relayed
@@ -274,7 +275,10 @@ class SwarmLink(SoloSwarm):
     async def replay(self, step: int, vector: np.ndarray) -> bool:
         """If the swarm is past `step`, decode the result of its all-reduce of `step`, fetched from a
         member that did it, into `vector`; False (vector unchanged) when the swarm is not ahead or
-        no member still keeps that result."""
+        no member still keeps that result (or the run uses the sparse codec, whose steps members
+        do not keep for replay yet: such a node takes the majority's checkpoint instead)."""
+        if self.config.comm.codec != "dense":
+            return False
         peers = await self._peers()
         if not swarm_ahead(peers, step, me=self.identity.public_key, finished=self._view().finished):
             return False
@@ -308,6 +312,8 @@ class SwarmLink(SoloSwarm):
         """While the checkpoint downloads, collect the results of the steps the swarm takes meanwhile,
         from the step before the holders' (the checkpoint's own step at the latest) on; at most the
         size of the fp32 vector twice in RAM (8 results at int8). `holders`: not empty."""
+        if self.config.comm.codec != "dense":
+            return  # nothing to collect: see `replay`
         if self.collector is None:
             numel = parameter_count(self.config.model)
             self.collector = ResultCollector(

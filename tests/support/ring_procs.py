@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -15,12 +16,15 @@ from typing import Any
 
 import numpy as np
 
+from p2ptrain.comm.codec import sparse
 from p2ptrain.comm.net.attempt import AllReduceError
 from p2ptrain.comm.net.members import Member
 from p2ptrain.comm.net.server import DataPlaneServer
 from p2ptrain.comm.reduce import allreduce
-from p2ptrain.comm.reduce.allreduce import ReduceStats, all_reduce
+from p2ptrain.comm.reduce.allreduce import all_reduce
 from p2ptrain.comm.reduce.barrier import ToSuccessor
+from p2ptrain.comm.reduce.gather import GatherPlan
+from p2ptrain.comm.reduce.plan import ReducePlan, ReduceStats
 from p2ptrain.comm.reduce.transfer import Slots
 from p2ptrain.comm.robust import claims, clipping
 from p2ptrain.comm.transport import lanes
@@ -107,7 +111,15 @@ def _member(spec: MemberSpec, inbox: Any, outbox: Any) -> None:
             buffer[length // 2] = np.nan if fault == "nan" else -np.inf
         if fault in ("scale", "lying_owner", "low_claims"):  # a poisoner: fault_after times its own
             buffer *= np.float32(fault_after)
-        if fault in ("lying_owner", "low_claims", "tamper_forward", "withhold_last", "forge_barrier"):
+        if fault in (
+            "lying_owner",
+            "low_claims",
+            "tamper_forward",
+            "withhold_last",
+            "forge_barrier",
+            "malformed_share",
+            "equivocate",
+        ):
             lie(fault, fault_after)
         if fault == "freeze_at_barrier":
             freeze_at_barrier()
@@ -225,13 +237,13 @@ def send_slowly(rate: float) -> None:
 def freeze_at_barrier() -> None:
     """Stop this process (SIGSTOP: a frozen machine) once every data frame of its is in and out,
     before it sends its set of holders."""
-    check = allreduce._AllReduce.check_results
+    check = ReducePlan.check_results
 
     def frozen(plan: Any) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
         check(plan)
 
-    allreduce._AllReduce.check_results = frozen  # type: ignore[method-assign,assignment]
+    ReducePlan.check_results = frozen  # type: ignore[method-assign,assignment]
 
 
 def lie(fault: str, factor: int) -> None:
@@ -241,7 +253,37 @@ def lie(fault: str, factor: int) -> None:
     the all-gather it passes on (the owner's signature then no longer matches). Against the
     completion barrier, two accomplices among `factor` members (ring topology): "withhold_last"
     never sends its successor the chunks of its last all-gather round, "forge_barrier" sends its
-    successor a set naming every member, its own signatures junk, as soon as its data are in."""
+    successor a set naming every member, its own signatures junk, as soon as its data are in.
+    Under the sparse codec (gather.py): "malformed_share" sends a share whose first chunk repeats
+    an index, "equivocate" sends member `factor` a share with one byte changed."""
+    if fault == "malformed_share":
+        honest_encode = sparse.encode
+
+        def malformed(*args: Any, **kwargs: Any) -> bytearray:
+            share = honest_encode(*args, **kwargs)
+            share[8:11] = b"\x00\x00\x00"  # the first two indices of chunk 0 are both 0
+            return share
+
+        sparse.encode = malformed
+        return
+    if fault == "equivocate":
+        honest_outgoing, honest_send = GatherPlan._outgoing, GatherPlan.send_lane
+        sending_to = threading.local()  # each sending thread serves one peer
+
+        def send_lane(self: GatherPlan, peer: int, lane: int, channel: Any) -> None:
+            sending_to.peer = peer
+            honest_send(self, peer, lane, channel)
+
+        def two_faced(self: GatherPlan, spec: Any, scratch: bytearray, channel: Any) -> tuple[Any, None]:
+            payload, _ = honest_outgoing(self, spec, scratch, channel)
+            if sending_to.peer == factor and spec[1] == 0:
+                payload = bytearray(payload)
+                payload[0] ^= 0x40  # the first chunk's lo magnitude: a well-formed, other share
+            return payload, None
+
+        GatherPlan._outgoing = two_faced  # type: ignore[method-assign]
+        GatherPlan.send_lane = send_lane  # type: ignore[method-assign,assignment]
+        return
     if fault == "lying_owner":
 
         def unclipped(

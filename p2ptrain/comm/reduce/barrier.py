@@ -145,9 +145,18 @@ class Holding:
 
     @classmethod
     def signed(
-        cls, identity: NodeIdentity, step: int, *, keys: Sequence[bytes], digest: bytes, attempt: int
+        cls,
+        identity: NodeIdentity,
+        step: int,
+        *,
+        keys: Sequence[bytes],
+        digest: bytes,
+        attempt: int,
+        holds: bytes = b"",
     ) -> Holding:
-        statement = DOMAIN + digest + attempt.to_bytes(4, "big")
+        """`holds`: a digest of what this member holds where members could hold different things
+        (the sparse gather's shares, gather.py), so that a member holding others fails the barrier."""
+        statement = DOMAIN + digest + attempt.to_bytes(4, "big") + holds
         return cls(
             index=keys.index(identity.public_key),
             step=step,
@@ -210,7 +219,8 @@ def await_every_holder(
             if not verify(holding.keys[member], signature, holding.statement):
                 raise FrameError(
                     f"barrier frame naming member {member} ({short_id(holding.keys[member])}) as a "
-                    "holder without its signature of this attempt: a forged set"
+                    "holder without its signature of this attempt: a forged set, or it holds other "
+                    "shares than this member (a sender gave members different ones)"
                 )
             signatures[member] = signature
             known |= 1 << member

@@ -14,7 +14,8 @@ from p2ptrain.config import CommConfig
 
 Stream = list[tuple[str, int, int]]
 """What travels from one member to another, in order: (phase, round, segment) for every chunk of
-the segment. Phases: "rs" (reduce-scatter), "ag" (all-gather)."""
+the segment. Phases: "rs" (reduce-scatter), "ag" (all-gather), "sg" (the sparse codec's gather:
+each member's own share of the segment, round = segment)."""
 FrameSpec = tuple[str, int, int, int, int]
 """One frame of a stream: (phase, round, chunk, start, stop)."""
 
@@ -41,18 +42,26 @@ AUTO_RING_MAX_MEMBERS = 3
 MIN_ROBUST_MEMBERS = MIN_MEMBERS
 """Robust aggregation needs a majority to tell a poisoner from: with two members neither outvotes
 the other, so their step is the plain mean (ring, no claims) whatever comm.robust says."""
+GATHER = "sg"
+SPARSE_FRAME_VALUES = 32
+"""Under the sparse codec a frame holds this many times the values of a dense one (chunk_bytes / 4):
+at 0.23 bits a value, about 1 MB on the wire for the default 4 MiB."""
 CLAIMS, BUNDLE = "cl", "bd"
 """Robust aggregation's frames: a member's signed norm claims, an owner's bundle of them (claims.py)."""
 
 
 def robust(comm: CommConfig, members: int) -> bool:
-    """Whether a step of `members` aggregates robustly (the same answer on every member)."""
+    """Whether a step of `members` aggregates robustly (the same answer on every member): with the
+    sparse codec, where every member has every share, each computes the same robust sum alone."""
     return comm.aggregation != "off" and members >= MIN_ROBUST_MEMBERS
 
 
 def choose_topology(comm: CommConfig, members: int, behind_nat: int = 0) -> str:
     """`behind_nat`: members nobody can dial. Two of them connect through a relay (relay.py), and
-    the butterfly connects every pair: "auto" then takes the ring, whose order keeps them apart."""
+    the butterfly connects every pair: "auto" then takes the ring, whose order keeps them apart.
+    The sparse codec's shares do not add up along a ring (their indices differ): they are gathered."""
+    if comm.codec == "sparse":
+        return "gather"
     if robust(comm, members):
         return "butterfly"  # the ring re-encodes partial sums: no member's share is seen alone
     if comm.topology != "auto":
@@ -81,18 +90,19 @@ class Schedule:
     @classmethod
     def of(cls, *, index: int, n: int, length: int, comm: CommConfig, behind_nat: int = 0) -> Schedule:
         """Member `index` of `n` reducing `length` values; `behind_nat`: members nobody can dial."""
-        block = comm.quant_block
-        bounds = segment_bounds(length, n, block)
-        chunk = max(block, (comm.chunk_bytes // 4 // block) * block)
-        chunks = [chunk_bounds(bounds[s], bounds[s + 1], chunk) for s in range(n)]
         topology = choose_topology(comm, n, behind_nat)
+        block = comm.sparse_chunk if topology == "gather" else comm.quant_block
+        values = comm.chunk_bytes // 4 * (SPARSE_FRAME_VALUES if topology == "gather" else 1)
+        bounds = segment_bounds(length, n, block)
+        chunk = max(block, (values // block) * block)
+        chunks = [chunk_bounds(bounds[s], bounds[s + 1], chunk) for s in range(n)]
         return cls(
             index=index,
             n=n,
             topology=topology,
             chunks=chunks,
             lanes=comm.connections,
-            robust=robust(comm, n),
+            robust=robust(comm, n) and topology != "gather",  # a gather's robust sum needs no frames
         )
 
     @property
@@ -107,13 +117,15 @@ class Schedule:
         return [peer for peer in range(self.n) if peer != self.index]
 
     def out_peers(self) -> list[int]:
-        return self.others() if self.topology == "butterfly" else [self.successor]
+        return [self.successor] if self.topology == "ring" else self.others()
 
     def in_peers(self) -> list[int]:
-        return self.others() if self.topology == "butterfly" else [self.predecessor]
+        return [self.predecessor] if self.topology == "ring" else self.others()
 
     def send_stream(self, peer: int) -> Stream:
         n, i = self.n, self.index
+        if self.topology == "gather":  # our whole share, to every other member
+            return [(GATHER, segment, segment) for segment in range(n)]
         if self.topology == "ring":
             stream = [("rs", rnd, (i - rnd) % n) for rnd in range(n - 1)]
         else:
@@ -124,6 +136,8 @@ class Schedule:
 
     def receive_stream(self, peer: int) -> Stream:
         n, i = self.n, self.index
+        if self.topology == "gather":
+            return [(GATHER, segment, segment) for segment in range(n)]
         if self.topology == "ring":
             stream = [("rs", rnd, (i - rnd - 1) % n) for rnd in range(n - 1)]
         else:

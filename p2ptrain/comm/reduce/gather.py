@@ -1,0 +1,157 @@
+"""The sparse codec's sync: every member sends its share to every other member, and each computes
+the same weighted, robust mean of all of them alone.
+
+Shares of different members keep different indices, so partial sums along a ring would grow
+denser at every hop; instead each member uploads its share (codec/sparse.py) n − 1 times and
+downloads the n − 1 others. Against the dense int8 ring's 2(n − 1)/n bytes per value, that is
+(n − 1) × s/8 at s bits per value: at 0.234 bits, 1/68 of the ring's upload at 2 members, 1/8 at 9
+(docs/results/2026-12-allreduce.md has the measured crossover). The frames are the share's chunk-aligned
+ranges (schedule.py's "sg" frames, the same lanes, handshake, relays, keepalives and warm lanes as
+the dense topologies); each lands straight at its place in that member's copy.
+
+Once every share is in, each member computes, from the same bytes in the same order:
+- each share's validity and norm (`sparse.squared_norm`): a malformed one counts 0, on every
+  member alike, and is reported (left_out);
+- under robust aggregation (comm.robust, from 3 members), each share's factor min(1, clip × the
+  median norm / its norm): no member counts for more than `clip` typical members in size;
+- the result, 0 plus weight_i × decode(share_i) for i in member order, in fp32: the same floats on
+  every member.
+So nothing needs an owner to trust or claims to check. What could still differ is the shares
+themselves: a member that sends one share to some and another to others. The barrier
+(barrier.py) therefore signs the sha256 of all n shares as each member holds them, and a member
+that holds other shares than its predecessor's fails the attempt for all instead of taking a
+result that differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import statistics
+from collections.abc import Sequence
+
+import numpy as np
+
+from p2ptrain.comm.codec import sparse
+from p2ptrain.comm.codec.quant import Buffer, PayloadError
+from p2ptrain.comm.net.members import Member
+from p2ptrain.comm.reduce.plan import Progress, ReducePlan
+from p2ptrain.comm.reduce.schedule import GATHER, FrameSpec, robust
+from p2ptrain.comm.robust.clipping import CUT_FAR
+from p2ptrain.comm.transport import lanes
+from p2ptrain.comm.transport.wire import FrameError
+from p2ptrain.config import CommConfig
+from p2ptrain.identity import NodeIdentity
+
+
+def sparse_code(comm: CommConfig) -> sparse.SparseCode:
+    return sparse.SparseCode(chunk=comm.sparse_chunk, k=comm.sparse_k)
+
+
+class GatherPlan(ReducePlan):
+    """One member's part in a sparse gather: sends `own_share`, collects every other member's."""
+
+    def __init__(
+        self,
+        *,
+        index: int,
+        members: Sequence[Member],
+        own: np.ndarray,
+        own_share: bytearray,
+        comm: CommConfig,
+        step: int,
+        progress: Progress | None,
+        identity: NodeIdentity,
+        digest: bytes,
+    ):
+        self.code = sparse_code(comm)  # before the base class sizes its buffers with _size
+        super().__init__(
+            index=index,
+            members=members,
+            own=own,
+            comm=comm,
+            step=step,
+            progress=progress,
+            identity=identity,
+            digest=digest,
+        )
+        assert self.schedule.topology == "gather"
+        size = self.code.payload_size(own.shape[0])
+        if len(own_share) != size:
+            raise ValueError(f"a share of {len(own_share)} bytes for {own.shape[0]} values")
+        self.shares: list[bytearray] = [
+            own_share if member == index else bytearray(size) for member in range(self.n)
+        ]
+        self.weights: list[float] = []
+        """Each member's weight in the result, settled by `check_results`."""
+
+    def _size(self, length: int) -> int:
+        return self.code.payload_size(length)
+
+    def _range(self, start: int, stop: int) -> slice:
+        return slice(self.code.offset(start), self.code.offset(start) + self._size(stop - start))
+
+    def _outgoing(
+        self, spec: FrameSpec, scratch: bytearray, channel: lanes.Channel
+    ) -> tuple[Buffer, bytearray | None]:
+        phase, _, _, start, stop = spec
+        assert phase == GATHER
+        return memoryview(self.shares[self.index])[self._range(start, stop)], None
+
+    def _place(
+        self, peer: int, spec: FrameSpec, scratch: memoryview, header: dict, length: int
+    ) -> memoryview | None:
+        _, _, _, start, stop = spec
+        if header.get("zstd") or length != self._size(stop - start):
+            return None  # a fresh buffer; the checks after the read refuse what is wrong
+        return memoryview(self.shares[peer])[self._range(start, stop)]
+
+    def _incoming(self, peer: int, spec: FrameSpec, header: dict, payload: Buffer) -> None:
+        _, _, _, start, stop = spec
+        place = self._range(start, stop)
+        if len(payload) != place.stop - place.start:
+            raise FrameError(f"a sparse frame of {len(payload)} bytes for {stop - start} values")
+        if not (isinstance(payload, memoryview) and payload.obj is self.shares[peer]):
+            self.shares[peer][place] = payload  # not received in place (zstd): copied there
+
+    def check_results(self) -> None:
+        """Every share is in: settle each member's weight by the rule every member applies alike."""
+        length = self.own.shape[0]
+        norms: list[float | None] = []
+        for share in self.shares:
+            try:
+                norms.append(math.sqrt(sparse.squared_norm(share, length, self.code)))
+            except PayloadError:
+                norms.append(None)
+        factors = [0.0 if norm is None else 1.0 for norm in norms]
+        if robust(self.comm, self.n):
+            counted = [
+                norm for norm, fraction in zip(norms, self.fractions, strict=True) if norm and fraction > 0
+            ]
+            limit = self.comm.clip * statistics.median(counted) if counted else math.inf
+            factors = [
+                factor if norm is None or norm <= limit else limit / norm
+                for factor, norm in zip(factors, norms, strict=True)
+            ]
+        self.weights = [
+            float(np.float32(fraction * factor))
+            for fraction, factor in zip(self.fractions, factors, strict=True)
+        ]
+        for member, (norm, factor) in enumerate(zip(norms, factors, strict=True)):
+            if norm is None:
+                self.stats.left_out[self.keys[member]] = 1
+            elif factor < CUT_FAR:
+                self.stats.clipped[self.keys[member]] = 1
+
+    def holding_digest(self) -> bytes:
+        """sha256 over every member's share, in member order: what the barrier signs."""
+        hashed = hashlib.sha256()
+        for share in self.shares:
+            hashed.update(hashlib.sha256(share).digest())
+        return hashed.digest()
+
+    def write_result(self, buffer: np.ndarray) -> None:
+        buffer.fill(0)
+        for share, weight in zip(self.shares, self.weights, strict=True):
+            if weight:
+                sparse.decode_add(share, buffer, self.code, weight=weight, threads=self.threads)

@@ -1,0 +1,190 @@
+"""The sparse error-feedback codec (codec/sparse.py) and its gather (reduce/gather.py): the kernels
+against their NumPy oracle, the accumulator, and member processes on 127.0.0.1 (real sockets)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from p2ptrain.comm.codec import sparse
+from p2ptrain.comm.codec.quant import NonFiniteError, PayloadError
+from p2ptrain.comm.reduce.schedule import Schedule
+from p2ptrain.config import CommConfig, load_config
+from tests.support.ring_procs import run_ring, shares_of
+
+CODE = sparse.SparseCode()
+SPARSE = CommConfig(codec="sparse", chunk_bytes=1 << 12)
+"""Frames of 32 Ki values: a 200k-value vector takes several per segment."""
+
+
+def vectors(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+
+
+@pytest.mark.parametrize(
+    ("n", "chunk", "k"),
+    [
+        (10_000, 4096, 64),
+        (3 * 4096, 4096, 64),
+        (100, 16, 5),
+        (33, 16, 16),
+        (1, 16, 3),
+        (5000, 256, 1),
+        (70_000, 65536, 100),
+    ],
+)
+def test_kernels_match_the_numpy_oracle(n: int, chunk: int, k: int) -> None:
+    code = sparse.SparseCode(chunk=chunk, k=k)
+    values = vectors(n)
+    values[::7] = values[0]  # ties at the threshold: the lower index first, in both
+    values[1::11] = 0.0
+    payload = sparse.encode(values, code)
+    assert bytes(payload) == sparse.reference_encode(values, code)
+    assert len(payload) == code.payload_size(n)
+    decoded = sparse.reference_decode(payload, n, code)
+    acc = np.zeros(n, np.float32)
+    sparse.decode_add(payload, acc, code)
+    assert np.array_equal(acc, decoded)
+    assert sparse.squared_norm(payload, n, code) == pytest.approx(float(np.dot(decoded, decoded)), rel=1e-6)
+    kept = np.count_nonzero(decoded)
+    assert kept <= sum(min(k, n - start) for start in range(0, n, chunk))
+
+
+def test_the_default_code_is_under_a_quarter_bit_per_value_and_keeps_the_largest() -> None:
+    values = vectors(1 << 20)
+    payload = sparse.encode(values, CODE)
+    assert CODE.bits_per_value(values.size) == pytest.approx(0.234, abs=0.001)
+    decoded = sparse.reference_decode(payload, values.size, CODE)
+    chunk = np.abs(values[:4096])
+    kept = np.flatnonzero(decoded[:4096])
+    assert kept.size == 64 and chunk[kept].min() >= np.sort(chunk)[-64]
+    assert np.all(np.sign(decoded[kept]) == np.sign(values[kept]))
+    # what the two levels keep of the kept values: a 2-bit code's error, not a lost direction
+    cosine = np.dot(decoded, values) / np.linalg.norm(decoded) / np.linalg.norm(values)
+    assert cosine > 0.2
+
+
+def test_non_finite_values_are_never_encoded() -> None:
+    values = vectors(10_000)
+    values[5000] = np.inf
+    with pytest.raises(NonFiniteError):
+        sparse.encode(values, CODE)
+
+
+@pytest.mark.parametrize("damage", ["repeated index", "index past the end", "negative level", "short"])
+def test_a_malformed_payload_is_refused_before_anything_decodes_it(damage: str) -> None:
+    n = 10_000
+    payload = sparse.encode(vectors(n), CODE)
+    if damage == "repeated index":
+        payload[8:11] = b"\x00\x00\x00"
+    elif damage == "index past the end":  # the last chunk holds 10000 - 8192 values; 4095 is past it
+        last = CODE.offset(8192)
+        payload[last + 8 + 94 : last + 8 + 96] = b"\xff\xff"
+    elif damage == "negative level":
+        payload[3] |= 0x80
+    else:
+        payload = payload[:-1]
+    with pytest.raises(PayloadError):
+        sparse.squared_norm(payload, n, CODE)
+
+
+def test_error_feedback_keeps_what_was_not_sent_and_sends_one_share_per_step() -> None:
+    feedback = sparse.ErrorFeedback(code=CODE, decay=0.5)
+    first, second = vectors(50_000, 1), vectors(50_000, 2)
+    share = feedback.share(0, first)
+    assert feedback.share(0, second) is share  # a retried attempt sends the same share
+    feedback.sent(0)
+    feedback.sent(0)  # once only
+    assert feedback.error is not None
+    sent = sparse.reference_decode(share, first.size, CODE)
+    assert np.array_equal(feedback.error, first - sent)
+    share = feedback.share(1, second)
+    expected = (first - sent) * np.float32(0.5) + second
+    assert np.array_equal(feedback.error, expected)
+    assert bytes(share) == sparse.reference_encode(expected, CODE)
+    # a step given up leaves its delta in the accumulator; a NaN delta changes nothing
+    before = feedback.error.copy()
+    bad = second.copy()
+    bad[7] = np.nan
+    with pytest.raises(NonFiniteError):
+        feedback.share(2, bad)
+    assert np.array_equal(feedback.error, before)
+
+
+def test_the_sparse_codec_gathers_and_takes_sparseloco_s_outer_step() -> None:
+    schedule = Schedule.of(index=0, n=4, length=1_000_000, comm=SPARSE)
+    assert schedule.topology == "gather" and schedule.out_peers() == [1, 2, 3] == schedule.in_peers()
+    assert all(start % 4096 == 0 for chunks in schedule.chunks for start, _ in chunks)
+    assert not schedule.robust  # no claims: every member computes the robust sum itself
+    config = load_config("debug", overrides=['comm.codec="sparse"'])
+    assert (config.outer.momentum, config.outer.lr) == (0.0, 1.0)
+    config = load_config("debug", overrides=['comm.codec="sparse"', "outer.momentum=0.5"])
+    assert config.outer.momentum == 0.5
+
+
+def expected_mean(inputs: list[np.ndarray], weights: list[float]) -> np.ndarray:
+    """The gather's result as every member computes it: Σ f_i · decode(share_i), in member order, fp32."""
+    result = np.zeros_like(inputs[0])
+    for fraction, values in zip(shares_of(weights), inputs, strict=True):
+        decoded = sparse.reference_decode(sparse.reference_encode(values, CODE), values.size, CODE)
+        result += np.float32(fraction) * decoded
+    return result
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize("n", [2, 4])
+def test_every_member_takes_the_same_mean_of_the_decoded_shares(tmp_path: Path, n: int) -> None:
+    weights = [float(i + 1) for i in range(n)]
+    length = 200_003
+    outcomes, results, inputs = run_ring(tmp_path, n, length, weights=weights, comm=SPARSE)
+    assert all(outcome.ok for outcome in outcomes.values()) and len(results) == n, outcomes
+    first = results[0]
+    assert all(np.array_equal(first.view(np.uint32), other.view(np.uint32)) for other in results.values())
+    assert np.allclose(first, expected_mean(inputs, weights), rtol=0, atol=1e-6)
+    # each member uploads its share once to each of the others: under a quarter bit per value each
+    share = CODE.payload_size(length)
+    assert all(outcome.bytes_sent == (n - 1) * share for outcome in outcomes.values())
+    assert 8 * share / length < 0.25
+
+
+@pytest.mark.procs
+def test_a_malformed_share_is_left_out_by_every_member_alike(tmp_path: Path) -> None:
+    outcomes, results, inputs = run_ring(
+        tmp_path, 4, 100_000, comm=SPARSE, faults={3: ("malformed_share", 0)}
+    )
+    assert all(outcome.ok for outcome in outcomes.values()) and len(results) == 4, outcomes
+    assert all(np.array_equal(results[0], other) for other in results.values())
+    honest = expected_mean(inputs[:3], [1.0] * 3) * np.float32(3 / 4)  # its quarter of the weight: 0
+    assert np.allclose(results[0], honest, rtol=0, atol=1e-6)
+
+
+@pytest.mark.procs
+def test_a_share_a_hundred_times_the_others_counts_as_one_typical_member(tmp_path: Path) -> None:
+    comm = SPARSE.model_copy(update={"robust": "clip"})
+    outcomes, results, _ = run_ring(tmp_path, 4, 100_000, comm=comm, faults={3: ("scale", 100)})
+    assert all(outcome.ok for outcome in outcomes.values()) and len(results) == 4, outcomes
+    assert all(np.array_equal(results[0], other) for other in results.values())
+    assert all(outcome.clipped == {3: 1} for outcome in outcomes.values()), outcomes
+    honest = np.linalg.norm(sparse.reference_decode(sparse.encode(vectors(100_000), CODE), 100_000, CODE))
+    assert np.linalg.norm(results[0]) < 1.5 * honest
+
+
+@pytest.mark.procs
+def test_a_member_sending_one_member_another_share_fails_the_attempt_for_all(tmp_path: Path) -> None:
+    """Equivocation: the barrier signs the shares each member holds, so no member takes a result
+    that another member computed from other bytes."""
+    outcomes, results, _ = run_ring(tmp_path, 4, 100_000, comm=SPARSE, faults={0: ("equivocate", 2)})
+    assert not results, outcomes
+    assert len(outcomes) == 4 and not any(outcome.ok for outcome in outcomes.values()), outcomes
+    assert any("other shares" in outcome.error for outcome in outcomes.values()), outcomes
+
+
+@pytest.mark.procs
+def test_members_behind_nat_gather_through_dials_and_relays(tmp_path: Path) -> None:
+    outcomes, results, inputs = run_ring(tmp_path, 4, 100_000, comm=SPARSE, behind_nat=frozenset({1, 3}))
+    assert all(outcome.ok for outcome in outcomes.values()) and len(results) == 4, outcomes
+    assert all(np.array_equal(results[0], other) for other in results.values())
+    assert np.allclose(results[0], expected_mean(inputs, [1.0] * 4), rtol=0, atol=1e-6)
+    assert sum(outcome.relayed for outcome in outcomes.values()) > 0
