@@ -1,4 +1,5 @@
-"""Builds cython_ext/ into the p2ptrain._kernels (dense codes) and p2ptrain._sparse extensions, with OpenMP where the compiler has it."""
+"""Builds cython_ext/ into p2ptrain._kernels (dense codes) and p2ptrain._sparse (sparse codes),
+with OpenMP where the compiler has it."""
 
 from __future__ import annotations
 

@@ -19,10 +19,11 @@ from p2ptrain.ckpt.replay import (
     StepResult,
     fetch_result,
     pack_result,
+    pack_sparse_result,
     unpack_into,
 )
 from p2ptrain.ckpt.sidecar import CheckpointSidecar
-from p2ptrain.comm.codec import quant
+from p2ptrain.comm.codec import quant, sparse
 from p2ptrain.swarm.records import Heartbeat
 from tests.support.helpers import settle
 from tests.support.records import record
@@ -36,6 +37,10 @@ def encoded_chunks(values: np.ndarray, bounds: list[int]) -> list[tuple[int, int
 
 @pytest.fixture
 def result() -> tuple[np.ndarray, bytes]:
+    return dense_step()
+
+
+def dense_step() -> tuple[np.ndarray, bytes]:
     """(what every member decoded, the packed result) of a 10 000-value step 7 in three chunks."""
     values = np.random.default_rng(0).standard_normal(10_000).astype(np.float32)
     chunks = encoded_chunks(values, [0, 4096, 8192, 10_000])
@@ -68,6 +73,53 @@ def test_a_four_bit_result_replays_exactly_and_only_as_four_bits() -> None:
         unpack_into(
             packed, 3, buffer=np.zeros_like(values), block=BLOCK
         )  # a node of the 8-bit run refuses it
+
+
+def sparse_step(members: int = 3, numel: int = 10_000) -> tuple[np.ndarray, bytes, list[bytearray]]:
+    """(what every member of a sparse step took, its packed record, the shares) of step 5."""
+    code = sparse.SparseCode()
+    shares = [
+        sparse.encode(np.random.default_rng(m).standard_normal(numel).astype(np.float32), code)
+        for m in range(members)
+    ]
+    weights = [float(np.float32(1 / members))] * members
+    taken = np.zeros(numel, np.float32)
+    for share, weight in zip(shares, weights, strict=True):
+        sparse.decode_add(share, taken, code, weight=weight)
+    return taken, pack_sparse_result(5, numel, code=code, shares=shares, weights=weights), shares
+
+
+def test_a_sparse_step_replays_as_every_member_summed_it_and_only_in_a_sparse_run() -> None:
+    taken, packed, _ = sparse_step()
+    buffer = np.full(taken.size, 3.0, np.float32)
+    unpack_into(packed, 5, buffer=buffer, block=BLOCK, code=sparse.SparseCode())
+    assert buffer.tobytes() == taken.tobytes()
+    with pytest.raises(ReplayError, match="another codec"):
+        unpack_into(packed, 5, buffer=buffer, block=BLOCK)  # a node of a dense run
+    _, dense = dense_step()
+    with pytest.raises(ReplayError, match="another codec"):
+        unpack_into(dense, 7, buffer=np.zeros(10_000, np.float32), block=BLOCK, code=sparse.SparseCode())
+    with pytest.raises(ReplayError, match="chunk, k"):
+        unpack_into(packed, 5, buffer=buffer, block=BLOCK, code=sparse.SparseCode(k=32))
+
+
+@pytest.mark.parametrize("damage", ["share", "weight", "short"])
+def test_a_sparse_record_with_a_bad_share_or_weight_is_refused_and_the_buffer_kept(damage: str) -> None:
+    _, packed, shares = sparse_step()
+    code = sparse.SparseCode()
+    if damage == "share":  # the last share's first two indices both 0
+        broken = bytearray(packed)
+        at = len(packed) - len(shares[-1]) + 8
+        broken[at : at + 3] = b"\x00\x00\x00"
+        packed = bytes(broken)
+    elif damage == "weight":
+        packed = pack_sparse_result(5, 10_000, code=code, shares=shares, weights=[0.5, 2.0, 0.5])
+    else:
+        packed = packed[:-1]
+    buffer = np.full(10_000, 3.0, np.float32)
+    with pytest.raises(ReplayError):
+        unpack_into(packed, 5, buffer=buffer, block=BLOCK, code=code)
+    assert (buffer == 3.0).all()
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,12 @@ off-track check).
 Served by the checkpoint sidecar as GET /delta/{step}: a u32 header length, a msgpack header
 {"step", "numel", "block", "bits", "chunks": [[start, stop], …]}, then each chunk's payload (quant.py's wire
 encoding) in that order.
+
+Under the sparse codec no member holds an encoded mean: each computed it from every member's share
+(comm/reduce/gather.py). Its record is then those shares and the weights every member gave them:
+header {"step", "numel", "codec": "sparse", "chunk", "k", "weights": [w₀, …]}, then each member's
+share (codec/sparse.py's payload) in member order; decoding it is the members' own sum, the same
+floats.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import msgpack
 import numpy as np
 
 from p2ptrain.ckpt.fetch import checkpoint_source, read_body, stall_timeout
-from p2ptrain.comm.codec import quant
+from p2ptrain.comm.codec import quant, sparse
 from p2ptrain.swarm.election import swarm_ahead
 from p2ptrain.swarm.records import Heartbeat
 from p2ptrain.untrusted import unpack_untrusted
@@ -55,15 +61,55 @@ def pack_result(
     return b"".join([_HEADER_LENGTH.pack(len(header)), header, *(payload for _, _, payload in ordered)])
 
 
-def max_result_bytes(numel: int, block: int, *, chunk_values: int, bits: int = 8) -> int:
-    """Upper bound on a packed result of `numel` values (for bounded reads)."""
+MAX_SPARSE_MEMBERS = 256
+"""The most members a sparse step's record may hold shares of (its size bound: about 7.5 bytes a
+parameter at the default code; the sparse codec's bytes pass the dense ring's at about 70)."""
+
+
+def pack_sparse_result(
+    step: int,
+    numel: int,
+    *,
+    code: sparse.SparseCode,
+    shares: Sequence[quant.Buffer],
+    weights: Sequence[float],
+) -> bytes:
+    """Serialize a sparse step: every member's share and weight, in member order."""
+    header = msgpack.packb(
+        {
+            "step": step,
+            "numel": numel,
+            "codec": "sparse",
+            "chunk": code.chunk,
+            "k": code.k,
+            "weights": list(weights),
+        }
+    )
+    return b"".join([_HEADER_LENGTH.pack(len(header)), header, *(bytes(share) for share in shares)])
+
+
+def max_result_bytes(
+    numel: int, block: int, *, chunk_values: int, bits: int = 8, code: sparse.SparseCode | None = None
+) -> int:
+    """Upper bound on a packed result of `numel` values (for bounded reads); `code`: a sparse step's."""
+    if code is not None:
+        return _HEADER_LENGTH.size + MAX_HEADER + MAX_SPARSE_MEMBERS * code.payload_size(numel)
     chunks = numel // max(1, chunk_values) + 64
     return _HEADER_LENGTH.size + MAX_HEADER + quant.payload_size(numel, block, bits) + 8 * chunks
 
 
-def unpack_into(data: bytes, step: int, *, buffer: np.ndarray, block: int, bits: int = 8) -> None:
+def unpack_into(
+    data: bytes,
+    step: int,
+    *,
+    buffer: np.ndarray,
+    block: int,
+    bits: int = 8,
+    code: sparse.SparseCode | None = None,
+) -> None:
     """Decode a packed result of `step` into `buffer` (fp32, the whole vector); ReplayError if the
-    data is malformed, of another step, or does not cover the vector exactly once."""
+    data is malformed, of another step, or does not cover the vector exactly once. `code`: the
+    run's sparse code, whose records are the members' shares (a dense record is then refused)."""
     if len(data) < _HEADER_LENGTH.size:
         raise ReplayError("truncated result")
     (size,) = _HEADER_LENGTH.unpack_from(data)
@@ -72,6 +118,14 @@ def unpack_into(data: bytes, step: int, *, buffer: np.ndarray, block: int, bits:
     body_start = _HEADER_LENGTH.size + size
     try:
         header = unpack_untrusted(data[_HEADER_LENGTH.size : body_start], MAX_HEADER, MAX_HEADER)
+    except Exception as exc:
+        raise ReplayError(f"malformed header ({exc})") from None
+    if not isinstance(header, dict) or (header.get("codec") == "sparse") != (code is not None):
+        raise ReplayError(f"a result of another codec than this run's ({'sparse' if code else 'dense'})")
+    if code is not None:
+        _unpack_sparse(memoryview(data)[body_start:], header, step=step, buffer=buffer, code=code)
+        return
+    try:
         chunks = [(int(a), int(b)) for a, b in header["chunks"]]
         got = (int(header["step"]), int(header["numel"]), int(header["block"]), int(header["bits"]))
     except Exception as exc:
@@ -99,6 +153,39 @@ def unpack_into(data: bytes, step: int, *, buffer: np.ndarray, block: int, bits:
     quant.dequantize_chunks(decoded, buffer)  # only once all of it checked out: the buffer stays intact
 
 
+def _unpack_sparse(
+    body: memoryview, header: dict, *, step: int, buffer: np.ndarray, code: sparse.SparseCode
+) -> None:
+    """A sparse step's record (see the module docstring) into `buffer`: every share with a weight
+    is checked before the buffer is touched, then summed as the members summed them."""
+    numel = buffer.shape[0]
+    try:
+        got = (int(header["step"]), int(header["numel"]), int(header["chunk"]), int(header["k"]))
+        weights = [float(weight) for weight in header["weights"]]
+    except Exception as exc:
+        raise ReplayError(f"malformed header ({exc})") from None
+    if got != (step, numel, code.chunk, code.k):
+        raise ReplayError(
+            f"result of (step, values, chunk, k) {got}, wanted {(step, numel, code.chunk, code.k)}"
+        )
+    size = code.payload_size(numel)
+    if not 1 <= len(weights) <= MAX_SPARSE_MEMBERS or len(body) != size * len(weights):
+        raise ReplayError(f"{len(body)} bytes of shares for {len(weights)} members of {size} bytes each")
+    if not all(np.isfinite(weight) and 0 <= weight <= 1 for weight in weights):
+        raise ReplayError("a member's weight is not within [0, 1]")
+    shares = [body[member * size : (member + 1) * size] for member in range(len(weights))]
+    for share, weight in zip(shares, weights, strict=True):
+        if weight:
+            try:
+                sparse.squared_norm(share, numel, code)
+            except quant.PayloadError as exc:
+                raise ReplayError(str(exc)) from None
+    buffer.fill(0)
+    for share, weight in zip(shares, weights, strict=True):
+        if weight:
+            sparse.decode_add(share, buffer, code, weight=weight)
+
+
 @dataclass(frozen=True, kw_only=True)
 class StepResult:
     """The encoded chunks (start, stop, payload) of one step's result, as the ring left them."""
@@ -107,6 +194,10 @@ class StepResult:
     block: int
     chunks: Sequence[tuple[int, int, quant.Buffer]]
     bits: int = 8
+    code: sparse.SparseCode | None = None
+    """The sparse codec's: then `shares` and `weights` are the step's record, `chunks` empty."""
+    shares: Sequence[quant.Buffer] = ()
+    weights: Sequence[float] = ()
 
 
 class RecentResults:
@@ -120,7 +211,7 @@ class RecentResults:
         self._results: OrderedDict[int, StepResult] = OrderedDict()
 
     def add(self, step: int, result: StepResult) -> None:
-        if self.keep <= 0 or not result.chunks:  # a one-member step has no encoded result
+        if self.keep <= 0 or not (result.chunks or result.shares):  # a one-member step has none
             return
         self._results[step] = result
         while len(self._results) > self.keep:
@@ -131,6 +222,10 @@ class RecentResults:
         result = self._results.get(step)
         if result is None:
             return None
+        if result.code is not None:
+            return pack_sparse_result(
+                step, result.numel, code=result.code, shares=result.shares, weights=result.weights
+            )
         return pack_result(step, result.numel, block=result.block, chunks=result.chunks, bits=result.bits)
 
 

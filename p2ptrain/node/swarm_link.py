@@ -42,6 +42,7 @@ from p2ptrain.ckpt.replay import (
     unpack_into,
 )
 from p2ptrain.ckpt.sidecar import CheckpointSidecar
+from p2ptrain.comm.reduce.gather import sparse_code
 from p2ptrain.config import Config, parameter_count
 from p2ptrain.deadline import within
 from p2ptrain.errors import cannot_listen
@@ -120,6 +121,8 @@ class SwarmLink(SoloSwarm):
         self.dht = dht
         self.server = node_server(config, identity)
         self.results = RecentResults(config.checkpoint.replay_steps)
+        self.code = sparse_code(config.comm) if config.comm.codec == "sparse" else None
+        """The sparse codec's code, whose steps are kept and replayed as every member's share."""
         self.sidecar = CheckpointSidecar(
             checkpoint_dir,
             config.shared(),
@@ -235,13 +238,18 @@ class SwarmLink(SoloSwarm):
         if warning is not None:
             log.warning("%s", warning)
         comm = self.config.comm
-        if comm.codec == "dense":  # replaying a sparse step needs every share: not served yet
-            self.results.add(
-                step,
-                StepResult(
-                    numel=vector.shape[0], block=comm.quant_block, chunks=result.stats.result, bits=comm.bits
-                ),
-            )
+        self.results.add(
+            step,
+            StepResult(
+                numel=vector.shape[0],
+                block=comm.quant_block,
+                chunks=result.stats.result,
+                bits=comm.bits,
+                code=self.code,
+                shares=result.stats.shares,
+                weights=result.stats.weights,
+            ),
+        )
         ring = [short_key(member.key) for member in result.election.members]
         averaged = Averaged(step, len(ring), ring, seconds, result.stats.bytes_sent)
         averaged.relayed_bytes = self.server.relay.bytes_relayed
@@ -275,10 +283,7 @@ class SwarmLink(SoloSwarm):
     async def replay(self, step: int, vector: np.ndarray) -> bool:
         """If the swarm is past `step`, decode the result of its all-reduce of `step`, fetched from a
         member that did it, into `vector`; False (vector unchanged) when the swarm is not ahead or
-        no member still keeps that result (or the run uses the sparse codec, whose steps members
-        do not keep for replay yet: such a node takes the majority's checkpoint instead)."""
-        if self.config.comm.codec != "dense":
-            return False
+        no member still keeps that result."""
         peers = await self._peers()
         if not swarm_ahead(peers, step, me=self.identity.public_key, finished=self._view().finished):
             return False
@@ -297,7 +302,9 @@ class SwarmLink(SoloSwarm):
         """Step `step`'s packed result into `vector`; False (vector unchanged) if it does not decode."""
         comm = self.config.comm
         try:
-            unpack = functools.partial(unpack_into, buffer=vector, block=comm.quant_block, bits=comm.bits)
+            unpack = functools.partial(
+                unpack_into, buffer=vector, block=comm.quant_block, bits=comm.bits, code=self.code
+            )
             await asyncio.to_thread(unpack, packed, step)
         except ReplayError as exc:
             log.warning("result of step %d refused: %s", step, exc)
@@ -306,14 +313,14 @@ class SwarmLink(SoloSwarm):
 
     def _result_limit(self, numel: int) -> int:
         comm = self.config.comm
-        return max_result_bytes(numel, comm.quant_block, chunk_values=comm.chunk_bytes // 4, bits=comm.bits)
+        return max_result_bytes(
+            numel, comm.quant_block, chunk_values=comm.chunk_bytes // 4, bits=comm.bits, code=self.code
+        )
 
     def _collect_results(self, holders: list[Heartbeat]) -> None:
         """While the checkpoint downloads, collect the results of the steps the swarm takes meanwhile,
         from the step before the holders' (the checkpoint's own step at the latest) on; at most the
         size of the fp32 vector twice in RAM (8 results at int8). `holders`: not empty."""
-        if self.config.comm.codec != "dense":
-            return  # nothing to collect: see `replay`
         if self.collector is None:
             numel = parameter_count(self.config.model)
             self.collector = ResultCollector(

@@ -137,6 +137,7 @@ class GatherPlan(ReducePlan):
             float(np.float32(fraction * factor))
             for fraction, factor in zip(self.fractions, factors, strict=True)
         ]
+        self.stats.shares, self.stats.weights = list(self.shares), self.weights
         for member, (norm, factor) in enumerate(zip(norms, factors, strict=True)):
             if norm is None:
                 self.stats.left_out[self.keys[member]] = 1

@@ -83,6 +83,10 @@ class ReduceStats:
     clipped: dict[bytes, int] = field(default_factory=dict)
     """Robust aggregation: member → chunks of ours (we own them) in which its share was cut to under
     half its norm (clipping.CUT_FAR)."""
+    shares: list[Buffer] = field(default_factory=list)
+    """The sparse codec's record of the step instead of `result`: every member's share, in member
+    order, and the weight each counted with (gather.py)."""
+    weights: list[float] = field(default_factory=list)
     left_out: dict[bytes, int] = field(default_factory=dict)
     """The reweighted mean: member → chunks of ours in which its share pointed so far from the
     others' that it counted at under half its weight (clipping.LEFT_OUT)."""
