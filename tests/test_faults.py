@@ -17,7 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from p2ptrain.ckpt.format import checkpoint_places, checkpoint_step, latest_checkpoint
+from p2ptrain.ckpt.format import (
+    FEEDBACK_FILE,
+    MANIFEST_FILE,
+    checkpoint_places,
+    checkpoint_step,
+    latest_checkpoint,
+)
 from p2ptrain.config import load_config
 from p2ptrain.identity import load_or_create_identity
 from p2ptrain.node.checkpoint_copies import flush_leftovers
@@ -149,6 +155,10 @@ def test_a_straggler_past_the_deadline_is_left_out_then_replays_the_step_and_rej
     assert records["c"][1]["replayed"] is True and records["c"][1]["members"] == 0
     assert "took outer step 1 from the swarm's all-reduce result" in swarm.log("c")
     assert "recovered step" not in swarm.log("c")
+    if codec == "sparse":  # each node's error feedback lies beside its checkpoints, never served
+        kept = sorted((swarm.root / "a").rglob(f"step-*/{FEEDBACK_FILE}"))
+        assert kept, list((swarm.root / "a").rglob("step-*"))
+        assert FEEDBACK_FILE not in (kept[-1].parent / MANIFEST_FILE).read_text()
 
 
 @pytest.mark.procs

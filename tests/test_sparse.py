@@ -113,6 +113,23 @@ def test_error_feedback_keeps_what_was_not_sent_and_sends_one_share_per_step() -
     assert np.array_equal(feedback.error, before)
 
 
+def test_error_feedback_is_saved_and_only_a_sound_one_is_taken_back(tmp_path: Path) -> None:
+    feedback = sparse.ErrorFeedback(code=CODE, decay=0.9)
+    feedback.share(3, vectors(20_000))
+    feedback.sent(3)
+    feedback.save(tmp_path / "feedback.npy")
+    restored = sparse.ErrorFeedback(code=CODE, decay=0.9)
+    assert restored.load(tmp_path / "feedback.npy", 20_000) is None
+    assert restored.error is not None and feedback.error is not None
+    assert np.array_equal(restored.error, feedback.error)
+    assert "wanted float32 (10000,)" in str(restored.load(tmp_path / "feedback.npy", 10_000))
+    np.save(tmp_path / "nan.npy", np.full(20_000, np.nan, np.float32))
+    assert restored.load(tmp_path / "nan.npy", 20_000) == "not finite"
+    (tmp_path / "junk.npy").write_bytes(b"junk")
+    assert "unreadable" in str(restored.load(tmp_path / "junk.npy", 20_000))
+    assert np.array_equal(restored.error, feedback.error)  # a refused file changes nothing
+
+
 def test_the_sparse_codec_gathers_and_takes_sparseloco_s_outer_step() -> None:
     schedule = Schedule.of(index=0, n=4, length=1_000_000, comm=SPARSE)
     assert schedule.topology == "gather" and schedule.out_peers() == [1, 2, 3] == schedule.in_peers()

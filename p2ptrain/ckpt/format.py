@@ -7,6 +7,8 @@ A checkpoint is a folder `step-N` (N: the outer step it continues at, eight digi
     inner.safetensors    this node's AdamW exp_avg and exp_avg_sq, flat canonical vectors
     meta.json            `CheckpointMeta`: steps, data position, config and layout digests, shape
     manifest.json        size and sha256 of every file (written by the agent, ckpt/manifest.py)
+    feedback.npy         under the sparse codec, this node's error-feedback accumulator (written by
+                         the agent after the manifest: never served, a joiner starts from zeros)
 
 The first two (`SHARED_FILES`) are the same bytes on every member of a step — the swarm's shared
 state, covered by the manifest's digest; the others are the node's own. Folders are written under
@@ -32,6 +34,7 @@ OUTER_FILE = "outer.safetensors"
 INNER_FILE = "inner.safetensors"
 META_FILE = "meta.json"
 MANIFEST_FILE = "manifest.json"
+FEEDBACK_FILE = "feedback.npy"
 SHARED_FILES = (PARAMS_FILE, OUTER_FILE)
 """Byte-identical on every member of an outer step."""
 STAGED_KEEP = 2

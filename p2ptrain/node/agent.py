@@ -39,7 +39,7 @@ from p2ptrain.channel import (
     StepDone,
 )
 from p2ptrain.ckpt.format import checkpoint_places, checkpoint_step
-from p2ptrain.config import Config
+from p2ptrain.config import Config, parameter_count
 from p2ptrain.deadline import within
 from p2ptrain.errors import UserError
 from p2ptrain.identity import NodeIdentity
@@ -452,6 +452,8 @@ class TrainingNode:
         try:
             await asyncio.to_thread(flush_leftovers, self.places, self.config.checkpoint.keep)
             await self.swarm.start(self.stop, self.out)
+            if self.resume is not None:  # its own checkpoint (--resume): its own error feedback too
+                self.swarm.restore_feedback(self.resume, parameter_count(self.config.model))
             if self.swarm.networked and self.resume is None:
                 # starting the ranks takes seconds, which nobody should wait for: the node stays
                 # `joining` until it is ready for its first step

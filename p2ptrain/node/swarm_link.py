@@ -29,7 +29,7 @@ from p2ptrain.ckpt.fetch import (
     fetch_checkpoint,
     majority_checkpoint,
 )
-from p2ptrain.ckpt.format import max_checkpoint_bytes
+from p2ptrain.ckpt.format import FEEDBACK_FILE, max_checkpoint_bytes
 from p2ptrain.ckpt.manifest import build_manifest
 from p2ptrain.ckpt.replay import (
     RecentResults,
@@ -85,6 +85,9 @@ class SoloSwarm:
         return Averaged(step, 1), "solo"
 
     async def checkpoint_saved(self, folder: Path, outer_step: int) -> None:
+        pass
+
+    def restore_feedback(self, folder: Path, size: int) -> None:
         pass
 
     async def off_track(self, step: int, params_hash: str) -> str | None:
@@ -260,11 +263,27 @@ class SwarmLink(SoloSwarm):
         return averaged, f"sync {seconds:.2f} s, {result.stats.bytes_sent / 1e6:.2f} MB sent"
 
     async def checkpoint_saved(self, folder: Path, outer_step: int) -> None:
-        """Hash the new checkpoint, serve it, and announce its digest."""
+        """Hash the new checkpoint, serve it, and announce its digest; then keep this node's error
+        feedback beside it (after the manifest: never served)."""
         manifest = await asyncio.to_thread(build_manifest, folder, outer_step)
         self.sidecar.announce(manifest)
         assert self.publisher is not None
         await self.publisher.publish(ckpt_digest=manifest.digest)
+        if self.sync is not None and self.sync.feedback is not None:
+            # as it is now: with a sync under way, one step ahead of the checkpoint (a heuristic's
+            # state, not S: a step off costs nothing a restart from zeros would not)
+            await asyncio.to_thread(self.sync.feedback.save, folder / FEEDBACK_FILE)
+
+    def restore_feedback(self, folder: Path, size: int) -> None:
+        """The error feedback this node kept beside the checkpoint it resumes from, if any."""
+        path = folder / FEEDBACK_FILE
+        if self.sync is None or self.sync.feedback is None or not path.exists():
+            return
+        problem = self.sync.feedback.load(path, size)
+        if problem is None:
+            log.info("error feedback restored from %s", path)
+        else:
+            log.warning("error feedback in %s not taken (%s): starting from zeros", path, problem)
 
     async def off_track(self, step: int, params_hash: str) -> str | None:
         """Why this node, about to sync `step`, is off the swarm's track (None when it is on it)."""

@@ -20,6 +20,7 @@ are the same arithmetic in NumPy, the oracle the kernels are tested against.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -123,6 +124,29 @@ class ErrorFeedback:
             raise
         self._step, self._sent = step, False
         return self._share
+
+    def save(self, path: Path) -> None:
+        """Write the accumulator (written beside, then renamed: a reader never sees half of it)."""
+        if self.error is None:
+            return
+        partial = path.with_name(path.name + ".partial")
+        with partial.open("wb") as handle:
+            np.save(handle, self.error, allow_pickle=False)
+        partial.replace(path)
+
+    def load(self, path: Path, size: int) -> str | None:
+        """Take the accumulator `save` wrote, for a vector of `size` values; why not, or None."""
+        try:
+            error = np.load(path, allow_pickle=False, mmap_mode="r")
+        except (OSError, ValueError) as exc:
+            return f"unreadable ({exc})"
+        if error.dtype != np.float32 or error.shape != (size,):
+            return f"{error.dtype} {error.shape}, wanted float32 ({size},)"
+        if not all_finite(error):
+            return "not finite"
+        self.error = np.array(error)
+        self._step, self._share = None, None
+        return None
 
     def sent(self, step: int) -> None:
         if self._step != step or self._share is None or self._sent:
