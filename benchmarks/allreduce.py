@@ -21,7 +21,9 @@ results, every member's check; the reweighted mean at the owners), to set beside
 gather instead (comm.codec; the `int8_ring_*` figures are then its, `rel_err` against the exact
 mean, which a top-k code is far from by design). Every run reports the bytes each member sent per
 all-reduce (`sent_bytes_per_member`, `sent_bits_per_value`) beside the dense int8 ring's at that
-member count (`dense_ring_bytes_per_member`).
+member count (`dense_ring_bytes_per_member`); with the sparse codec `ideal_ring_s` and
+`link_util` take the bytes it sent. --no-gloo skips gloo's rounds (on a slow link they take
+minutes for a large vector).
 
 With any of --delay, --jitter, --loss, --up or --down (benchmarks/paths.py) the members run in the
 internet lab instead (one namespace each, joined by a userspace router with those paths; --bandwidth
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -75,6 +78,7 @@ def worker(
     clip: float = 1.0,
     codec: Codec = "dense",
     world: int = WORLD,
+    gloo: bool = True,
 ) -> None:
     """One member of `world`: `rounds` ring all-reduces, then `rounds` gloo all-reduces, timings
     (and the bytes it sent per all-reduce) to `out`."""
@@ -122,8 +126,8 @@ def worker(
         return times[1:], buffer, sent
 
     ring_times, result, sent = asyncio.run(ring_rounds())
-    tensor, gloo_times = torch.from_numpy(data.copy()), []
-    for _ in range(rounds + 1):
+    tensor, gloo_times = torch.from_numpy(data.copy() if gloo else data[:0].copy()), []
+    for _ in range(rounds + 1 if gloo else 0):
         tensor.copy_(torch.from_numpy(data))
         dist.barrier()
         started = time.perf_counter()
@@ -178,6 +182,7 @@ def run(
     clip: float = 1.0,
     codec: Codec = "dense",
     world: int = WORLD,
+    gloo: bool = True,
     paths: argparse.Namespace | None = None,
 ) -> dict[str, Any]:
     """`paths`: the lab's flags, to run over the internet lab instead of tc-limited links."""
@@ -220,6 +225,7 @@ def run(
                 codec,
                 "--members",
                 str(world),
+                *([] if gloo else ["--no-gloo"]),
             ]
 
         timeout = 120 + rounds * (4 * length * 8 / (bandwidth * 1e6) * 2 if bandwidth else 5)
@@ -252,14 +258,18 @@ def run(
                 ]
                 times = _run_members(commands, root, timeout)
         result = np.load(root / "ring.npy")
-    exact = np.mean([_data(rank, length).astype(np.float64) for rank in range(world)], axis=0)
+    exact = np.zeros(length)
+    for rank in range(world):  # one member's vector at a time: 150M values take 1.2 GB in float64
+        exact += _data(rank, length)
+    exact /= world
 
     def slowest(index: int) -> list[float]:
         """Per round, the slowest member's seconds: a round is over when its last member is done."""
         return [max(member[index][i] for member in times) for i in range(rounds)]
 
-    ring_rounds, gloo_rounds = slowest(0), slowest(1)
-    ring_s, gloo_s = statistics.median(ring_rounds), statistics.median(gloo_rounds)
+    ring_rounds, gloo_rounds = slowest(0), slowest(1) if gloo else []
+    ring_s = statistics.median(ring_rounds)
+    gloo_s = statistics.median(gloo_rounds) if gloo else math.nan
     summary: dict[str, Any] = {
         "members": world,
         "mib": mib,
@@ -272,8 +282,8 @@ def run(
         "codec": codec,
         "rounds": rounds,
         "int8_ring_s": round(ring_s, 4),
-        "gloo_fp32_s": round(gloo_s, 4),
-        "ring_vs_gloo": round(ring_s / gloo_s, 3),
+        "gloo_fp32_s": round(gloo_s, 4) if gloo else None,
+        "ring_vs_gloo": round(ring_s / gloo_s, 3) if gloo else None,
         "rel_err": round(float(np.linalg.norm(result - exact) / np.linalg.norm(exact)), 5),
         "int8_ring_rounds_s": [round(seconds, 4) for seconds in ring_rounds],
         "gloo_fp32_rounds_s": [round(seconds, 4) for seconds in gloo_rounds],
@@ -282,6 +292,8 @@ def run(
         "dense_ring_bytes_per_member": round(payload_bytes(length, world, bits=8, block=BLOCK)),
     }
     wire_bytes = payload_bytes(length, world, bits=bits, block=BLOCK)
+    if codec == "sparse":
+        wire_bytes = summary["sent_bytes_per_member"]
     if narrowest is not None and paths is not None:
         physical_s = wire_bytes * 8 / (narrowest[0] * 1e6) + 2 * (world - 1) * narrowest[1]
         summary.update(
@@ -295,7 +307,7 @@ def run(
             bandwidth_mbit=bandwidth,
             ideal_ring_s=round(ideal_s, 4),
             link_util=round(ideal_s / ring_s, 3),
-            speedup_vs_gloo=round(gloo_s / ring_s, 2),
+            speedup_vs_gloo=round(gloo_s / ring_s, 2) if gloo else None,
         )
     return summary
 
@@ -325,6 +337,7 @@ def main() -> None:
         "--codec", choices=["dense", "sparse"], default="dense", help="comm.codec (sparse: the gather)"
     )
     arguments.add_argument("--members", type=int, default=WORLD, help="member processes (default 3)")
+    arguments.add_argument("--no-gloo", action="store_true", help="skip gloo's fp32 rounds (slow links)")
     add_path_flags(arguments)
     arguments.add_argument("--worker", type=int, help=argparse_hidden())
     arguments.add_argument("--host", help=argparse_hidden())
@@ -357,6 +370,7 @@ def main() -> None:
             clip=args.clip,
             codec=args.codec,
             world=args.members,
+            gloo=not args.no_gloo,
         )
         return
     unwind_on_sigterm()
@@ -377,6 +391,7 @@ def main() -> None:
             clip=args.clip,
             codec=args.codec,
             world=args.members,
+            gloo=not args.no_gloo,
             paths=args if wants_lab(args) else None,
         )
     except Exception as exc:

@@ -25,7 +25,8 @@ within 1 % of 1).
 
 And (a''') the same 2 nodes with the sparse codec (comm.codec = "sparse": chunk-wise top-k of an
 error-feedback accumulator at 2 bits, SparseLoCo's outer step): sparse_vs_int8_loss_ratio (target
-≤ 1.02); `--only sparse` runs these two alone.
+≤ 1.02), and the sparse codec with `outer.overlap` against it without (sparse_overlap_vs_sparse_loss_ratio);
+`--only sparse` runs these three alone.
 
 And (a'''') the same 2 nodes with `outer.overlap` (each step's average taken at the end of the next
 inner phase, train/overlap.py): overlap_vs_blocking_loss_ratio (target within 1 % of 1), with the
@@ -411,6 +412,7 @@ def seed_runs(config: Config, only: str | None, bench: Bench) -> dict[str, Curve
     if only in (None, "sparse"):
         sparse = sparse_config(config)
         through_ring("2 nodes sparse", 2, sparse.comm, settings=sparse)
+        through_ring("2 nodes sparse overlap", 2, sparse.comm, settings=sparse, runner=run_overlapped)
     if only in (None, "bits"):
         through_ring("2 nodes int4", 2, CommConfig(bits=4))
     if only in (None, "overlap"):
@@ -527,6 +529,8 @@ def main() -> None:
             "bits4_vs_int8_loss_ratio": ratio("2 nodes int4", "2 nodes int8"),
             "loss_sparse": loss("2 nodes sparse"),
             "sparse_vs_int8_loss_ratio": ratio("2 nodes sparse", "2 nodes int8"),
+            "loss_sparse_overlap": loss("2 nodes sparse overlap"),
+            "sparse_overlap_vs_sparse_loss_ratio": ratio("2 nodes sparse overlap", "2 nodes sparse"),
             "loss_overlap": loss("2 nodes int8 overlap"),
             "overlap_vs_blocking_loss_ratio": ratio("2 nodes int8 overlap", "2 nodes int8"),
             "robust": config.comm.robust,
