@@ -189,13 +189,22 @@ def test_a_share_a_hundred_times_the_others_counts_as_one_typical_member(tmp_pat
 
 
 @pytest.mark.procs
-def test_a_member_sending_one_member_another_share_fails_the_attempt_for_all(tmp_path: Path) -> None:
-    """Equivocation: the barrier signs the shares each member holds, so no member takes a result
-    that another member computed from other bytes."""
-    outcomes, results, _ = run_ring(tmp_path, 4, 100_000, comm=SPARSE, faults={0: ("equivocate", 2)})
+@pytest.mark.parametrize("fault", ["equivocate", "equivocate_unsigned"])
+def test_a_member_sending_one_member_another_share_fails_the_attempt_for_all_and_is_named(
+    tmp_path: Path, fault: str
+) -> None:
+    """Equivocation: member 0 sends member 2 another share than the others. Signed as the honest
+    one, member 2 names it at once; signed too, member 2 and member 3 (2's successor) find two
+    shares signed by 0 in the testimonies of the barrier and name it. No member takes a result."""
+    outcomes, results, _ = run_ring(tmp_path, 4, 100_000, comm=SPARSE, faults={0: (fault, 2)})
     assert not results, outcomes
     assert len(outcomes) == 4 and not any(outcome.ok for outcome in outcomes.values()), outcomes
-    assert any("other shares" in outcome.error for outcome in outcomes.values()), outcomes
+    named = {index: outcome.named for index, outcome in outcomes.items()}
+    assert named[2] == 0 and set(named.values()) <= {0, -1}, outcomes
+    if fault == "equivocate":
+        assert named[3] == 0 and "signed two different shares" in outcomes[2].error, outcomes
+    else:
+        assert "not the one it signed" in outcomes[2].error, outcomes
 
 
 @pytest.mark.procs

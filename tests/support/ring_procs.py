@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import multiprocessing as mp
 import os
 import signal
@@ -23,7 +24,7 @@ from p2ptrain.comm.net.server import DataPlaneServer
 from p2ptrain.comm.reduce import allreduce
 from p2ptrain.comm.reduce.allreduce import all_reduce
 from p2ptrain.comm.reduce.barrier import ToSuccessor
-from p2ptrain.comm.reduce.gather import GatherPlan
+from p2ptrain.comm.reduce.gather import GatherPlan, share_statement
 from p2ptrain.comm.reduce.plan import ReducePlan, ReduceStats
 from p2ptrain.comm.reduce.transfer import Slots
 from p2ptrain.comm.robust import claims, clipping
@@ -119,6 +120,7 @@ def _member(spec: MemberSpec, inbox: Any, outbox: Any) -> None:
             "forge_barrier",
             "malformed_share",
             "equivocate",
+            "equivocate_unsigned",
         ):
             lie(fault, fault_after)
         if fault == "freeze_at_barrier":
@@ -248,14 +250,15 @@ def freeze_at_barrier() -> None:
 
 def lie(fault: str, factor: int) -> None:
     """Make this process a dishonest member of a robust all-reduce (comm.robust), as an attacker
-    would run modified code: "lying_owner" sums its segment without clipping; "low_claims" claims
-    norms `factor` times smaller than its values; "tamper_forward" changes a byte of every chunk of
-    the all-gather it passes on (the owner's signature then no longer matches). Against the
-    completion barrier, two accomplices among `factor` members (ring topology): "withhold_last"
-    never sends its successor the chunks of its last all-gather round, "forge_barrier" sends its
-    successor a set naming every member, its own signatures junk, as soon as its data are in.
-    Under the sparse codec (gather.py): "malformed_share" sends a share whose first chunk repeats
-    an index, "equivocate" sends member `factor` a share with one byte changed."""
+        would run modified code: "lying_owner" sums its segment without clipping; "low_claims" claims
+        norms `factor` times smaller than its values; "tamper_forward" changes a byte of every chunk of
+        the all-gather it passes on (the owner's signature then no longer matches). Against the
+        completion barrier, two accomplices among `factor` members (ring topology): "withhold_last"
+        never sends its successor the chunks of its last all-gather round, "forge_barrier" sends its
+        successor a set naming every member, its own signatures junk, as soon as its data are in.
+        Under the sparse codec (gather.py): "malformed_share" sends a share whose first chunk repeats
+        an index, "equivocate" sends member `factor` a share with one byte changed and signs both,
+    "equivocate_unsigned" the same with the honest share's signature."""
     if fault == "malformed_share":
         honest_encode = sparse.encode
 
@@ -266,9 +269,15 @@ def lie(fault: str, factor: int) -> None:
 
         sparse.encode = malformed
         return
-    if fault == "equivocate":
+    if fault in ("equivocate", "equivocate_unsigned"):
         honest_outgoing, honest_send = GatherPlan._outgoing, GatherPlan.send_lane
+        honest_signature = GatherPlan._signature
         sending_to = threading.local()  # each sending thread serves one peer
+
+        def other_share(self: GatherPlan) -> bytearray:
+            share = bytearray(self.shares[self.index])
+            share[0] ^= 0x40  # the first chunk's lo magnitude: a well-formed, other share
+            return share
 
         def send_lane(self: GatherPlan, peer: int, lane: int, channel: Any) -> None:
             sending_to.peer = peer
@@ -277,12 +286,20 @@ def lie(fault: str, factor: int) -> None:
         def two_faced(self: GatherPlan, spec: Any, scratch: bytearray, channel: Any) -> tuple[Any, None]:
             payload, _ = honest_outgoing(self, spec, scratch, channel)
             if sending_to.peer == factor and spec[1] == 0:
-                payload = bytearray(payload)
-                payload[0] ^= 0x40  # the first chunk's lo magnitude: a well-formed, other share
+                start, stop = spec[3], spec[4]
+                payload = other_share(self)[self._range(start, stop)]
             return payload, None
+
+        def signs_both(self: GatherPlan, spec: Any) -> bytes | None:
+            signature = honest_signature(self, spec)
+            if signature is None or sending_to.peer != factor or fault == "equivocate_unsigned":
+                return signature
+            other = hashlib.sha256(other_share(self)).digest()
+            return self.identity.sign(share_statement(self.digest, other))
 
         GatherPlan._outgoing = two_faced  # type: ignore[method-assign]
         GatherPlan.send_lane = send_lane  # type: ignore[method-assign,assignment]
+        GatherPlan._signature = signs_both  # type: ignore[method-assign]
         return
     if fault == "lying_owner":
 

@@ -55,6 +55,7 @@ from p2ptrain.comm.net.server import DataPlaneServer
 from p2ptrain.comm.reduce.barrier import (
     ALIVE,
     DONE,
+    Equivocation,
     Holding,
     await_every_holder,
 )
@@ -204,6 +205,8 @@ async def all_reduce(
             to_successor=plan.to_successor,
             from_predecessor=into[plan.schedule.predecessor, 0],
             seconds=bound,
+            testimony=plan.testimony(),
+            check_testimony=plan.testimony_check(),
         )
         await lanes.on_own_thread(barrier, f"p2ptrain-ring-barrier-{step}")
         plan.stats.barrier_s = time.monotonic() - transferred_at
@@ -220,6 +223,9 @@ async def all_reduce(
         raise AllReduceError(
             f"step {step}: NaN or Inf in this node's contribution ({exc}); not sent"
         ) from exc
+    except Equivocation as exc:  # proven by two signatures: the evidence names it
+        log.warning("all-reduce of step %d failed: %s", step, exc)
+        raise AllReduceError(f"step {step}: {exc}", unresponsive=exc.culprit) from exc
     except (WireError, HandshakeError, OSError) as exc:
         log.warning("all-reduce of step %d failed, connections dropped: %s", step, exc)
         raise AllReduceError(f"step {step}: {exc}", views_differ=isinstance(exc, ViewsDiffer)) from exc

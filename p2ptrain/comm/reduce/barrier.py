@@ -28,6 +28,12 @@ barrier ends; a member whose predecessor is silent for 2 × failure_timeout fail
 does not grow the sender's set is refused, so a member cannot hold its successor longer by
 repeating itself.
 
+Testimony: where members could hold different things (the sparse gather's shares: what each member
+sent each other one), a member's first barrier frame carries, as its payload, what it holds (each
+share's sha256 and its sender's signature of it), and its successor compares that with its own
+before it takes any set: a member that signed two different shares is named (Equivocation), with
+its two signatures as the proof each honest member who saw both can check.
+
 Each member's bit is its signature of the attempt: the membership digest (which covers the step)
 and the attempt number, the same on every member, as neighbours' handshakes agree on both. It is
 sent once and passed on with the set, and a member checks every signature it did not have, so a set
@@ -53,7 +59,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from p2ptrain.comm.transport import lanes
@@ -68,6 +74,19 @@ DONE = "done"
 members; "proofs" the signatures of the members new in it since the sender's last frame, in
 member order, 64 bytes each."""
 DOMAIN = b"p2ptrain/barrier/v1\0"
+
+
+class Equivocation(FrameError):
+    """A member signed two different versions of what it sent: `culprit` is its key."""
+
+    def __init__(self, message: str, culprit: bytes):
+        super().__init__(message)
+        self.culprit = culprit
+
+
+Testimony = Callable[[bytes], None]
+"""Checks the predecessor's first barrier payload against what this member holds: raises
+Equivocation (or FrameError for a malformed one)."""
 ALIVE = "alive"
 """The kind of a keepalive frame: header {"kind", "step"}, no payload."""
 BEATS_PER_TIMEOUT = 4
@@ -97,7 +116,7 @@ class ToSuccessor:
             self.channel = channel
         threading.Thread(target=self._beat, name=f"p2ptrain-ring-alive-{self.step}", daemon=True).start()
 
-    def send(self, header: dict, beat: bool = False) -> bool:
+    def send(self, header: dict, beat: bool = False, payload: bytes = b"") -> bool:
         """One frame to the successor; False when it no longer takes them (it knows already, or it
         failed: either way our outcome is ours). A failed send may have cut a frame in two, so
         nothing more goes on the lane. A keepalive (`beat`) is skipped while bytes of ours are
@@ -109,7 +128,7 @@ class ToSuccessor:
             try:
                 if beat and lanes.unacknowledged(self.channel.sock):
                     return True
-                lanes.send_frame(self.channel, header, payload=b"", timeout=self.failure_timeout)
+                lanes.send_frame(self.channel, header, payload=payload, timeout=self.failure_timeout)
             except (WireError, OSError) as exc:  # OSError: the attempt closed the socket meanwhile
                 self._broken = True
                 log.debug("step %d: frame not sent to the ring successor: %s", self.step, exc)
@@ -192,26 +211,39 @@ def holders_in(header: dict, step: int, *, n: int, sender: int, before: int) -> 
 
 
 def await_every_holder(
-    holding: Holding, to_successor: ToSuccessor, *, from_predecessor: lanes.Channel, seconds: float
+    holding: Holding,
+    to_successor: ToSuccessor,
+    *,
+    from_predecessor: lanes.Channel,
+    seconds: float,
+    testimony: bytes = b"",
+    check_testimony: Testimony | None = None,
 ) -> None:
     """Block until this member knows that all members hold the result (`to_successor` is started:
     every data frame to it is out). WireError when that takes more than `seconds`, the predecessor
     is silent for 2 × failure_timeout, a frame of its is neither a keepalive nor a barrier frame
     (or does not grow its set, or names a member without that member's signature), or the
-    connection ends first."""
+    connection ends first. `testimony` goes with this member's first frame, and the predecessor's
+    first frame's to `check_testimony` (both empty where members hold the same bytes)."""
     n, index, step = holding.n, holding.index, holding.step
     everyone = (1 << n) - 1
     known = 1 << index
     deadline = time.monotonic() + seconds
     silence = 2 * to_successor.failure_timeout
     signatures = {index: holding.signature}
-    sent = _tell(to_successor, n, holders=known, sent=0, signatures=signatures)
+    sent = _tell(to_successor, n, holders=known, sent=0, signatures=signatures, testimony=testimony)
     predecessor, theirs = (index - 1) % n, 0
     while known != everyone:
         wait = min(silence, deadline - time.monotonic())
-        frame = lanes.recv_frame(from_predecessor, max(0.0, wait), max_payload=0)
-        if frame.header == {"kind": ALIVE, "step": step}:  # exactly: no room for junk to chew on
+        testifies = check_testimony is not None and theirs == 0
+        limit = len(testimony) if testifies else 0
+        frame = lanes.recv_frame(from_predecessor, max(0.0, wait), max_payload=limit)
+        if frame.header == {"kind": ALIVE, "step": step} and not frame.payload:  # no junk to chew on
             continue
+        if frame.payload and not testifies:
+            raise FrameError("a barrier frame with a payload it must not carry")
+        if testifies and check_testimony is not None:
+            check_testimony(bytes(frame.payload))
         theirs, proofs = holders_in(frame.header, step, n=n, sender=predecessor, before=theirs)
         for member, signature in proofs.items():
             if known >> member & 1:
@@ -228,10 +260,19 @@ def await_every_holder(
             sent = _tell(to_successor, n, holders=known, sent=sent, signatures=signatures)
 
 
-def _tell(to_successor: ToSuccessor, n: int, *, holders: int, sent: int, signatures: dict[int, bytes]) -> int:
-    """Send `holders` with the signatures of the members not in `sent` (what went before); returns
-    `holders`, the new `sent`."""
+def _tell(
+    to_successor: ToSuccessor,
+    n: int,
+    *,
+    holders: int,
+    sent: int,
+    signatures: dict[int, bytes],
+    testimony: bytes = b"",
+) -> int:
+    """Send `holders` with the signatures of the members not in `sent` (what went before), and
+    `testimony` as the payload of the first frame; returns `holders`, the new `sent`."""
     proofs = b"".join(signatures[member] for member in range(n) if (holders & ~sent) >> member & 1)
     holders_bytes = holders.to_bytes((n + 7) // 8, "little")
-    to_successor.send({"kind": DONE, "step": to_successor.step, "holders": holders_bytes, "proofs": proofs})
+    header = {"kind": DONE, "step": to_successor.step, "holders": holders_bytes, "proofs": proofs}
+    to_successor.send(header, payload=testimony if sent == 0 else b"")
     return holders

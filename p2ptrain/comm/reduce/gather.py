@@ -17,10 +17,13 @@ Once every share is in, each member computes, from the same bytes in the same or
 - the result, 0 plus weight_i × decode(share_i) for i in member order, in fp32: the same floats on
   every member.
 So nothing needs an owner to trust or claims to check. What could still differ is the shares
-themselves: a member that sends one share to some and another to others. The barrier
-(barrier.py) therefore signs the sha256 of all n shares as each member holds them, and a member
-that holds other shares than its predecessor's fails the attempt for all instead of taking a
-result that differs.
+themselves: a member that sends one share to some and another to others. So each member signs its
+share (sha256, under the attempt's membership digest: the header of its first frame to each peer),
+a share whose bytes are not the ones signed fails the attempt naming its sender, the barrier
+(barrier.py) signs the sha256 of all n shares as each member holds them, and each member's first
+barrier frame carries every share's hash and signature as it holds them (its testimony): a member
+whose predecessor holds another share of X, signed by X too, fails the attempt naming X, with
+both signatures as proof; its successors fail with it, and nobody takes a result that differs.
 """
 
 from __future__ import annotations
@@ -34,18 +37,31 @@ import numpy as np
 
 from p2ptrain.comm.codec import sparse
 from p2ptrain.comm.codec.quant import Buffer, PayloadError
+from p2ptrain.comm.net.attempt import AllReduceError
 from p2ptrain.comm.net.members import Member
+from p2ptrain.comm.reduce.barrier import Equivocation, Testimony
 from p2ptrain.comm.reduce.plan import Progress, ReducePlan
 from p2ptrain.comm.reduce.schedule import GATHER, FrameSpec, robust
 from p2ptrain.comm.robust.clipping import CUT_FAR
 from p2ptrain.comm.transport import lanes
 from p2ptrain.comm.transport.wire import FrameError
 from p2ptrain.config import CommConfig
-from p2ptrain.identity import NodeIdentity
+from p2ptrain.identity import SIGNATURE_BYTES, NodeIdentity, short_id, verify
+
+SHARE_DOMAIN = b"p2ptrain/share/v1\0"
+HASH_BYTES = 32
+WITNESS_BYTES = HASH_BYTES + SIGNATURE_BYTES
+"""One member's entry in a testimony: its share's sha256, and its signature of it."""
 
 
 def sparse_code(comm: CommConfig) -> sparse.SparseCode:
     return sparse.SparseCode(chunk=comm.sparse_chunk, k=comm.sparse_k)
+
+
+def share_statement(digest: bytes, share_hash: bytes) -> bytes:
+    """What a member signs of its share: the attempt's membership digest (it covers the step and the
+    members) and the share's sha256."""
+    return SHARE_DOMAIN + digest + share_hash
 
 
 class GatherPlan(ReducePlan):
@@ -84,6 +100,13 @@ class GatherPlan(ReducePlan):
         ]
         self.weights: list[float] = []
         """Each member's weight in the result, settled by `check_results`."""
+        self.identity, self.digest = identity, digest
+        self.hashes: list[bytes] = [b""] * self.n
+        """Each member's share's sha256, as this member holds them (once every frame is in)."""
+        self.signatures: list[bytes] = [b""] * self.n
+        """Each member's signature of its share, from the header of its first frame to us."""
+        self.hashes[index] = hashlib.sha256(own_share).digest()
+        self.signatures[index] = identity.sign(share_statement(digest, self.hashes[index]))
 
     def _size(self, length: int) -> int:
         return self.code.payload_size(length)
@@ -98,6 +121,11 @@ class GatherPlan(ReducePlan):
         assert phase == GATHER
         return memoryview(self.shares[self.index])[self._range(start, stop)], None
 
+    def _signature(self, spec: FrameSpec) -> bytes | None:
+        """Our share's signature, with the first frame of our stream to each peer."""
+        _, segment, chunk, _, _ = spec
+        return self.signatures[self.index] if (segment, chunk) == (0, 0) else None
+
     def _place(
         self, peer: int, spec: FrameSpec, scratch: memoryview, header: dict, length: int
     ) -> memoryview | None:
@@ -107,15 +135,30 @@ class GatherPlan(ReducePlan):
         return memoryview(self.shares[peer])[self._range(start, stop)]
 
     def _incoming(self, peer: int, spec: FrameSpec, header: dict, payload: Buffer) -> None:
-        _, _, _, start, stop = spec
+        _, segment, chunk, start, stop = spec
+        if (segment, chunk) == (0, 0):
+            signature = header.get("sig")
+            if not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES:
+                raise self._blame(peer, "its first sparse frame does not carry the signature of its share")
+            self.signatures[peer] = signature
         place = self._range(start, stop)
         if len(payload) != place.stop - place.start:
             raise FrameError(f"a sparse frame of {len(payload)} bytes for {stop - start} values")
         if not (isinstance(payload, memoryview) and payload.obj is self.shares[peer]):
             self.shares[peer][place] = payload  # not received in place (zstd): copied there
 
+    def _blame(self, peer: int, message: str) -> AllReduceError:
+        """The attempt fails and names `peer`: what it sent proves it broke the protocol."""
+        return AllReduceError(f"step {self.step}: {message}", unresponsive=self.keys[peer])
+
     def check_results(self) -> None:
-        """Every share is in: settle each member's weight by the rule every member applies alike."""
+        """Every share is in: each is the one its sender signed (else the attempt fails naming it),
+        then each member's weight by the rule every member applies alike."""
+        for member in self.schedule.others():
+            self.hashes[member] = hashlib.sha256(self.shares[member]).digest()
+            statement = share_statement(self.digest, self.hashes[member])
+            if not verify(self.keys[member], self.signatures[member], statement):
+                raise self._blame(member, "its sparse share is not the one it signed")
         length = self.own.shape[0]
         norms: list[float | None] = []
         for share in self.shares:
@@ -145,11 +188,33 @@ class GatherPlan(ReducePlan):
                 self.stats.clipped[self.keys[member]] = 1
 
     def holding_digest(self) -> bytes:
-        """sha256 over every member's share, in member order: what the barrier signs."""
-        hashed = hashlib.sha256()
-        for share in self.shares:
-            hashed.update(hashlib.sha256(share).digest())
-        return hashed.digest()
+        """sha256 over every member's share's sha256, in member order: what the barrier signs."""
+        return hashlib.sha256(b"".join(self.hashes)).digest()
+
+    def testimony(self) -> bytes:
+        """Every member's share hash and signature, in member order (WITNESS_BYTES each)."""
+        return b"".join(h + s for h, s in zip(self.hashes, self.signatures, strict=True))
+
+    def testimony_check(self) -> Testimony | None:
+        return self._check_testimony
+
+    def _check_testimony(self, theirs: bytes) -> None:
+        """The predecessor's testimony against ours: Equivocation for a member that signed another
+        share than the one we hold; FrameError for a testimony that proves nothing."""
+        if len(theirs) != WITNESS_BYTES * self.n:
+            raise FrameError(f"a testimony of {len(theirs)} bytes for {self.n} members")
+        for member in range(self.n):
+            entry = theirs[member * WITNESS_BYTES : (member + 1) * WITNESS_BYTES]
+            share_hash, signature = entry[:HASH_BYTES], entry[HASH_BYTES:]
+            if share_hash == self.hashes[member]:
+                continue
+            if not verify(self.keys[member], signature, share_statement(self.digest, share_hash)):
+                raise FrameError(f"a testimony with a share of member {member} it did not sign")
+            raise Equivocation(
+                f"{short_id(self.keys[member])} signed two different shares of step {self.step} "
+                "(one sent to this member, another to its predecessor)",
+                self.keys[member],
+            )
 
     def write_result(self, buffer: np.ndarray) -> None:
         buffer.fill(0)

@@ -28,6 +28,7 @@ from p2ptrain.comm.net.members import Member, shares
 from p2ptrain.comm.reduce.barrier import (
     ALIVE,
     BEATS_PER_TIMEOUT,
+    Testimony,
     ToSuccessor,
 )
 from p2ptrain.comm.reduce.schedule import BUNDLE, CLAIMS, GATHER, FrameSpec, Schedule
@@ -210,8 +211,9 @@ class ReducePlan:
         for phase, rnd, chunk, start, stop in self.schedule.send_frames(peer, lane):
             payload, spare = self._outgoing((phase, rnd, chunk, start, stop), scratch, channel)
             header = {"kind": phase, "step": self.step, "round": rnd, "chunk": chunk, "n": stop - start}
-            if phase == "ag" and self.aggregator is not None:
-                header["sig"] = self.aggregator.signature(self.schedule.sent_segment(rnd), chunk)
+            signature = self._signature((phase, rnd, chunk, start, stop))
+            if signature is not None:
+                header["sig"] = signature
             if compressor is not None and phase not in (CLAIMS, BUNDLE, GATHER):
                 payload = compressor.compress(payload)
                 header["zstd"] = True
@@ -253,6 +255,14 @@ class ReducePlan:
             )
             return payload, None
         return self._take_saying_alive(channel, (phase, rnd, chunk))
+
+    def _signature(self, spec: FrameSpec) -> bytes | None:
+        """What frame `spec`'s header carries as "sig": robust aggregation's signature of each chunk
+        of a segment we own, in the all-gather."""
+        phase, rnd, chunk, _, _ = spec
+        if phase == "ag" and self.aggregator is not None:
+            return self.aggregator.signature(self.schedule.sent_segment(rnd), chunk)
+        return None
 
     def _take_saying_alive(self, channel: lanes.Channel, key: SlotKey) -> tuple[Buffer, bytearray | None]:
         """The payload of a frame that waits for other members' frames (a partial sum, a chunk to
@@ -476,6 +486,14 @@ class ReducePlan:
         """What the barrier's signature covers beside the attempt: nothing here, where every member
         decodes the same bytes that owners signed or passed on (gather.py's differs)."""
         return b""
+
+    def testimony(self) -> bytes:
+        """What this member's first barrier frame carries (barrier.py): nothing here."""
+        return b""
+
+    def testimony_check(self) -> Testimony | None:
+        """What checks the predecessor's testimony (gather.py's); None where there is none."""
+        return None
 
     def write_result(self, buffer: np.ndarray) -> None:
         """Decode every final chunk into `buffer`: the same bytes on every member, so the same floats."""
