@@ -19,6 +19,7 @@ are the same arithmetic in NumPy, the oracle the kernels are tested against.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,19 +97,25 @@ class ErrorFeedback:
     sends for one outer step. Per node, not part of the shared state S: a joiner starts from zeros.
 
     `share(step, delta)` folds delta in once per step (an attempt that is retried sends the same
-    share again); `sent(step)` takes what went out from e, once, when the step's sync completed.
-    A step given up leaves its delta in e, sent later."""
+    share again; a second caller while the first computes it waits for that one); `sent(step)`
+    takes what went out from e, once, when the step's sync completed. A step given up leaves its
+    delta in e, sent later."""
 
     def __init__(self, *, code: SparseCode, decay: float, threads: int = 0):
         self.code = code
         self.decay = decay
         self.threads = threads
         self.error: np.ndarray | None = None
+        self._lock = threading.Lock()
         self._step: int | None = None
         self._share: bytearray | None = None
         self._sent = False
 
     def share(self, step: int, delta: np.ndarray) -> bytearray:
+        with self._lock:
+            return self._share_once(step, delta)
+
+    def _share_once(self, step: int, delta: np.ndarray) -> bytearray:
         if self._step == step and self._share is not None:
             return self._share
         if not all_finite(delta):
@@ -149,11 +156,12 @@ class ErrorFeedback:
         return None
 
     def sent(self, step: int) -> None:
-        if self._step != step or self._share is None or self._sent:
-            return
-        assert self.error is not None
-        decode_add(self._share, self.error, self.code, weight=-1.0, threads=self.threads)
-        self._sent = True
+        with self._lock:
+            if self._step != step or self._share is None or self._sent:
+                return
+            assert self.error is not None
+            decode_add(self._share, self.error, self.code, weight=-1.0, threads=self.threads)
+            self._sent = True
 
 
 # ---- NumPy reference: the same arithmetic, for tests ----------------------------------------------

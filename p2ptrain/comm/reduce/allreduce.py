@@ -42,7 +42,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -133,31 +133,22 @@ async def all_reduce(
     # shuts every connection, so the others fail at once instead of waiting for a timeout.
     loop = asyncio.get_running_loop()
     digest = membership_digest(step, members, relays)
-    plan: ReducePlan
-    if own_share is not None:
-        plan = GatherPlan(
-            index=keys.index(identity.public_key),
-            members=members,
-            own=buffer,
-            own_share=own_share,
-            comm=comm,
-            step=step,
-            progress=progress,
-            identity=identity,
-            digest=digest,
-        )
-    else:
-        plan = ReducePlan(
-            index=keys.index(identity.public_key),
-            members=members,
-            own=buffer,
-            comm=comm,
-            step=step,
-            progress=progress,
-            identity=identity,
-            digest=digest,
-            reference=reference if reference is not None and reference.shape == buffer.shape else None,
-        )
+    usable = reference is not None and reference.shape == buffer.shape
+    kind: Callable[..., ReducePlan] = (
+        functools.partial(GatherPlan, own_share=own_share)
+        if own_share is not None
+        else functools.partial(ReducePlan, reference=reference if usable else None)
+    )
+    plan = kind(
+        index=keys.index(identity.public_key),
+        members=members,
+        own=buffer,
+        comm=comm,
+        step=step,
+        progress=progress,
+        identity=identity,
+        digest=digest,
+    )
     lane_plan = LanePlan.of(members, plan.schedule)
     registration = server.expect(
         step, (), digest=digest, lanes=lane_plan.incoming_lanes(members, comm.connections), members=members
