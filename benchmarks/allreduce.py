@@ -16,7 +16,8 @@ parallel TCP connections per neighbour (comm.connections), --chunk-kib the pipel
 the `int8_ring_*` figures are then those of the 4-bit ring). --topology picks ring or butterfly
 (comm.topology; auto: the ring at 3 members); --robust clip|reweighted runs robust aggregation
 (comm.robust, with --clip X its comm.clip, default 1: the butterfly, signed norm claims, signed
-results, every member's check; the reweighted mean at the owners), to set beside
+results, every member's check; the reweighted mean at the owners, weighing shares by their
+agreement with the round before's result from the first timed round on), to set beside
 `--topology butterfly`. --members N runs N member processes; --codec sparse the sparse codec's
 gather instead (comm.codec; the `int8_ring_*` figures are then its, `rel_err` against the exact
 mean, which a top-k code is far from by design). Every run reports the bytes each member sent per
@@ -115,13 +116,16 @@ def worker(
             Member(key=key, host=member_host, port=member_port) for key, member_host, member_port in everyone
         ]
         buffer, times, sent = data.copy(), [], 0
+        reference: np.ndarray | None = None  # the last result, kept as OuterSync keeps it
         for step in range(rounds + 1):
             np.copyto(buffer, data)
             await asyncio.get_running_loop().run_in_executor(None, dist.barrier)  # keep the loop free
             started = time.perf_counter()
-            stats = await all_reduce(server, step=step, members=members, buffer=buffer)
+            stats = await all_reduce(server, step=step, members=members, buffer=buffer, reference=reference)
             times.append(time.perf_counter() - started)
             sent = stats.bytes_sent
+            if robust == "reweighted":
+                reference = buffer.copy()
         await server.close()
         return times[1:], buffer, sent
 
