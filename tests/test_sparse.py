@@ -208,6 +208,18 @@ def test_a_member_sending_one_member_another_share_fails_the_attempt_for_all_and
 
 
 @pytest.mark.procs
+def test_a_testimony_that_does_not_hold_up_names_the_member_that_gave_it(tmp_path: Path) -> None:
+    """Member 1 shows its successor (2) share hashes with junk signatures: only member 1 could have
+    written on its lane, so member 2 names it, and no honest member takes a result (the liar may:
+    member 2 had sent its own holder's signature before it read member 1's frame, barrier.py)."""
+    outcomes, results, _ = run_ring(tmp_path, 4, 100_000, comm=SPARSE, faults={1: ("bad_testimony", 0)})
+    assert set(results) <= {1} and len(outcomes) == 4, outcomes
+    assert not any(outcomes[honest].ok for honest in (0, 2, 3)), outcomes
+    assert outcomes[2].named == 1 and "did not sign" in outcomes[2].error, outcomes
+    assert {outcome.named for outcome in outcomes.values()} <= {1, -1}, outcomes
+
+
+@pytest.mark.procs
 def test_members_behind_nat_gather_through_dials_and_relays(tmp_path: Path) -> None:
     outcomes, results, inputs = run_ring(tmp_path, 4, 100_000, comm=SPARSE, behind_nat=frozenset({1, 3}))
     assert all(outcome.ok for outcome in outcomes.values()) and len(results) == 4, outcomes

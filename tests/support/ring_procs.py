@@ -24,7 +24,7 @@ from p2ptrain.comm.net.server import DataPlaneServer
 from p2ptrain.comm.reduce import allreduce
 from p2ptrain.comm.reduce.allreduce import all_reduce
 from p2ptrain.comm.reduce.barrier import ToSuccessor
-from p2ptrain.comm.reduce.gather import GatherPlan, share_statement
+from p2ptrain.comm.reduce.gather import WITNESS_BYTES, GatherPlan, share_statement
 from p2ptrain.comm.reduce.plan import ReducePlan, ReduceStats
 from p2ptrain.comm.reduce.transfer import Slots
 from p2ptrain.comm.robust import claims, clipping
@@ -121,6 +121,7 @@ def _member(spec: MemberSpec, inbox: Any, outbox: Any) -> None:
             "malformed_share",
             "equivocate",
             "equivocate_unsigned",
+            "bad_testimony",
         ):
             lie(fault, fault_after)
         if fault == "freeze_at_barrier":
@@ -250,15 +251,19 @@ def freeze_at_barrier() -> None:
 
 def lie(fault: str, factor: int) -> None:
     """Make this process a dishonest member of a robust all-reduce (comm.robust), as an attacker
-        would run modified code: "lying_owner" sums its segment without clipping; "low_claims" claims
-        norms `factor` times smaller than its values; "tamper_forward" changes a byte of every chunk of
-        the all-gather it passes on (the owner's signature then no longer matches). Against the
-        completion barrier, two accomplices among `factor` members (ring topology): "withhold_last"
-        never sends its successor the chunks of its last all-gather round, "forge_barrier" sends its
-        successor a set naming every member, its own signatures junk, as soon as its data are in.
-        Under the sparse codec (gather.py): "malformed_share" sends a share whose first chunk repeats
-        an index, "equivocate" sends member `factor` a share with one byte changed and signs both,
-    "equivocate_unsigned" the same with the honest share's signature."""
+            would run modified code: "lying_owner" sums its segment without clipping; "low_claims" claims
+            norms `factor` times smaller than its values; "tamper_forward" changes a byte of every chunk of
+            the all-gather it passes on (the owner's signature then no longer matches). Against the
+            completion barrier, two accomplices among `factor` members (ring topology): "withhold_last"
+            never sends its successor the chunks of its last all-gather round, "forge_barrier" sends its
+            successor a set naming every member, its own signatures junk, as soon as its data are in.
+            Under the sparse codec (gather.py): "malformed_share" sends a share whose first chunk repeats
+            an index, "equivocate" sends member `factor` a share with one byte changed and signs both,
+        "equivocate_unsigned" the same with the honest share's signature, "bad_testimony" shows its
+    successor a testimony whose signatures are junk."""
+    if fault == "bad_testimony":
+        GatherPlan.testimony = lambda self: bytes(WITNESS_BYTES * self.n)  # type: ignore[method-assign]
+        return
     if fault == "malformed_share":
         honest_encode = sparse.encode
 

@@ -55,8 +55,8 @@ from p2ptrain.comm.net.server import DataPlaneServer
 from p2ptrain.comm.reduce.barrier import (
     ALIVE,
     DONE,
-    Equivocation,
     Holding,
+    Proven,
     await_every_holder,
 )
 from p2ptrain.comm.reduce.connect import LanePlan, connect_lanes
@@ -214,7 +214,7 @@ async def all_reduce(
         raise AllReduceError(
             f"step {step}: NaN or Inf in this node's contribution ({exc}); not sent"
         ) from exc
-    except Equivocation as exc:  # proven by two signatures: the evidence names it
+    except Proven as exc:  # the frames prove it: the evidence names it
         log.warning("all-reduce of step %d failed: %s", step, exc)
         raise AllReduceError(f"step {step}: {exc}", unresponsive=exc.culprit) from exc
     except (WireError, HandshakeError, OSError) as exc:

@@ -31,8 +31,9 @@ repeating itself.
 Testimony: where members could hold different things (the sparse gather's shares: what each member
 sent each other one), a member's first barrier frame carries, as its payload, what it holds (each
 share's sha256 and its sender's signature of it), and its successor compares that with its own
-before it takes any set: a member that signed two different shares is named (Equivocation), with
-its two signatures as the proof each honest member who saw both can check.
+before it takes any set: a member that signed two different shares is named (Proven), with its
+two signatures as the proof each honest member who saw both can check, and so is a predecessor
+whose testimony does not hold up (a signature it could not have been given).
 
 Each member's bit is its signature of the attempt: the membership digest (which covers the step)
 and the attempt number, the same on every member, as neighbours' handshakes agree on both. It is
@@ -76,8 +77,9 @@ member order, 64 bytes each."""
 DOMAIN = b"p2ptrain/barrier/v1\0"
 
 
-class Equivocation(FrameError):
-    """A member signed two different versions of what it sent: `culprit` is its key."""
+class Proven(FrameError):
+    """What arrived proves that one member broke the protocol (it signed two versions of what it
+    sent, or sent a testimony nobody could have given it): `culprit` is its key."""
 
     def __init__(self, message: str, culprit: bytes):
         super().__init__(message)
@@ -86,7 +88,7 @@ class Equivocation(FrameError):
 
 Testimony = Callable[[bytes], None]
 """Checks the predecessor's first barrier payload against what this member holds: raises
-Equivocation (or FrameError for a malformed one)."""
+Proven, naming the member the testimony convicts, or its sender."""
 ALIVE = "alive"
 """The kind of a keepalive frame: header {"kind", "step"}, no payload."""
 BEATS_PER_TIMEOUT = 4

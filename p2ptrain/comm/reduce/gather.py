@@ -39,7 +39,7 @@ from p2ptrain.comm.codec import sparse
 from p2ptrain.comm.codec.quant import Buffer, PayloadError
 from p2ptrain.comm.net.attempt import AllReduceError
 from p2ptrain.comm.net.members import Member
-from p2ptrain.comm.reduce.barrier import Equivocation, Testimony
+from p2ptrain.comm.reduce.barrier import Proven, Testimony
 from p2ptrain.comm.reduce.plan import Progress, ReducePlan
 from p2ptrain.comm.reduce.schedule import GATHER, FrameSpec, robust
 from p2ptrain.comm.robust.clipping import CUT_FAR
@@ -199,18 +199,20 @@ class GatherPlan(ReducePlan):
         return self._check_testimony
 
     def _check_testimony(self, theirs: bytes) -> None:
-        """The predecessor's testimony against ours: Equivocation for a member that signed another
-        share than the one we hold; FrameError for a testimony that proves nothing."""
+        """The predecessor's testimony against ours: Proven naming a member that signed another
+        share than the one we hold, or naming the predecessor where its testimony does not hold up
+        (it came on the predecessor's authenticated lane: nobody else could have written it)."""
+        predecessor = self.keys[self.schedule.predecessor]
         if len(theirs) != WITNESS_BYTES * self.n:
-            raise FrameError(f"a testimony of {len(theirs)} bytes for {self.n} members")
+            raise Proven(f"a testimony of {len(theirs)} bytes for {self.n} members", predecessor)
         for member in range(self.n):
             entry = theirs[member * WITNESS_BYTES : (member + 1) * WITNESS_BYTES]
             share_hash, signature = entry[:HASH_BYTES], entry[HASH_BYTES:]
             if share_hash == self.hashes[member]:
                 continue
             if not verify(self.keys[member], signature, share_statement(self.digest, share_hash)):
-                raise FrameError(f"a testimony with a share of member {member} it did not sign")
-            raise Equivocation(
+                raise Proven(f"a testimony with a share member {member} did not sign", predecessor)
+            raise Proven(
                 f"{short_id(self.keys[member])} signed two different shares of step {self.step} "
                 "(one sent to this member, another to its predecessor)",
                 self.keys[member],
