@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from p2ptrain.comm.codec.sparse import SparseCode
+from p2ptrain.config import CommConfig
 from p2ptrain.procs import ChildProcesses
 
 
@@ -32,6 +34,20 @@ def payload_bytes(values: int, members: int, *, bits: int, block: int) -> float:
     """Bytes one member sends in an all-reduce of `values` among `members` (ring or butterfly alike):
     2(n − 1)/n of the vector, `bits` per value plus 8 bytes of block parameters per `block` values."""
     return 2 * (members - 1) / members * values * (bits / 8 + 8 / block)
+
+
+def sync_bytes(values: int, members: int, comm: CommConfig) -> float:
+    """Bytes one member sends in one sync under `comm`'s codec: the dense all-reduce's
+    (`payload_bytes`), or under the sparse codec its share to each of the n − 1 others."""
+    if comm.codec == "sparse":
+        return (members - 1) * SparseCode(chunk=comm.sparse_chunk, k=comm.sparse_k).payload_size(values)
+    return payload_bytes(values, members, bits=comm.bits, block=comm.quant_block)
+
+
+def sync_hops(members: int, comm: CommConfig) -> int:
+    """One-way delays a sync takes at the least: the ring's 2(n − 1) (reduce-scatter and all-gather),
+    or the sparse gather's one for its data and n − 1 for the completion barrier's sets."""
+    return members if comm.codec == "sparse" else 2 * (members - 1)
 
 
 def median_seconds(function: Callable[[], object], repeats: int, warmup: int = 1) -> float:

@@ -16,9 +16,10 @@ the last one repeated past its end; the bootstrap peer takes the first.
 Per step (medians over the steps after the first, which opens the connections):
 - allreduce_s: the slowest member's all-reduce (the members' own clocks: from its start to done);
 - physical_s: the slowest member's payload bytes over its uplink (2(n−1)/n of the vector at the
-  configured bits, plus 8 bytes of block parameters per block) + 2(n − 1) one-way delays of the
-  slowest path among the members; allreduce_ratio = allreduce_s / physical_s (target ≤ 1.3 at
-  0.5 % loss, ≤ 1.6 at 2 %);
+  configured bits, plus 8 bytes of block parameters per block; under the sparse codec its share
+  n − 1 times) + 2(n − 1) one-way delays of the slowest path among the members (the sparse
+  gather: n, one for its data and n − 1 for the completion barrier); allreduce_ratio =
+  allreduce_s / physical_s (target ≤ 1.3 at 0.5 % loss, ≤ 1.6 at 2 %);
 - decided_after_last_ready_s: the last member's election done, minus the moment the last member was
   ready (wall clocks of one machine); election_rtts = that over the slowest pair's round trip
   (target ≤ 3);
@@ -56,13 +57,14 @@ from typing import Any
 from benchmarks.common import (
     drill_command,
     parser,
-    payload_bytes,
     report,
     start_bootstrap,
+    sync_bytes,
+    sync_hops,
     unwind_on_sigterm,
 )
 from benchmarks.paths import add_path_flags, check_path_flags, lab_for
-from p2ptrain.config import load_config
+from p2ptrain.config import CommConfig, load_config
 from p2ptrain.errors import ConfigError
 from p2ptrain.procs import ChildProcesses
 
@@ -158,13 +160,11 @@ def run(args: Any) -> dict[str, Any]:
             logs = {name: _lines(root / name / "drill.jsonl") for name in names}
         finally:
             children.stop_all()
-        payload = payload_bytes(args.size, args.nodes, bits=config.comm.bits, block=config.comm.quant_block)
+        payload = sync_bytes(args.size, args.nodes, config.comm)
         tcp_s = tcp_bulk_s(lab, list(range(1, args.nodes + 1)), int(payload)) if args.tcp_baseline else None
     keys = {name: logs[name][0]["node"] for name in names if logs[name]}
     hosts = {key: index for index, key in enumerate(keys.values(), start=1)}
-    result = figures(
-        logs, lab=lab, hosts=hosts, size=args.size, bits=config.comm.bits, block=config.comm.quant_block
-    )
+    result = figures(logs, lab=lab, hosts=hosts, size=args.size, comm=config.comm)
     result.update(
         nodes=args.nodes,
         size=args.size,
@@ -194,8 +194,7 @@ def figures(
     lab: Any,
     hosts: dict[str, int],
     size: int,
-    bits: int,
-    block: int,
+    comm: CommConfig,
 ) -> dict[str, Any]:
     """The per-step figures (see the module docstring) from the nodes' drill logs."""
     steps: dict[int, list[dict[str, Any]]] = {}
@@ -215,10 +214,10 @@ def figures(
         n = len(members)
         if n < 2:
             continue
-        payload = payload_bytes(size, n, bits=bits, block=block)
+        payload = sync_bytes(size, n, comm)
         uplink = max(payload * 8 / (lab.links[m].up_mbit * 1e6) for m in members)
         slowest_path = max(lab.round_trip_s(a, b) / 2 for a in members for b in members if a != b)
-        physical = uplink + 2 * (n - 1) * slowest_path
+        physical = uplink + sync_hops(n, comm) * slowest_path
         last_ready = max(entry["ready_time"] for entry in entries)
         decided = max(entry["ready_time"] + entry["election_s"] for entry in entries)
         allreduce = max(entry["allreduce_s"] for entry in entries)
