@@ -92,7 +92,8 @@ async def run_drill(
                 seed = int.from_bytes(
                     hashlib.sha256(identity.public_key + step.to_bytes(8, "big")).digest()[:8], "big"
                 )
-                vector = np.random.default_rng(seed).standard_normal(plan.size).astype(np.float32)
+                # float32 straight away: a float64 draw doubles a large drill's memory (150M values)
+                vector = np.random.default_rng(seed).standard_normal(plan.size, dtype=np.float32)
                 started = time.monotonic()
                 try:
                     result = await unless(sync.sync(step, vector, tokens=rng.randint(1, 1000)), stop.wait())
@@ -104,7 +105,7 @@ async def run_drill(
                     log_file.write(json.dumps(given_up) + "\n")
                     log_file.flush()
                     continue
-                params_hash = hashlib.sha256(vector.tobytes()).hexdigest()
+                params_hash = hashlib.sha256(vector.data).hexdigest()  # no copy of the vector
                 line = {
                     "step": step,
                     "members": [member.key.hex() for member in result.election.members],
