@@ -127,6 +127,7 @@ class _Demo:
         self.inner_steps = config.train.inner_steps
         """H: the run lasts `steps` outer steps of it (train.max_steps follows it)."""
         self.robust = config.comm.robust
+        self.sparse = config.comm.codec == "sparse"
         """The aggregation rule the nodes take: an open run's default unless the overrides set one."""
         self.open_run = not config.run.authority
         self.work_dir = work_dir.resolve()
@@ -214,7 +215,8 @@ class _Demo:
         self.say(
             f"started {self.nodes} nodes: the debug model, {self.steps} outer steps of H={self.inner_steps}; "
             + (
-                "an open run, so robust aggregation is on (comm.robust: reweighted)"
+                "an open run, so robust aggregation is on (comm.robust: reweighted"
+                + ("; under the sparse codec its norm clip only)" if self.sparse else ")")
                 if self.robust == "reweighted" and self.open_run
                 else f"comm.robust: {self.robust}"
             )
