@@ -236,7 +236,11 @@ def figures(
                 "physical_s": round(physical, 3),
                 "allreduce_ratio": round(allreduce / physical, 3),
                 "decided_after_last_ready_s": round(max(0.0, decided - last_ready), 3),
-                "election_rtts": round(max(0.0, decided - last_ready) / (2 * slowest_path), 2),
+                "election_rtts": (  # none where the paths have no delay (--delay 0)
+                    round(max(0.0, decided - last_ready) / (2 * slowest_path), 2)
+                    if slowest_path > 0
+                    else math.nan
+                ),
                 "sync_s": max(entry["sync_s"] for entry in entries),
                 **{key: max(entry[key] for entry in entries) for key in PHASES},
                 "barrier_after_last_frame_s": round(results - frames_in, 3),
