@@ -220,6 +220,21 @@ def test_a_testimony_that_does_not_hold_up_names_the_member_that_gave_it(tmp_pat
 
 
 @pytest.mark.procs
+@pytest.mark.parametrize("frames", [2, 24])
+def test_a_member_killed_mid_gather_or_once_it_holds_every_share_leaves_nobody_a_result(
+    tmp_path: Path, frames: int
+) -> None:
+    """Killed after 2 of the 24 frames it receives (3 peers × 4 segments × 2 frames), or after the
+    last: the survivors fail within the failure bound of each other, and none takes a result."""
+    comm = SPARSE.model_copy(update={"failure_timeout": 5.0})
+    outcomes, results, _ = run_ring(tmp_path, 4, 200_000, comm=comm, faults={1: ("kill", frames)})
+    assert sorted(outcomes) == [0, 2, 3] and results == {}, outcomes
+    assert not any(outcome.ok for outcome in outcomes.values())
+    failed = [outcome.failed_at for outcome in outcomes.values()]
+    assert max(failed) - min(failed) < 5.0
+
+
+@pytest.mark.procs
 def test_members_behind_nat_gather_through_dials_and_relays(tmp_path: Path) -> None:
     outcomes, results, inputs = run_ring(tmp_path, 4, 100_000, comm=SPARSE, behind_nat=frozenset({1, 3}))
     assert all(outcome.ok for outcome in outcomes.values()) and len(results) == 4, outcomes
