@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from p2ptrain.comm.codec.sparse import SparseCode
+from p2ptrain.comm.reduce.gather import sparse_code
 from p2ptrain.config import CommConfig
 from p2ptrain.procs import ChildProcesses
 
@@ -40,7 +40,7 @@ def sync_bytes(values: int, members: int, comm: CommConfig) -> float:
     """Bytes one member sends in one sync under `comm`'s codec: the dense all-reduce's
     (`payload_bytes`), or under the sparse codec its share to each of the n − 1 others."""
     if comm.codec == "sparse":
-        return (members - 1) * SparseCode(chunk=comm.sparse_chunk, k=comm.sparse_k).payload_size(values)
+        return (members - 1) * sparse_code(comm).payload_size(values)
     return payload_bytes(values, members, bits=comm.bits, block=comm.quant_block)
 
 

@@ -180,10 +180,7 @@ def _unpack_sparse(
                 sparse.squared_norm(share, numel, code)
             except quant.PayloadError as exc:
                 raise ReplayError(str(exc)) from None
-    buffer.fill(0)
-    for share, weight in zip(shares, weights, strict=True):
-        if weight:
-            sparse.decode_add(share, buffer, code, weight=weight)
+    sparse.weighted_sum(shares, weights, buffer, code)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,6 +20,7 @@ are the same arithmetic in NumPy, the oracle the kernels are tested against.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,6 +91,18 @@ def decode_add(
 ) -> None:
     """acc += weight · decode(payload), in fp32, in place (the payload passed `squared_norm`)."""
     _sparse.decode_add(_bytes(payload), acc, code.chunk, code.k, weight, threads)
+
+
+def weighted_sum(
+    shares: Sequence[Buffer], weights: Sequence[float], out: np.ndarray, code: SparseCode, *, threads: int = 0
+) -> None:
+    """out = Σ weightᵢ · decode(shareᵢ), from zeros, in the order given, shares of weight 0 skipped:
+    the one sum every member of a sparse step computes and a replay repeats, so both give the same
+    floats. Every share with a weight has passed `squared_norm`."""
+    out.fill(0)
+    for share, weight in zip(shares, weights, strict=True):
+        if weight:
+            decode_add(share, out, code, weight=weight, threads=threads)
 
 
 class ErrorFeedback:

@@ -47,7 +47,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from p2ptrain.comm.codec import quant
-from p2ptrain.comm.codec.sparse import ErrorFeedback, decode_add
+from p2ptrain.comm.codec.sparse import ErrorFeedback, weighted_sum
 from p2ptrain.comm.net.attempt import AllReduceError, Connection, close_connection, session_of
 from p2ptrain.comm.net.members import Member, membership_digest
 from p2ptrain.comm.net.relay import needs_relay
@@ -125,8 +125,7 @@ async def all_reduce(
         if not quant.all_finite(buffer):
             raise AllReduceError(f"step {step}: this node's contribution holds NaN or Inf")
         if own_share is not None and feedback is not None:  # alone, a node applies what it would send
-            buffer.fill(0)
-            decode_add(own_share, buffer, feedback.code)
+            weighted_sum([own_share], [1.0], buffer, feedback.code)
             feedback.sent(step)
         return ReduceStats(seconds=time.monotonic() - started)
     # NaN/Inf of ours are caught where a chunk is encoded, before anything is sent; the error then

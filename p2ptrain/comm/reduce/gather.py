@@ -219,7 +219,4 @@ class GatherPlan(ReducePlan):
             )
 
     def write_result(self, buffer: np.ndarray) -> None:
-        buffer.fill(0)
-        for share, weight in zip(self.shares, self.weights, strict=True):
-            if weight:
-                sparse.decode_add(share, buffer, self.code, weight=weight, threads=self.threads)
+        sparse.weighted_sum(self.shares, self.weights, buffer, self.code, threads=self.threads)
