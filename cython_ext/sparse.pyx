@@ -23,7 +23,7 @@ inside their chunk.
 
 from cython.parallel cimport parallel, prange
 from libc.stdint cimport uint32_t, int32_t
-from libc.stdlib cimport malloc, free
+from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memcpy, memset
 from libc.math cimport fabsf, INFINITY
 
@@ -163,6 +163,47 @@ cdef extern from *:
             if (i < (uint32_t)m) acc[i] += weight * v;  /* checked before; never out of the chunk */
         }
     }
+    /* One chunk's part of `agreement`: the coordinate-wise median of the q members' scaled decoded
+       values (a member without a value at a coordinate holds 0 there), at every coordinate some
+       member keeps; out[p] += value_p * median for each member, out[q] += median². vals (q·m, all
+       zero), seen (m, all zero), uni (q·k) and col (q) are scratch; vals and seen are left zero. */
+    static void sp_agree_chunk(const unsigned char *const *recs, const double *scales, Py_ssize_t q,
+                               Py_ssize_t m, Py_ssize_t k, int bits, double *vals, unsigned char *seen,
+                               int32_t *uni, double *col, double *out) {
+        Py_ssize_t kept = sp_kept(m, k), index_bytes = sp_index_bytes(kept, bits), u = 0;
+        for (Py_ssize_t p = 0; p < q; p++) {
+            const unsigned char *rec = recs[p];
+            float lo, hi;
+            memcpy(&lo, rec, 4);
+            memcpy(&hi, rec + 4, 4);
+            const unsigned char *indices = rec + 8, *codes = rec + 8 + index_bytes;
+            for (Py_ssize_t j = 0; j < kept; j++) {
+                uint32_t i = sp_get(indices, index_bytes, j * bits, bits);
+                if (i >= (uint32_t)m) continue;  /* checked before; never out of the chunk */
+                unsigned code = (codes[j >> 2] >> ((j & 3) * 2)) & 3u;
+                float v = code & 2u ? hi : lo;
+                vals[p * m + i] = (double)(code & 1u ? -v : v);
+                if (!seen[i]) { seen[i] = 1; uni[u++] = (int32_t)i; }
+            }
+        }
+        for (Py_ssize_t p = 0; p <= q; p++) out[p] = 0;
+        for (Py_ssize_t t = 0; t < u; t++) {
+            Py_ssize_t i = uni[t];
+            for (Py_ssize_t p = 0; p < q; p++) {  /* insertion sort of the scaled column */
+                double x = scales[p] * vals[p * m + i];
+                Py_ssize_t r = p;
+                while (r > 0 && col[r - 1] > x) { col[r] = col[r - 1]; r--; }
+                col[r] = x;
+            }
+            double median = q % 2 ? col[q / 2] : 0.5 * (col[q / 2 - 1] + col[q / 2]);
+            if (median != 0) {
+                out[q] += median * median;
+                for (Py_ssize_t p = 0; p < q; p++) out[p] += vals[p * m + i] * median;
+            }
+            seen[i] = 0;
+            for (Py_ssize_t p = 0; p < q; p++) vals[p * m + i] = 0;
+        }
+    }
     """
     Py_ssize_t sp_record(Py_ssize_t length, Py_ssize_t k, int bits) nogil
     Py_ssize_t sp_encode_chunk(const float *x, Py_ssize_t m, Py_ssize_t k, int bits, unsigned char *out,
@@ -170,6 +211,9 @@ cdef extern from *:
     int sp_check_chunk(const unsigned char *rec, Py_ssize_t m, Py_ssize_t k, int bits, double *sumsq) nogil
     void sp_decode_add_chunk(const unsigned char *rec, Py_ssize_t m, Py_ssize_t k, int bits, float weight,
                              float *acc) nogil
+    void sp_agree_chunk(const unsigned char *const *recs, const double *scales, Py_ssize_t q, Py_ssize_t m,
+                        Py_ssize_t k, int bits, double *vals, unsigned char *seen, int32_t *uni, double *col,
+                        double *out) nogil
 
 cdef extern from *:
     """
@@ -277,3 +321,78 @@ def decode_add(const unsigned char[::1] payload, float[::1] acc, Py_ssize_t chun
             start = c * chunk
             m = chunk if start + chunk <= n else n - start
             sp_decode_add_chunk(source + c * record, m, k, bits, weight, target + start)
+
+
+def agreement(list payloads, const double[::1] scales, Py_ssize_t n, Py_ssize_t chunk, Py_ssize_t k,
+              int threads=0):
+    """(per payload, Σ value · median; Σ median²) over every coordinate some payload keeps, where
+    median is the coordinate-wise median of scales[p] · value_p over the payloads (0 where a
+    payload keeps no value). Every payload passed `check`. The sums are in double, chunk by chunk
+    in order and inside a chunk in one fixed order, whatever the threads: the same bytes in give
+    the same floats out on every machine."""
+    cdef Py_ssize_t q = len(payloads), p, c, start, m, r
+    if scales.shape[0] != q:
+        raise ValueError(f"{scales.shape[0]} scales for {q} payloads")
+    cdef int bits = _index_bits(chunk)
+    cdef Py_ssize_t chunks = (n + chunk - 1) // chunk
+    cdef Py_ssize_t record = sp_record(chunk, k, bits)
+    cdef const unsigned char[::1] view
+    views = []
+    for payload in payloads:
+        view = payload
+        _checked(n, view.shape[0], chunk, k)
+        views.append(view)  # keeps each buffer exported while the kernel reads it
+    dots = [0.0] * q
+    if n == 0 or q == 0:
+        return dots, 0.0
+    cdef const unsigned char** bases = <const unsigned char**>malloc(q * sizeof(void*))
+    cdef double* partial = <double*>malloc(chunks * (q + 1) * sizeof(double))
+    if bases == NULL or partial == NULL:
+        free(bases)
+        free(partial)
+        raise MemoryError()
+    for p in range(q):
+        view = views[p]
+        bases[p] = &view[0]
+    cdef const double* factor = &scales[0]
+    cdef double* vals
+    cdef unsigned char* seen
+    cdef int32_t* uni
+    cdef double* col
+    cdef const unsigned char** recs
+    cdef int failed = 0
+    cdef int team = _team(threads)
+    if team > chunks:
+        team = <int>chunks
+    with nogil, parallel(num_threads=team):
+        vals = <double*>calloc(q * chunk, sizeof(double))  # one scratch per thread
+        seen = <unsigned char*>calloc(chunk, 1)
+        uni = <int32_t*>malloc(q * k * sizeof(int32_t))
+        col = <double*>malloc(q * sizeof(double))
+        recs = <const unsigned char**>malloc(q * sizeof(void*))
+        for c in prange(chunks, schedule="static"):
+            if vals == NULL or seen == NULL or uni == NULL or col == NULL or recs == NULL:
+                failed += 1
+            else:
+                start = c * chunk
+                m = chunk if start + chunk <= n else n - start
+                for r in range(q):
+                    recs[r] = bases[r] + c * record
+                sp_agree_chunk(recs, factor, q, m, k, bits, vals, seen, uni, col, partial + c * (q + 1))
+        free(vals)
+        free(seen)
+        free(uni)
+        free(col)
+        free(recs)
+    if failed:
+        free(bases)
+        free(partial)
+        raise MemoryError()
+    cdef double total = 0
+    for c in range(chunks):
+        for p in range(q):
+            dots[p] += partial[c * (q + 1) + p]
+        total += partial[c * (q + 1) + q]
+    free(bases)
+    free(partial)
+    return dots, total

@@ -3,6 +3,7 @@ against their NumPy oracle, the accumulator, and member processes on 127.0.0.1 (
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +51,24 @@ def test_kernels_match_the_numpy_oracle(n: int, chunk: int, k: int) -> None:
     assert sparse.squared_norm(payload, n, code) == pytest.approx(float(np.dot(decoded, decoded)), rel=1e-6)
     kept = np.count_nonzero(decoded)
     assert kept <= sum(min(k, n - start) for start in range(0, n, chunk))
+
+
+@pytest.mark.parametrize(("members", "chunk", "k"), [(3, 64, 8), (4, 64, 8), (5, 16, 16), (8, 4096, 64)])
+def test_the_median_agreement_kernel_matches_its_oracle_whatever_the_threads(
+    members: int, chunk: int, k: int
+) -> None:
+    code = sparse.SparseCode(chunk=chunk, k=k)
+    n = 37 * chunk + chunk // 3
+    common = vectors(n, seed=99)
+    shares = [sparse.encode(common + vectors(n, seed=member), code) for member in range(members)]
+    scales = [1.0, 0.5, 2.0, 1.0, 0.25, 1.0, 3.0, 0.75][:members]
+    dots, median_sq = sparse.agreement(shares, scales, n, code, threads=4)
+    expected_dots, expected_sq = sparse.reference_agreement(shares, scales, n, code)
+    assert dots == pytest.approx(expected_dots, rel=1e-9) and median_sq == pytest.approx(
+        expected_sq, rel=1e-9
+    )
+    assert min(dots) > 0 and median_sq > 0  # the shared direction shows through the median
+    assert sparse.agreement(shares, scales, n, code, threads=1) == (dots, median_sq)  # the same floats
 
 
 def test_the_default_code_is_under_a_quarter_bit_per_value_and_keeps_the_largest() -> None:
@@ -141,12 +160,23 @@ def test_the_sparse_codec_gathers_and_takes_sparseloco_s_outer_step() -> None:
     assert config.outer.momentum == 0.5
 
 
-def expected_mean(inputs: list[np.ndarray], weights: list[float]) -> np.ndarray:
-    """The gather's result as every member computes it: Σ f_i · decode(share_i), in member order, fp32."""
+def expected_mean(
+    inputs: list[np.ndarray], weights: list[float], *, clipped: bool = False, left_out: int = -1
+) -> np.ndarray:
+    """The gather's result as every member computes it: Σ f_i · decode(share_i), in member order, fp32;
+    `clipped`: each share scaled down to the median share's norm where above it (comm.clip 1);
+    `left_out`: that member's weight handed to the others."""
+    decoded = [
+        sparse.reference_decode(sparse.reference_encode(values, CODE), values.size, CODE) for values in inputs
+    ]
+    norms = [float(np.linalg.norm(values.astype(np.float64))) for values in decoded]
+    limit = float(np.median(norms)) if clipped else math.inf
+    fractions = [float(np.float32(fraction)) for fraction in shares_of(weights)]
+    handed = sum(fractions) / sum(f for member, f in enumerate(fractions) if member != left_out)
     result = np.zeros_like(inputs[0])
-    for fraction, values in zip(shares_of(weights), inputs, strict=True):
-        decoded = sparse.reference_decode(sparse.reference_encode(values, CODE), values.size, CODE)
-        result += np.float32(fraction) * decoded
+    for member, (fraction, values, size) in enumerate(zip(fractions, decoded, norms, strict=True)):
+        if member != left_out:
+            result += np.float32(fraction * min(1.0, limit / size) * handed) * values
     return result
 
 
@@ -186,6 +216,32 @@ def test_a_share_a_hundred_times_the_others_counts_as_one_typical_member(tmp_pat
     assert all(outcome.clipped == {3: 1} for outcome in outcomes.values()), outcomes
     honest = np.linalg.norm(sparse.reference_decode(sparse.encode(vectors(100_000), CODE), 100_000, CODE))
     assert np.linalg.norm(results[0]) < 1.5 * honest
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize("opposite", [False, True])
+def test_a_share_turned_against_the_others_counts_for_nothing_and_honest_ones_keep_theirs(
+    tmp_path: Path, opposite: bool
+) -> None:
+    """An open run's rule (reweighted) over inputs that share a direction, as pseudo-gradients do:
+    member 3 sends the opposite of its own at its own norm, where the norm clip holds nothing. Every
+    member weighs it at nothing by its cosine with the shares' coordinate-wise median and hands its
+    weight to the three others, alike; with every member honest, nobody is left out."""
+    comm = SPARSE.model_copy(update={"robust": "reweighted"})
+    faults = {3: ("scale", -1)} if opposite else {}
+    outcomes, results, inputs = run_ring(tmp_path, 4, 100_000, comm=comm, faults=faults, correlated=True)
+    assert all(outcome.ok for outcome in outcomes.values()) and len(results) == 4, outcomes
+    assert all(
+        np.array_equal(results[0].view(np.uint32), other.view(np.uint32)) for other in results.values()
+    )
+    if opposite:
+        assert all(outcome.left_out == {3: 1} for outcome in outcomes.values()), outcomes
+        assert np.allclose(
+            results[0], expected_mean(inputs, [1.0] * 4, clipped=True, left_out=3), rtol=0, atol=1e-6
+        )
+    else:
+        assert all(not outcome.left_out and not outcome.clipped for outcome in outcomes.values()), outcomes
+        assert np.allclose(results[0], expected_mean(inputs, [1.0] * 4, clipped=True), rtol=0, atol=1e-6)
 
 
 @pytest.mark.procs

@@ -114,12 +114,6 @@ class OuterSync:
         )
         """This node's error-feedback accumulator under the sparse codec (codec/sparse.py): one more
         model-sized fp32 vector, per node (a node that starts, or restarts, starts from zeros)."""
-        if self.feedback is not None and comm.aggregation == "reweighted":
-            log.warning(
-                "comm.robust is reweighted, but under the sparse codec only its norm clip applies: a "
-                "share counts at most comm.clip × the median share's norm, and one pointing away from "
-                "the others' still counts (docs/07-footguns.md)"
-            )
         self.last_result: np.ndarray | None = None
         """The last all-reduce result this node took (robust aggregation weighs the shares of the
         segment it owns by their agreement with it): one more model-sized fp32 vector, kept only

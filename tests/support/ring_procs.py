@@ -55,12 +55,18 @@ class Outcome:
     """The member its last error named (AllReduceError.unresponsive), -1 for none."""
     clipped: dict[int, int] | None = None
     """Robust aggregation: member index → chunks of this member's segment its share was clipped in."""
+    left_out: dict[int, int] | None = None
+    """Robust aggregation: member index → chunks in which its share counted at under half its weight."""
     rebound: int = 0
     """Kept lanes this member re-bound to a later step, at either end (transport/resume.py)."""
 
 
-def member_data(index: int, length: int, outlier: bool) -> np.ndarray:
+def member_data(index: int, length: int, outlier: bool, correlated: bool = False) -> np.ndarray:
+    """Member `index`'s input: independent normal values; `correlated`: a direction every member
+    shares plus its own noise (as pseudo-gradients of one run agree)."""
     data = np.random.default_rng(1000 + index).standard_normal(length).astype(np.float32)
+    if correlated:
+        data = np.random.default_rng(999).standard_normal(length).astype(np.float32) + np.float32(0.7) * data
     if outlier and length > 10:
         data[:: max(1, length // 4)][:4] = 100.0  # a few values at 100 sigma
     return data
@@ -74,6 +80,7 @@ class MemberSpec:
     root: str
     length: int
     outlier: bool
+    correlated: bool
     comm: CommConfig
     setup_timeout: float
     step: int
@@ -95,7 +102,7 @@ def _member(spec: MemberSpec, inbox: Any, outbox: Any) -> None:
         members = await asyncio.get_running_loop().run_in_executor(None, inbox.get)
         if fault == "vanish":  # elected, then gone before dialing anyone: its port refuses
             die(outbox)
-        buffer = member_data(index, length, spec.outlier)
+        buffer = member_data(index, length, spec.outlier, spec.correlated)
         frames = 0
 
         def progress(phase: str, rnd: int, chunk: int) -> None:
@@ -163,7 +170,7 @@ def _member(spec: MemberSpec, inbox: Any, outbox: Any) -> None:
         try:
             for offset in range(spec.steps):
                 if offset:
-                    buffer = member_data(index, length, spec.outlier)
+                    buffer = member_data(index, length, spec.outlier, spec.correlated)
                     between_steps(fault, server)
                 stats, attempts = await one_step(step + offset, buffer, attempts)
                 if stats is None:
@@ -183,6 +190,7 @@ def _member(spec: MemberSpec, inbox: Any, outbox: Any) -> None:
             bytes_sent=stats.bytes_sent,
             relayed=server.relay.bytes_relayed,
             clipped={keys.index(key): count for key, count in stats.clipped.items()},
+            left_out={keys.index(key): count for key, count in stats.left_out.items()},
             rebound=server.warm.rebound,
         )
         outbox.put(("done", outcome))
@@ -357,6 +365,7 @@ def run_ring(
     *,
     weights: list[float] | None = None,
     outlier: bool = False,
+    correlated: bool = False,
     comm: CommConfig | None = None,
     setup_timeout: float = 30.0,
     faults: dict[int, tuple[str, int]] | None = None,
@@ -386,6 +395,7 @@ def run_ring(
             root=str(root),
             length=length,
             outlier=outlier,
+            correlated=correlated,
             comm=comm,
             setup_timeout=setup_timeout,
             step=STEP,
@@ -443,7 +453,7 @@ def run_ring(
                 process.kill()
                 process.join(timeout=5)
     results = {i: np.load(root / f"result{i}.npy") for i, outcome in outcomes.items() if outcome.ok}
-    inputs = [member_data(i, length, outlier) for i in range(n)]
+    inputs = [member_data(i, length, outlier, correlated) for i in range(n)]
     return outcomes, results, inputs
 
 

@@ -14,6 +14,12 @@ Once every share is in, each member computes, from the same bytes in the same or
   member alike, and is reported (left_out);
 - under robust aggregation (comm.robust, from 3 members), each share's factor min(1, clip × the
   median norm / its norm): no member counts for more than `clip` typical members in size;
+- under "reweighted" (an open run's default), each share's weight by its direction: its cosine
+  with the coordinate-wise median of the (clipped) shares, whole from half the members' median
+  cosine up, nothing at 0 or below, its weight handed to the others (`_kept_by_direction`): a
+  member sending the opposite of what it learned, a random direction or zeros counts for about
+  nothing. The median needs no reference of anyone's own: it comes from the shares every member
+  holds alike;
 - the result, 0 plus weight_i × decode(share_i) for i in member order, in fp32: the same floats on
   every member.
 So nothing needs an owner to trust or claims to check. What could still differ is the shares
@@ -42,7 +48,7 @@ from p2ptrain.comm.net.members import Member
 from p2ptrain.comm.reduce.barrier import Proven, Testimony
 from p2ptrain.comm.reduce.plan import Progress, ReducePlan
 from p2ptrain.comm.reduce.schedule import GATHER, FrameSpec, robust
-from p2ptrain.comm.robust.clipping import CUT_FAR
+from p2ptrain.comm.robust.clipping import CUT_FAR, LEFT_OUT, MIN_MEMBERS, kept_by_cosine
 from p2ptrain.comm.transport import lanes
 from p2ptrain.comm.transport.wire import FrameError
 from p2ptrain.config import CommConfig
@@ -167,6 +173,7 @@ class GatherPlan(ReducePlan):
             except PayloadError:
                 norms.append(None)
         factors = [0.0 if norm is None else 1.0 for norm in norms]
+        kept = [1.0] * self.n
         if robust(self.comm, self.n):
             counted = [
                 norm for norm, fraction in zip(norms, self.fractions, strict=True) if norm and fraction > 0
@@ -176,16 +183,63 @@ class GatherPlan(ReducePlan):
                 factor if norm is None or norm <= limit else limit / norm
                 for factor, norm in zip(factors, norms, strict=True)
             ]
-        self.weights = [
-            float(np.float32(fraction * factor))
-            for fraction, factor in zip(self.fractions, factors, strict=True)
-        ]
+            if self.comm.aggregation == "reweighted":
+                kept = self._kept_by_direction(norms, factors)
+        self.weights = self._settled(factors, kept)
         self.stats.shares, self.stats.weights = list(self.shares), self.weights
         for member, (norm, factor) in enumerate(zip(norms, factors, strict=True)):
-            if norm is None:
+            if norm is None or kept[member] < LEFT_OUT:
                 self.stats.left_out[self.keys[member]] = 1
             elif factor < CUT_FAR:
                 self.stats.clipped[self.keys[member]] = 1
+
+    def _kept_by_direction(self, norms: list[float | None], factors: list[float]) -> list[float]:
+        """Per member, the fraction of its weight it keeps by its cosine with the coordinate-wise
+        median of the counted members' (norm-clipped) shares (clipping.kept_by_cosine); 1 for all
+        where the median says nothing. The median is computed from the shares alone, in double, in
+        one order (sparse.agreement), so every member weighs alike without a reference of its own;
+        with one poisoner among three, or fewer than half of the members, the median at each value
+        is bounded by honest ones (a coordinate only the poisoner keeps has median 0)."""
+        counted = [
+            member
+            for member in range(self.n)
+            if norms[member] and factors[member] > 0 and self.fractions[member] > 0
+        ]
+        kept = [1.0] * self.n
+        if len(counted) < MIN_MEMBERS:
+            return kept
+        dots, median_sq = sparse.agreement(
+            [self.shares[member] for member in counted],
+            [factors[member] for member in counted],
+            self.own.shape[0],
+            self.code,
+            threads=self.threads,
+        )
+        if not median_sq > 0:
+            return kept
+        cosines = [
+            dot / (float(norms[member] or 0.0) * math.sqrt(median_sq))
+            for dot, member in zip(dots, counted, strict=True)
+        ]
+        by_direction = kept_by_cosine(cosines)
+        if by_direction is not None:
+            for member, fraction in zip(counted, by_direction, strict=True):
+                kept[member] = fraction
+        return kept
+
+    def _settled(self, factors: list[float], kept: list[float]) -> list[float]:
+        """Each member's weight in the result, fraction × norm factor × kept, the kept ones' scaled
+        so that the valid shares' fractions still sum as they did (a share left out for its
+        direction hands its weight to the others, as the dense rule's weighted mean does). fp32,
+        from double arithmetic in member order: the same floats on every member."""
+        valid = [member for member in range(self.n) if factors[member] > 0]
+        whole = sum(self.fractions[member] for member in valid)
+        keeping = sum(self.fractions[member] * kept[member] for member in valid)
+        scale = whole / keeping if keeping > 0 else 1.0
+        return [
+            float(np.float32(fraction * factor * fraction_kept * scale))
+            for fraction, factor, fraction_kept in zip(self.fractions, factors, kept, strict=True)
+        ]
 
     def holding_digest(self) -> bytes:
         """sha256 over every member's share's sha256, in member order: what the barrier signs."""

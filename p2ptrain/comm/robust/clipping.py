@@ -160,25 +160,31 @@ def robust_sum(
 
 
 def _agreement(shares: np.ndarray, reference: np.ndarray) -> np.ndarray | None:
-    """Per share, the fraction of its weight it keeps by its cosine with `reference`: whole from
-    AGREEING × the median cosine up, falling linearly to nothing at 0 and below. None where the
-    reference says nothing: zero, or a median cosine that is not positive (the shares turned away
-    from the last result together, as at a sharp turn of the loss)."""
+    """Per share, the fraction of its weight it keeps by its cosine with `reference`
+    (`kept_by_cosine`); None where the reference says nothing."""
     direction = norm(reference)
     if not 0 < direction < math.inf:
         return None
     sizes = [norm(share) for share in shares]
-    cosines = np.array(
-        [
-            float(np.dot(share, reference)) / (size * direction) if size > 0 else 0.0
-            for share, size in zip(shares, sizes, strict=True)
-        ]
-    )
-    typical = float(np.median(cosines))
+    cosines = [
+        float(np.dot(share, reference)) / (size * direction) if size > 0 else 0.0
+        for share, size in zip(shares, sizes, strict=True)
+    ]
+    kept = kept_by_cosine(cosines)
+    return None if kept is None else np.array(kept)
+
+
+def kept_by_cosine(cosines: Sequence[float]) -> list[float] | None:
+    """Per share, the fraction of its weight it keeps by its cosine with a reference direction:
+    whole from AGREEING × the median cosine up, falling linearly to nothing at 0 and below. None
+    where the reference says nothing: a median cosine that is not positive (the shares turned away
+    from it together, as at a sharp turn of the loss), or nobody kept. Plain float arithmetic in
+    one order: the sparse gather needs the same weights on every member."""
+    typical = statistics.median(cosines)
     if not typical > 0:
         return None
-    kept = np.clip(cosines / (AGREEING * typical), 0.0, 1.0)
-    return kept if kept.sum() > 0 else None
+    kept = [min(1.0, max(0.0, cosine / (AGREEING * typical))) for cosine in cosines]
+    return kept if sum(kept) > 0 else None
 
 
 def _around_the_median(shares: np.ndarray, fractions: np.ndarray) -> np.ndarray:
