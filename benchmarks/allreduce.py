@@ -23,8 +23,11 @@ gather instead (comm.codec; the `int8_ring_*` figures are then its, `rel_err` ag
 mean, which a top-k code is far from by design). Every run reports the bytes each member sent per
 all-reduce (`sent_bytes_per_member`, `sent_bits_per_value`) beside the dense int8 ring's at that
 member count (`dense_ring_bytes_per_member`); with the sparse codec `ideal_ring_s` and
-`link_util` take the bytes it sent. --no-gloo skips gloo's rounds (on a slow link they take
-minutes for a large vector).
+`link_util` take the bytes it sent; and the largest member process's peak resident memory
+after its all-reduces, before gloo's, above what it held before its vectors existed
+(`peak_rss_mib`, and per value: the member's own input and result vectors, 8 bytes a value,
+included, as a node's agent holds them). --no-gloo
+skips gloo's rounds (on a slow link they take minutes for a large vector).
 
 With any of --delay, --jitter, --loss, --up or --down (benchmarks/paths.py) the members run in the
 internet lab instead (one namespace each, joined by a userspace router with those paths; --bandwidth
@@ -52,6 +55,7 @@ import numpy as np
 from benchmarks.common import parser, payload_bytes, report, unwind_on_sigterm
 from benchmarks.paths import add_path_flags, check_path_flags, lab_figures, lab_for, wants_lab
 from p2ptrain.config import Aggregation, Codec, Topology
+from p2ptrain.memory_limits import current_rss, peak_rss
 from p2ptrain.procs import free_port
 
 WORLD = 3
@@ -93,6 +97,7 @@ def worker(
     from p2ptrain.identity import load_or_create_identity
 
     dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=world)
+    before = current_rss() or 0  # the interpreter, torch, the process group: not the all-reduce's
     data = _data(rank, length)
 
     async def ring_rounds() -> tuple[list[float], np.ndarray, int]:
@@ -130,6 +135,7 @@ def worker(
         return times[1:], buffer, sent
 
     ring_times, result, sent = asyncio.run(ring_rounds())
+    peak = (peak_rss("self") or 0) - before  # before gloo's own copy of the vector
     tensor, gloo_times = torch.from_numpy(data.copy() if gloo else data[:0].copy()), []
     for _ in range(rounds + 1 if gloo else 0):
         tensor.copy_(torch.from_numpy(data))
@@ -138,7 +144,7 @@ def worker(
         dist.all_reduce(tensor)
         gloo_times.append(time.perf_counter() - started)
     everyone_times: list[Any] = [None] * world
-    dist.all_gather_object(everyone_times, (ring_times, gloo_times[1:], sent))
+    dist.all_gather_object(everyone_times, (ring_times, gloo_times[1:], sent, peak))
     dist.destroy_process_group()
     if rank == 0:
         np.save(out.parent / "ring.npy", result)
@@ -294,6 +300,8 @@ def run(
         "sent_bytes_per_member": max(member[2] for member in times),
         "sent_bits_per_value": round(8 * max(member[2] for member in times) / length, 4),
         "dense_ring_bytes_per_member": round(payload_bytes(length, world, bits=8, block=BLOCK)),
+        "peak_rss_mib": round(max(member[3] for member in times) / 2**20),
+        "peak_rss_bytes_per_value": round(max(member[3] for member in times) / length, 2),
     }
     wire_bytes = payload_bytes(length, world, bits=bits, block=BLOCK)
     if codec == "sparse":

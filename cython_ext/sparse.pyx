@@ -148,18 +148,40 @@ cdef extern from *:
         return 0;
     }
 
+    /* A checked record of a chunk of m values, read entry by entry (sp_entry). */
+    typedef struct {
+        float lo, hi;
+        const unsigned char *indices, *codes;
+        Py_ssize_t kept, index_bytes;
+        int bits;
+    } sp_record_reader;
+
+    static inline sp_record_reader sp_reader(const unsigned char *rec, Py_ssize_t m, Py_ssize_t k, int bits) {
+        sp_record_reader r;
+        r.kept = sp_kept(m, k);
+        r.index_bytes = sp_index_bytes(r.kept, bits);
+        r.bits = bits;
+        memcpy(&r.lo, rec, 4);
+        memcpy(&r.hi, rec + 4, 4);
+        r.indices = rec + 8;
+        r.codes = rec + 8 + r.index_bytes;
+        return r;
+    }
+
+    /* Entry j (< r->kept): its index into *i, its decoded value returned. */
+    static inline float sp_entry(const sp_record_reader *r, Py_ssize_t j, uint32_t *i) {
+        *i = sp_get(r->indices, r->index_bytes, j * r->bits, r->bits);
+        unsigned code = (r->codes[j >> 2] >> ((j & 3) * 2)) & 3u;
+        float v = code & 2u ? r->hi : r->lo;
+        return code & 1u ? -v : v;
+    }
+
     static void sp_decode_add_chunk(const unsigned char *rec, Py_ssize_t m, Py_ssize_t k, int bits,
                                     float weight, float *acc) {
-        Py_ssize_t kept = sp_kept(m, k), index_bytes = sp_index_bytes(kept, bits);
-        float lo, hi;
-        memcpy(&lo, rec, 4);
-        memcpy(&hi, rec + 4, 4);
-        const unsigned char *indices = rec + 8, *codes = rec + 8 + index_bytes;
-        for (Py_ssize_t j = 0; j < kept; j++) {
-            uint32_t i = sp_get(indices, index_bytes, j * bits, bits);
-            unsigned code = (codes[j >> 2] >> ((j & 3) * 2)) & 3u;
-            float v = code & 2u ? hi : lo;
-            v = code & 1u ? -v : v;
+        sp_record_reader r = sp_reader(rec, m, k, bits);
+        for (Py_ssize_t j = 0; j < r.kept; j++) {
+            uint32_t i;
+            float v = sp_entry(&r, j, &i);
             if (i < (uint32_t)m) acc[i] += weight * v;  /* checked before; never out of the chunk */
         }
     }
@@ -170,19 +192,14 @@ cdef extern from *:
     static void sp_agree_chunk(const unsigned char *const *recs, const double *scales, Py_ssize_t q,
                                Py_ssize_t m, Py_ssize_t k, int bits, double *vals, unsigned char *seen,
                                int32_t *uni, double *col, double *out) {
-        Py_ssize_t kept = sp_kept(m, k), index_bytes = sp_index_bytes(kept, bits), u = 0;
+        Py_ssize_t u = 0;
         for (Py_ssize_t p = 0; p < q; p++) {
-            const unsigned char *rec = recs[p];
-            float lo, hi;
-            memcpy(&lo, rec, 4);
-            memcpy(&hi, rec + 4, 4);
-            const unsigned char *indices = rec + 8, *codes = rec + 8 + index_bytes;
-            for (Py_ssize_t j = 0; j < kept; j++) {
-                uint32_t i = sp_get(indices, index_bytes, j * bits, bits);
+            sp_record_reader r = sp_reader(recs[p], m, k, bits);
+            for (Py_ssize_t j = 0; j < r.kept; j++) {
+                uint32_t i;
+                float v = sp_entry(&r, j, &i);
                 if (i >= (uint32_t)m) continue;  /* checked before; never out of the chunk */
-                unsigned code = (codes[j >> 2] >> ((j & 3) * 2)) & 3u;
-                float v = code & 2u ? hi : lo;
-                vals[p * m + i] = (double)(code & 1u ? -v : v);
+                vals[p * m + i] = (double)v;
                 if (!seen[i]) { seen[i] = 1; uni[u++] = (int32_t)i; }
             }
         }
