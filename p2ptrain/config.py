@@ -407,7 +407,8 @@ class CommConfig(Section):
     counts as at most about one typical member in size and in direction; "clip": the size only;
     "off": the plain weighted mean (ring or butterfly). "auto": reweighted in
     an open run (no run.authority), off in a closed one, whose members an authority admitted.
-    Every member checks each owner's sum against the members' signed norm claims."""
+    Every member checks each owner's sum against the members' signed norm claims. Under the sparse
+    codec every member applies the rule itself to the shares it gathered (reduce/gather.py)."""
     clip: Annotated[float, SHARED] = Field(1.0, gt=0, le=1000)
     """Under robust aggregation, a member's share counts with a norm of at most `clip` × the median
     of the members' signed norm claims (weight-normalised), and at most its own claim."""

@@ -161,21 +161,29 @@ def test_the_sparse_codec_gathers_and_takes_sparseloco_s_outer_step() -> None:
 
 
 def expected_mean(
-    inputs: list[np.ndarray], weights: list[float], *, clipped: bool = False, left_out: int = -1
+    inputs: list[np.ndarray],
+    weights: list[float],
+    *,
+    clipped: bool = False,
+    left_out: int = -1,
+    scales: list[float] | None = None,
 ) -> np.ndarray:
     """The gather's result as every member computes it: Σ f_i · decode(share_i), in member order, fp32;
-    `clipped`: each share scaled down to the median share's norm where above it (comm.clip 1);
-    `left_out`: that member's weight handed to the others."""
+    `clipped`: each share scaled down to the median of the non-zero shares' norms where above it
+    (comm.clip 1); `left_out`: that member's weight handed to the others; `scales`: what each
+    member multiplied its input by before it encoded it (run_ring's "scale" fault)."""
+    scales = scales or [1.0] * len(inputs)
     decoded = [
-        sparse.reference_decode(sparse.reference_encode(values, CODE), values.size, CODE) for values in inputs
+        sparse.reference_decode(sparse.reference_encode(values * np.float32(scale), CODE), values.size, CODE)
+        for values, scale in zip(inputs, scales, strict=True)
     ]
     norms = [float(np.linalg.norm(values.astype(np.float64))) for values in decoded]
-    limit = float(np.median(norms)) if clipped else math.inf
+    limit = float(np.median([size for size in norms if size > 0])) if clipped else math.inf
     fractions = [float(np.float32(fraction)) for fraction in shares_of(weights)]
     handed = sum(fractions) / sum(f for member, f in enumerate(fractions) if member != left_out)
     result = np.zeros_like(inputs[0])
     for member, (fraction, values, size) in enumerate(zip(fractions, decoded, norms, strict=True)):
-        if member != left_out:
+        if member != left_out and size > 0:
             result += np.float32(fraction * min(1.0, limit / size) * handed) * values
     return result
 
@@ -219,29 +227,29 @@ def test_a_share_a_hundred_times_the_others_counts_as_one_typical_member(tmp_pat
 
 
 @pytest.mark.procs
-@pytest.mark.parametrize("opposite", [False, True])
-def test_a_share_turned_against_the_others_counts_for_nothing_and_honest_ones_keep_theirs(
-    tmp_path: Path, opposite: bool
+@pytest.mark.parametrize("scale", [1, -1, 0])
+def test_a_share_turned_against_the_others_or_empty_counts_for_nothing_and_honest_ones_keep_theirs(
+    tmp_path: Path, scale: int
 ) -> None:
     """An open run's rule (reweighted) over inputs that share a direction, as pseudo-gradients do:
-    member 3 sends the opposite of its own at its own norm, where the norm clip holds nothing. Every
-    member weighs it at nothing by its cosine with the shares' coordinate-wise median and hands its
-    weight to the three others, alike; with every member honest, nobody is left out."""
+    member 3 sends the opposite of its own at its own norm (-1), where the norm clip holds nothing,
+    or zeros with its full weight (0). Every member weighs it at nothing by its cosine with the
+    shares' coordinate-wise median and hands its weight to the three others, alike; with every
+    member honest (1), nobody is left out."""
     comm = SPARSE.model_copy(update={"robust": "reweighted"})
-    faults = {3: ("scale", -1)} if opposite else {}
+    faults = {3: ("scale", scale)} if scale != 1 else {}
     outcomes, results, inputs = run_ring(tmp_path, 4, 100_000, comm=comm, faults=faults, correlated=True)
     assert all(outcome.ok for outcome in outcomes.values()) and len(results) == 4, outcomes
     assert all(
         np.array_equal(results[0].view(np.uint32), other.view(np.uint32)) for other in results.values()
     )
-    if opposite:
+    if scale != 1:
+        expected = expected_mean(inputs, [1.0] * 4, clipped=True, left_out=3, scales=[1, 1, 1, scale])
         assert all(outcome.left_out == {3: 1} for outcome in outcomes.values()), outcomes
-        assert np.allclose(
-            results[0], expected_mean(inputs, [1.0] * 4, clipped=True, left_out=3), rtol=0, atol=1e-6
-        )
     else:
+        expected = expected_mean(inputs, [1.0] * 4, clipped=True)
         assert all(not outcome.left_out and not outcome.clipped for outcome in outcomes.values()), outcomes
-        assert np.allclose(results[0], expected_mean(inputs, [1.0] * 4, clipped=True), rtol=0, atol=1e-6)
+    assert np.allclose(results[0], expected, rtol=0, atol=1e-6)
 
 
 @pytest.mark.procs

@@ -200,10 +200,10 @@ class GatherPlan(ReducePlan):
         one order (sparse.agreement), so every member weighs alike without a reference of its own;
         with one poisoner among three, or fewer than half of the members, the median at each value
         is bounded by honest ones (a coordinate only the poisoner keeps has median 0)."""
-        counted = [
+        counted = [  # a share of zeros too: it says nothing, so it keeps nothing of a full token claim
             member
             for member in range(self.n)
-            if norms[member] and factors[member] > 0 and self.fractions[member] > 0
+            if norms[member] is not None and factors[member] > 0 and self.fractions[member] > 0
         ]
         kept = [1.0] * self.n
         if len(counted) < MIN_MEMBERS:
@@ -218,7 +218,7 @@ class GatherPlan(ReducePlan):
         if not median_sq > 0:
             return kept
         cosines = [
-            dot / (float(norms[member] or 0.0) * math.sqrt(median_sq))
+            dot / (size * math.sqrt(median_sq)) if (size := float(norms[member] or 0.0)) > 0 else 0.0
             for dot, member in zip(dots, counted, strict=True)
         ]
         by_direction = kept_by_cosine(cosines)
