@@ -20,7 +20,5 @@ def check(payload: _U8, n: int, chunk: int, k: int) -> tuple[int, float]:
 def decode_add(payload: _U8, acc: _F32, chunk: int, k: int, weight: float = 1, threads: int = 0) -> None:
     """acc += weight * decode(payload), chunk by chunk."""
 
-def agreement(
-    payloads: list[_U8], scales: npt.NDArray[np.float64], n: int, chunk: int, k: int, threads: int = 0
-) -> tuple[list[float], float]:
-    """(per payload Σ value · median, Σ median²): the coordinate-wise median of the scaled values."""
+def gram(payloads: list[_U8], n: int, chunk: int, k: int) -> list[list[float]]:
+    """G[a][b] = Σ value_a · value_b over the coordinates both payloads keep (double, one order)."""

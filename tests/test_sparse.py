@@ -11,7 +11,9 @@ import pytest
 
 from p2ptrain.comm.codec import sparse
 from p2ptrain.comm.codec.quant import NonFiniteError, PayloadError
+from p2ptrain.comm.reduce.gather import agreement_scores
 from p2ptrain.comm.reduce.schedule import Schedule
+from p2ptrain.comm.robust.clipping import kept_by_cosine
 from p2ptrain.config import CommConfig, load_config
 from tests.support.ring_procs import run_ring, shares_of
 
@@ -54,21 +56,44 @@ def test_kernels_match_the_numpy_oracle(n: int, chunk: int, k: int) -> None:
 
 
 @pytest.mark.parametrize(("members", "chunk", "k"), [(3, 64, 8), (4, 64, 8), (5, 16, 16), (8, 4096, 64)])
-def test_the_median_agreement_kernel_matches_its_oracle_whatever_the_threads(
-    members: int, chunk: int, k: int
-) -> None:
+def test_the_gram_kernel_matches_its_oracle(members: int, chunk: int, k: int) -> None:
     code = sparse.SparseCode(chunk=chunk, k=k)
     n = 37 * chunk + chunk // 3
     common = vectors(n, seed=99)
     shares = [sparse.encode(common + vectors(n, seed=member), code) for member in range(members)]
-    scales = [1.0, 0.5, 2.0, 1.0, 0.25, 1.0, 3.0, 0.75][:members]
-    dots, median_sq = sparse.agreement(shares, scales, n, code, threads=4)
-    expected_dots, expected_sq = sparse.reference_agreement(shares, scales, n, code)
-    assert dots == pytest.approx(expected_dots, rel=1e-9) and median_sq == pytest.approx(
-        expected_sq, rel=1e-9
-    )
-    assert min(dots) > 0 and median_sq > 0  # the shared direction shows through the median
-    assert sparse.agreement(shares, scales, n, code, threads=1) == (dots, median_sq)  # the same floats
+    gram = sparse.gram(shares, n, code)
+    expected = sparse.reference_gram(shares, n, code)
+    assert all(row == pytest.approx(want, rel=1e-9) for row, want in zip(gram, expected, strict=True))
+    assert all(
+        gram[a][b] == gram[b][a] > 0 for a in range(members) for b in range(members)
+    )  # shared direction
+    assert gram[0][0] == pytest.approx(sparse.squared_norm(shares[0], n, code), rel=1e-12)
+
+
+def test_agreement_scores_weigh_a_poisoner_at_nothing_whatever_it_sends() -> None:
+    """Shares that agree a little (cosine 0.2 before top-k), and one or two poisoners among them: the
+    opposite of an honest share, a random direction, zeros, and two colluders sending one vector."""
+    n, rng = 1 << 18, np.random.default_rng(5)
+    common = rng.standard_normal(n).astype(np.float32)
+    for members, bad in ((3, 1), (7, 2)):
+        honest = [
+            common + np.float32(2) * rng.standard_normal(n).astype(np.float32) for _ in range(members - bad)
+        ]
+        for attack in ("opposite", "random", "zero", "colluding"):
+            poison = {
+                "opposite": [-vector for vector in honest[:bad]],
+                "random": [rng.standard_normal(n).astype(np.float32) for _ in range(bad)],
+                "zero": [np.zeros(n, np.float32) for _ in range(bad)],
+                "colluding": [-honest[0]] * bad,
+            }[attack]
+            shares = [sparse.encode(vector, CODE) for vector in honest + poison]
+            kept = kept_by_cosine(agreement_scores(sparse.gram(shares, n, CODE)))
+            assert kept is not None and kept[: members - bad] == [1.0] * (members - bad), (
+                members,
+                attack,
+                kept,
+            )
+            assert max(kept[members - bad :]) < 0.3, (members, attack, kept)
 
 
 def test_the_default_code_is_under_a_quarter_bit_per_value_and_keeps_the_largest() -> None:

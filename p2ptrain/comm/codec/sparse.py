@@ -105,16 +105,11 @@ def weighted_sum(
             decode_add(share, out, code, weight=weight, threads=threads)
 
 
-def agreement(
-    shares: Sequence[Buffer], scales: Sequence[float], n: int, code: SparseCode, *, threads: int = 0
-) -> tuple[list[float], float]:
-    """Each share's dot product with M, and |M|², where M is the coordinate-wise median of the
-    decoded shares, each times its scale (a share that keeps no value at a coordinate holds 0 there):
-    what the gather's direction rule weighs shares by. In double, in one fixed order, so the same
-    shares give the same floats on every member. Every share has passed `squared_norm`."""
-    return _sparse.agreement(
-        [_bytes(share) for share in shares], np.asarray(scales, np.float64), n, code.chunk, code.k, threads
-    )
+def gram(shares: Sequence[Buffer], n: int, code: SparseCode) -> list[list[float]]:
+    """The decoded shares' Gram matrix, G[a][b] = ⟨decode(a), decode(b)⟩: what the gather's
+    direction rule weighs shares by. In double, in one fixed order, so the same shares give the
+    same floats on every member. Every share has passed `squared_norm`."""
+    return _sparse.gram([_bytes(share) for share in shares], n, code.chunk, code.k)
 
 
 class ErrorFeedback:
@@ -241,10 +236,7 @@ def reference_decode(payload: Buffer, n: int, code: SparseCode) -> np.ndarray:
     return out
 
 
-def reference_agreement(
-    shares: Sequence[Buffer], scales: Sequence[float], n: int, code: SparseCode
-) -> tuple[list[float], float]:
-    """The oracle of `agreement` (equal up to the order of the sums)."""
+def reference_gram(shares: Sequence[Buffer], n: int, code: SparseCode) -> list[list[float]]:
+    """The oracle of `gram` (equal up to the order of the sums)."""
     decoded = np.stack([reference_decode(share, n, code).astype(np.float64) for share in shares])
-    median = np.median(decoded * np.asarray(scales, np.float64)[:, None], axis=0)
-    return [float(np.dot(row, median)) for row in decoded], float(np.dot(median, median))
+    return (decoded @ decoded.T).tolist()
