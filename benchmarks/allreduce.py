@@ -129,7 +129,7 @@ def worker(
             stats = await all_reduce(server, step=step, members=members, buffer=buffer, reference=reference)
             times.append(time.perf_counter() - started)
             sent = stats.bytes_sent
-            if robust == "reweighted":
+            if robust == "reweighted" and codec == "dense":  # the sparse gather needs none
                 reference = buffer.copy()
         await server.close()
         return times[1:], buffer, sent
