@@ -14,7 +14,7 @@ import pytest
 
 from tests.support.drills import assert_agreement, drill_args, finish
 from tests.support.helpers import LocalSwarm
-from tests.support.internet import InternetLab, leftover_namespaces, links, missing
+from tests.support.internet import InternetLab, links, running_lab
 
 NODES = 3
 DELAY_MS = [50, 50, 60, 75]
@@ -25,18 +25,9 @@ LOSS_PCT = 1.0
 
 @pytest.fixture
 def lab() -> Iterator[InternetLab]:
-    reason = missing()
-    if reason is not None:
-        pytest.skip(reason)
-    network = InternetLab.start(
-        links(NODES + 1, delay_ms=DELAY_MS, loss_pct=[LOSS_PCT], up_mbit=[20], down_mbit=[50]), seed=1
-    )
-    try:
+    paths = links(NODES + 1, delay_ms=DELAY_MS, loss_pct=[LOSS_PCT], up_mbit=[20], down_mbit=[50])
+    with running_lab(paths, seed=1) as network:
         yield network
-    finally:
-        network.stop()
-    assert leftover_namespaces(network.tag) == []
-    assert network.router is not None and network.router.returncode == 0
 
 
 @pytest.mark.procs

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support.internet import InternetLab, leftover_namespaces, links, missing
+from tests.support.internet import InternetLab, links, missing, running_lab
 from tests.support.router import compiled_router
 
 DELAY_MS = 40.0
@@ -44,20 +44,13 @@ print(json.dumps({"connect_s": connected - started, "bulk_s": time.monotonic() -
 
 @pytest.fixture(params=["python", "compiled"])
 def lab(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[InternetLab]:
-    reason = missing()
-    if reason is not None:
-        pytest.skip(reason)
-    if request.param == "compiled":
+    if request.param == "compiled" and missing() is None:
         assert compiled_router() is not None, "router.c did not build (a C compiler is part of make install)"
-    else:
+    if request.param == "python":
         monkeypatch.setenv("P2PTRAIN_LAB_ROUTER", "python")
-    network = InternetLab.start(links(2, delay_ms=[DELAY_MS], loss_pct=[2, 0], up_mbit=[UP_MBIT]), seed=3)
-    try:
+    paths = links(2, delay_ms=[DELAY_MS], loss_pct=[2, 0], up_mbit=[UP_MBIT])
+    with running_lab(paths, seed=3) as network:
         yield network
-    finally:
-        network.stop()
-    assert leftover_namespaces(network.tag) == []
-    assert network.router is not None and network.router.returncode == 0
 
 
 @pytest.mark.procs

@@ -14,6 +14,7 @@ machine cannot run it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -168,6 +169,24 @@ class InternetLab:
             said = json.loads(counts.read_text())
             self.counts, self.router_cpu_s = said["hosts"], said["cpu_s"]
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def running_lab(links: list[Link], *, seed: int) -> Iterator[InternetLab]:
+    """A lab for a test: skipped where this machine cannot run one; afterwards no namespace of it
+    is left and its router ended cleanly."""
+    import pytest  # only tests take this path
+
+    reason = missing()
+    if reason is not None:
+        pytest.skip(reason)
+    network = InternetLab.start(links, seed=seed)
+    try:
+        yield network
+    finally:
+        network.stop()
+    assert leftover_namespaces(network.tag) == []
+    assert network.router is not None and network.router.returncode == 0
 
 
 def leftover_namespaces(tag: str) -> list[str]:
