@@ -359,6 +359,24 @@ def test_a_node_behind_everyone_is_told_instead_of_going_solo() -> None:
         asyncio.run(elect(read, 3, straggler_deadline=0, timeout=5, poll_interval=0, me=me))
 
 
+def test_a_node_replaying_a_step_aims_past_the_step_the_others_have_begun() -> None:
+    from p2ptrain.swarm.election import join_aim
+
+    me = key(1)
+    mine = beat(1, NodeState.TRAINING, step=3)
+    # the others train step 4 (step 3's sync done): their election of 4 will wait for us
+    assert (
+        join_aim([mine, beat(2, NodeState.TRAINING, step=4), beat(3, NodeState.TRAINING, step=4)], 3, me=me)
+        == 4
+    )
+    # most are ready for 4 or syncing it: likely decided without us; aim for 5 and replay 4
+    begun = [mine, beat(2, NodeState.READY, step=4), beat(3, NodeState.SYNCING, step=4)]
+    assert join_aim(begun, 3, me=me) == 5
+    # one of two is no majority; one far record is not the swarm
+    assert join_aim([beat(2, NodeState.READY, step=4), beat(3, NodeState.TRAINING, step=4)], 3, me=me) == 4
+    assert join_aim([beat(2, NodeState.READY, step=9), beat(3, NodeState.TRAINING, step=4)], 3, me=me) == 4
+
+
 def test_a_node_that_gave_a_step_up_waits_while_the_others_are_still_at_it() -> None:
     """swarm_still_at, the mirror of swarm_ahead: after giving step 3 up, node 1 (at 4 now) must
     not take step 4 while the others have not finished 3 (they would take 4 after it: a fork)."""

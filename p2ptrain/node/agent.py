@@ -273,6 +273,9 @@ class TrainingNode:
         if self.first_ready and not self.joining:  # a run that starts: with all of wait_nodes
             await self._guarded(self.swarm.first_step(message.outer_step, self.stop))
         self.first_ready = False
+        if self.swarm.behind_aim(message.outer_step):
+            # we told the swarm we join at a later step: this one is taken without us, replayed below
+            await self._guarded(self.swarm.wait_until_past(message.outer_step, self.stop))
         if await self._catch_up_if_off_track(message.outer_step, channel):
             return
         averaged, note = await self._guarded(

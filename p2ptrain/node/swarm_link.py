@@ -55,7 +55,7 @@ from p2ptrain.node.loneliness import LoneWatch
 from p2ptrain.node.outer_sync import OuterSync, StepGivenUp
 from p2ptrain.node.reachability import Reachability, data_address
 from p2ptrain.swarm.dht import SwarmDHT
-from p2ptrain.swarm.election import swarm_ahead
+from p2ptrain.swarm.election import join_aim, swarm_ahead
 from p2ptrain.swarm.membership import HeartbeatPublisher, SwarmView, keep_alive, live
 from p2ptrain.swarm.records import Heartbeat, NodeState
 from p2ptrain.swarm.start_quorum import run_over, wait_for_first_step, wait_for_nodes
@@ -92,6 +92,12 @@ class SoloSwarm:
 
     async def off_track(self, step: int, params_hash: str) -> str | None:
         return None
+
+    def behind_aim(self, step: int) -> bool:
+        return False
+
+    async def wait_until_past(self, step: int, stop: asyncio.Event) -> bool:
+        return False
 
     async def run_over(self) -> str | None:
         return None
@@ -135,6 +141,8 @@ class SwarmLink(SoloSwarm):
         )
         self.collector: ResultCollector | None = None
         """Results of the steps the swarm takes while this node downloads a checkpoint (replayed after)."""
+        self.aim: int | None = None
+        """The outer step this node, catching up, last told the swarm it joins at (`replay`)."""
         self.publisher: HeartbeatPublisher | None = None
         self.sync: OuterSync | None = None
         self._keeper: asyncio.Task[None] | None = None
@@ -299,6 +307,26 @@ class SwarmLink(SoloSwarm):
                 return f"its params differ from the majority's at outer step {step}"
         return None
 
+    def behind_aim(self, step: int) -> bool:
+        """Whether this node told the swarm it joins at a step after `step` (`replay`): the swarm
+        takes `step` without it, and the node replays it."""
+        return self.aim is not None and step < self.aim
+
+    async def wait_until_past(self, step: int, stop: asyncio.Event) -> bool:
+        """Wait (at most swarm.election_timeout) until the swarm is past `step`; False if it is not,
+        or as soon as no other node is at `step` or past it (nobody is taking it)."""
+        deadline = time.monotonic() + self.config.swarm.election_timeout
+        me = self.identity.public_key
+        while not stop.is_set() and time.monotonic() < deadline:
+            peers = await self._peers()
+            if swarm_ahead(peers, step, me=me, finished=self._view().finished):
+                return True
+            if not any(b.outer_step >= step for b in peers):
+                return False
+            with contextlib.suppress(asyncio.TimeoutError):
+                await within(stop.wait(), self.config.swarm.heartbeat_interval / 2)
+        return False
+
     async def replay(self, step: int, vector: np.ndarray) -> bool:
         """If the swarm is past `step`, decode the result of its all-reduce of `step`, fetched from a
         member that did it, into `vector`; False (vector unchanged) when the swarm is not ahead or
@@ -307,7 +335,8 @@ class SwarmLink(SoloSwarm):
         if not swarm_ahead(peers, step, me=self.identity.public_key, finished=self._view().finished):
             return False
         # announce the step we aim for at once, so the others, soon ready for it, wait for us
-        await self.training(step + 1)
+        self.aim = join_aim(peers, step, me=self.identity.public_key)
+        await self.training(self.aim, params_hash="")  # S is not at that step yet: no hash
         collected = self.collector.take(step) if self.collector is not None else None
         if collected is not None and await self._decode(collected, step, vector):
             return True

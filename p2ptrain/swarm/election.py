@@ -339,6 +339,21 @@ def swarm_ahead(
     return 2 * _past(position, step) > len(position)
 
 
+def join_aim(heartbeats: Iterable[Heartbeat], step: int, *, me: bytes) -> int:
+    """The step a node that replays `step` (the swarm is past it) tells the others it joins at:
+    step + 1, so that their election of it waits for the node; or step + 2 where a strict majority
+    of the others is ready for step + 1 already (or syncing it). They may then have decided it
+    without the node, whose own sync of it would fail on the membership until they are past it —
+    and leave it one step behind again (under overlap, where a step's sync follows its phase at
+    once, at every step: a joiner over long paths never joined). Aiming one further, the node
+    replays step + 1 once it is out, and their election of step + 2 waits for it."""
+    others = [b for b in heartbeats if b.node_key != me]
+    under_way = sum(
+        b.outer_step == step + 1 and b.state in (NodeState.READY, NodeState.SYNCING) for b in others
+    )
+    return step + 2 if 2 * under_way > len(others) else step + 1
+
+
 def swarm_still_at(
     heartbeats: Iterable[Heartbeat], step: int, *, me: bytes, finished: Mapping[bytes, int] | None = None
 ) -> bool:
