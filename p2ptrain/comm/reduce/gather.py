@@ -204,7 +204,10 @@ class GatherPlan(ReducePlan):
             counted = [
                 norm for norm, fraction in zip(norms, self.fractions, strict=True) if norm and fraction > 0
             ]
-            limit = self.comm.clip * statistics.median(counted) if counted else math.inf
+            # the median of fewer than 3 sizes is no typical size: with a share of zeros among 3, it
+            # would cut the larger honest share to the two's mean at every step
+            enough = len(counted) >= MIN_MEMBERS
+            limit = self.comm.clip * statistics.median(counted) if enough else math.inf
             factors = [
                 factor if norm is None or norm <= limit else limit / norm
                 for factor, norm in zip(factors, norms, strict=True)
