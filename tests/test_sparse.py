@@ -11,7 +11,7 @@ import pytest
 
 from p2ptrain.comm.codec import sparse
 from p2ptrain.comm.codec.quant import NonFiniteError, PayloadError
-from p2ptrain.comm.reduce.gather import agreement_scores
+from p2ptrain.comm.reduce.gather import agreement_scores, kept_by_size
 from p2ptrain.comm.reduce.schedule import Schedule
 from p2ptrain.comm.robust.clipping import kept_by_cosine
 from p2ptrain.config import CommConfig, load_config
@@ -94,6 +94,14 @@ def test_agreement_scores_weigh_a_poisoner_at_nothing_whatever_it_sends() -> Non
                 kept,
             )
             assert max(kept[members - bad :]) < 0.3, (members, attack, kept)
+
+
+def test_a_share_far_smaller_than_the_others_keeps_weight_in_proportion_to_its_size() -> None:
+    """A member sending next to nothing with its full token count (what is left of its accumulator
+    once it adds nothing) would shrink every step by its weight: under half the median norm, it
+    keeps that much of its weight in proportion; typical shares keep theirs; a malformed one stays."""
+    kept = kept_by_size([1.0, 1.0, 0.5, 1.0, 0.0], [1.0, 0.6, 1.2, 0.1, None], typical=1.0)
+    assert kept == pytest.approx([1.0, 1.0, 0.5, 0.2, 0.0])
 
 
 def test_the_default_code_is_under_a_quarter_bit_per_value_and_keeps_the_largest() -> None:

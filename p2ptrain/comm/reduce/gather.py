@@ -55,6 +55,11 @@ from p2ptrain.config import CommConfig
 from p2ptrain.identity import SIGNATURE_BYTES, NodeIdentity, short_id, verify
 
 SHARE_DOMAIN = b"p2ptrain/share/v1\0"
+SMALL = 2.0
+"""Under the direction rule, a share of under 1/SMALL of the median share's norm keeps that much of
+its weight in proportion (the rest goes to the others): a member that sends next to nothing with
+its full token count (zeros, or what is left of its accumulator once it stops adding to it)
+otherwise shrinks every step by its weight."""
 HASH_BYTES = 32
 WITNESS_BYTES = HASH_BYTES + SIGNATURE_BYTES
 """One member's entry in a testimony: its share's sha256, and its signature of it."""
@@ -68,6 +73,15 @@ def share_statement(digest: bytes, share_hash: bytes) -> bytes:
     """What a member signs of its share: the attempt's membership digest (it covers the step and the
     members) and the share's sha256."""
     return SHARE_DOMAIN + digest + share_hash
+
+
+def kept_by_size(kept: list[float], norms: list[float | None], typical: float) -> list[float]:
+    """`kept` with each share of under 1/SMALL of the `typical` (median) norm keeping that much of
+    it in proportion: a share far smaller than the others' counts as what it holds."""
+    return [
+        fraction if norm is None else fraction * min(1.0, SMALL * norm / typical)
+        for fraction, norm in zip(kept, norms, strict=True)
+    ]
 
 
 def agreement_scores(gram: list[list[float]]) -> list[float]:
@@ -204,16 +218,17 @@ class GatherPlan(ReducePlan):
             counted = [
                 norm for norm, fraction in zip(norms, self.fractions, strict=True) if norm and fraction > 0
             ]
-            # the median of fewer than 3 sizes is no typical size: with a share of zeros among 3, it
-            # would cut the larger honest share to the two's mean at every step
-            enough = len(counted) >= MIN_MEMBERS
-            limit = self.comm.clip * statistics.median(counted) if enough else math.inf
+            # the median of fewer than 3 sizes is no typical size (with two neither outvotes the other)
+            typical = statistics.median(counted) if len(counted) >= MIN_MEMBERS else None
+            limit = self.comm.clip * typical if typical is not None else math.inf
             factors = [
                 factor if norm is None or norm <= limit else limit / norm
                 for factor, norm in zip(factors, norms, strict=True)
             ]
             if self.comm.aggregation == "reweighted":
                 kept = self._kept_by_direction(norms, factors)
+                if typical is not None:
+                    kept = kept_by_size(kept, norms, typical)
         self.weights = self._settled(factors, kept)
         self.stats.shares, self.stats.weights = list(self.shares), self.weights
         for member, (norm, factor) in enumerate(zip(norms, factors, strict=True)):
