@@ -26,8 +26,8 @@ member count (`dense_ring_bytes_per_member`); with the sparse codec `ideal_ring_
 `link_util` take the bytes it sent; and the largest member process's peak resident memory
 after its all-reduces, before gloo's, above what it held before its vectors existed
 (`peak_rss_mib`, and per value: the member's own input and result vectors, 8 bytes a value,
-included, as a node's agent holds them). --no-gloo
-skips gloo's rounds (on a slow link they take minutes for a large vector).
+included, as a node's agent holds them). --no-gloo skips gloo's rounds (on a slow link they
+take minutes for a large vector).
 
 With any of --delay, --jitter, --loss, --up or --down (benchmarks/paths.py) the members run in the
 internet lab instead (one namespace each, joined by a userspace router with those paths; --bandwidth

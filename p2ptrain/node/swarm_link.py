@@ -58,7 +58,7 @@ from p2ptrain.swarm.dht import SwarmDHT
 from p2ptrain.swarm.election import join_aim, swarm_ahead
 from p2ptrain.swarm.membership import HeartbeatPublisher, SwarmView, keep_alive, live
 from p2ptrain.swarm.records import Heartbeat, NodeState
-from p2ptrain.swarm.start_quorum import run_over, wait_for_first_step, wait_for_nodes
+from p2ptrain.swarm.start_quorum import pause_a_beat, run_over, wait_for_first_step, wait_for_nodes
 from p2ptrain.web.dashboard import Dashboard, serve_dashboard
 
 log = logging.getLogger(__name__)
@@ -323,8 +323,7 @@ class SwarmLink(SoloSwarm):
                 return True
             if not any(b.outer_step >= step for b in peers):
                 return False
-            with contextlib.suppress(asyncio.TimeoutError):
-                await within(stop.wait(), self.config.swarm.heartbeat_interval / 2)
+            await pause_a_beat(self.config, stop)
         return False
 
     async def replay(self, step: int, vector: np.ndarray) -> bool:
@@ -426,8 +425,7 @@ class SwarmLink(SoloSwarm):
                     continue
             if (not wait and not any(b.ckpt_digest for b in beats)) or time.monotonic() > deadline:
                 return None
-            with contextlib.suppress(asyncio.TimeoutError):
-                await within(stop.wait(), self.config.swarm.heartbeat_interval / 2)
+            await pause_a_beat(self.config, stop)
         return None
 
     async def run_over(self) -> str | None:

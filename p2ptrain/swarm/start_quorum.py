@@ -41,7 +41,7 @@ async def wait_for_nodes(
             raise UserError(
                 f"{waited}: {run_over(config.run.id, view.finished)}" if view.finished else waited
             )
-        await _pause(config, stop)
+        await pause_a_beat(config, stop)
 
 
 def run_over(run_id: str, finished: Mapping[bytes, int]) -> str:
@@ -82,9 +82,10 @@ async def wait_for_first_step(
                 "outer step %d: %d of %d nodes, %d still starting: going on", step, there, count, starting
             )
             return
-        await _pause(config, stop)
+        await pause_a_beat(config, stop)
 
 
-async def _pause(config: Config, stop: asyncio.Event) -> None:
+async def pause_a_beat(config: Config, stop: asyncio.Event) -> None:
+    """Half a heartbeat interval between two reads of the swarm, or less if `stop` is set."""
     with contextlib.suppress(asyncio.TimeoutError):
         await within(stop.wait(), config.swarm.heartbeat_interval / 2)
