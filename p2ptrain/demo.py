@@ -328,6 +328,7 @@ class _Demo:
                 self.start_node(self.joiner)
             trainers = [n for n in self.running() if n not in ("bootstrap", self.victim)]
             if reported >= self.steps and not trainers:
+                self.check_children()  # one may have failed since the check above
                 return
             time.sleep(0.3)
         raise UserError(f"the swarm did not finish {self.steps} outer steps within {self.timeout:.0f} s")
