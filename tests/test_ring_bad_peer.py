@@ -13,7 +13,12 @@ import pytest
 
 from p2ptrain.comm.codec import quant
 from p2ptrain.comm.net.attempt import AllReduceError
-from p2ptrain.comm.net.budget import MAX_PENDING_HANDSHAKES, MAX_PENDING_PER_SOURCE, MAX_PROVING_PER_SOURCE
+from p2ptrain.comm.net.budget import (
+    MAX_PENDING_HANDSHAKES,
+    MAX_PENDING_PER_SOURCE,
+    MAX_PROVING_PER_SOURCE,
+    ParkingLot,
+)
 from p2ptrain.comm.net.members import Member, membership_digest
 from p2ptrain.comm.net.server import DataPlaneServer
 from p2ptrain.comm.reduce.allreduce import all_reduce
@@ -147,13 +152,24 @@ async def idle_connections(
     return [await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0)) for _ in range(count)]
 
 
+async def still_open(reader: asyncio.StreamReader, seconds: float = 0.5) -> bool:
+    """No end of stream within `seconds` (a close on loopback arrives in well under a millisecond;
+    there is no event for "not closed")."""
+    try:
+        return await asyncio.wait_for(reader.read(1), seconds) != b""
+    except asyncio.TimeoutError:
+        return True
+
+
 def test_a_member_behind_a_flooders_address_gets_through_and_the_source_holds_only_its_share(
     tmp_path: Path,
 ) -> None:
     """A source's idle connections beyond its share displace its oldest idle one (so the source
     never holds more, and memory stays bounded), and a member dialing from that same address — a
     home router or carrier-grade NAT it shares with the flooder — completes its handshake. (Before,
-    every newcomer from a source at its share was closed at once: the member with it.)"""
+    every newcomer from a source at its share was closed at once: the member with it.) The one
+    that gave way is parked: its handshake task ends, the connection stays open (a flooder has
+    nothing to reopen)."""
 
     async def scenario() -> None:
         listener_id, member_id = (
@@ -167,9 +183,12 @@ def test_a_member_behind_a_flooders_address_gets_through_and_the_source_holds_on
         idle = await idle_connections(port, "127.0.0.2", MAX_PENDING_PER_SOURCE)
         await settle(lambda: server.pending_handshakes == MAX_PENDING_PER_SOURCE, "the source's share held")
         idle += await idle_connections(port, "127.0.0.2", 1)
-        assert await asyncio.wait_for(idle[0][0].read(), 2.0) == b"", "the oldest idle one gave way"
         await settle(lambda: server.pending.evicted == 1, "one evicted")
         assert server.pending_handshakes == MAX_PENDING_PER_SOURCE
+        parking = server.pending.parking
+        assert parking is not None and len(parking) == parking.held_by("127.0.0.2") == 1
+        await settle(lambda: len(server._answering) == MAX_PENDING_PER_SOURCE, "the parked one's task ended")
+        assert await still_open(idle[0][0]) and parking.closed == 0
         listener = Member(key=listener_id.public_key, host=host, port=port)
         members = [listener, Member(key=member_id.public_key, host="127.0.0.2", port=1)]
         digest = membership_digest(STEP, members)
@@ -190,6 +209,48 @@ def test_a_member_behind_a_flooders_address_gets_through_and_the_source_holds_on
         for _, idle_writer in idle:
             idle_writer.close()
         await server.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_parked_connections_are_held_open_within_bounds_and_closed_when_the_node_stops(
+    tmp_path: Path,
+) -> None:
+    """The lot's per-source cap closes that source's oldest parked connection (its dialer reads
+    the end), one held past hold_s is closed when the next is parked, and the node's close ends
+    the rest: no parked connection outlives its bounds or the node."""
+
+    async def scenario() -> None:
+        now = [0.0]
+        server = DataPlaneServer(
+            identity=load_or_create_identity(tmp_path / "l"),
+            comm=CommConfig(failure_timeout=30.0),
+            setup_timeout=5.0,
+        )
+        server.pending.parking = lot = ParkingLot(total=3, per_source=2, hold_s=10.0, clock=lambda: now[0])
+        _, port = await server.start()
+        idle = await idle_connections(port, "127.0.0.2", MAX_PENDING_PER_SOURCE + 2)
+        await settle(lambda: lot.parked == 2, "two parked")
+        assert lot.closed == 0 and await still_open(idle[0][0])
+        idle += await idle_connections(port, "127.0.0.2", 1)  # the source's third: its first parked closes
+        assert await asyncio.wait_for(idle[0][0].read(), 5.0) == b""
+        await settle(lambda: lot.parked == 3, "three parked")
+        assert (len(lot), lot.held_by("127.0.0.2"), lot.closed) == (2, 2, 1)
+        other = await idle_connections(port, "127.0.0.3", MAX_PENDING_PER_SOURCE + 1)
+        await settle(lambda: lot.parked == 4, "another source's parked")
+        assert (len(lot), lot.closed) == (3, 1) and await still_open(other[0][0])
+        now[0] = 11.0  # past hold_s: the next one parked closes the three held
+        idle += await idle_connections(port, "127.0.0.2", 1)
+        await settle(lambda: lot.parked == 5, "one more parked")
+        assert (len(lot), lot.closed) == (1, 4)
+        for reader in (idle[1][0], idle[2][0], other[0][0]):
+            assert await asyncio.wait_for(reader.read(), 5.0) == b""
+        still = idle[3][0]  # the fourth of its source: parked last, at 11
+        assert await still_open(still)
+        await server.close()
+        assert len(lot) == 0 and await asyncio.wait_for(still.read(), 5.0) == b""
+        for _, writer in idle + other:
+            writer.close()
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
 

@@ -27,6 +27,8 @@ from p2ptrain.comm.net.budget import (
     MAX_PROVING,
     MAX_PROVING_PER_SOURCE,
     CountingReader,
+    Parked,
+    ParkingLot,
     PendingBudget,
     Tickets,
     WaitingBudget,
@@ -100,7 +102,8 @@ class DataPlaneServer:
         self._changed = asyncio.Event()
         self._latest_step = -1
         self._completed_step = -1
-        self.pending = PendingBudget()
+        self.pending = PendingBudget(parking=ParkingLot())
+        """Connections before their hello; the idle ones that give way are parked (budget.py)."""
         self.proving = PendingBudget(total=MAX_PROVING, per_source=MAX_PROVING_PER_SOURCE)
         self.waiting = WaitingBudget()
         # one throttle per kind, so a flood of one kind never hides the other from the log
@@ -179,6 +182,9 @@ class DataPlaneServer:
         self.relay.abort()
         if self._server is not None:
             self._server.close()
+        if self.pending.parking is not None:  # before waiting: they hold no task, nothing ends them
+            self.pending.parking.close_all()
+        if self._server is not None:
             await self._server.wait_closed()
         await self._cut_answers()
         self.warm.close()
@@ -331,7 +337,7 @@ class DataPlaneServer:
             return (isinstance(reader, CountingReader) and reader.received > 0) or unread_bytes(writer) > 0
 
         at_share = self.pending.held_by(counted_as) >= self.pending.per_source
-        ticket = self.pending.enter(counted_as, writer, spoke)
+        ticket = self.pending.enter(counted_as, writer, spoke, reader)
         if ticket is None:
             self._over_cap.warning(
                 "data-plane connection from %s refused: %d of its handshakes already pending",
@@ -342,7 +348,7 @@ class DataPlaneServer:
             return
         if at_share:
             self._over_cap.warning(
-                "data-plane connection from %s: %d of its handshakes pending, its oldest idle one closed",
+                "data-plane connection from %s: %d of its handshakes pending, its oldest idle one set aside",
                 source,
                 self.pending.per_source,
             )
@@ -420,6 +426,8 @@ class DataPlaneServer:
                 peek=peek,
                 credentials=self.credentials,
             )
+        except Parked:
+            return  # it gave way to a newer connection of its source and is held open, unread
         except HandshakeError:
             writer.close()  # refused, and logged, by the handshake
             return
