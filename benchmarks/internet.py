@@ -3,7 +3,7 @@
     python -m benchmarks.internet --json [--nodes 4] [--steps 6] [--size 8388608]
                                   [--delay MS,...] [--jitter MS,...] [--loss PCT,...]
                                   [--up MBIT,...] [--down MBIT,...] [--queue MS]
-                                  [--set KEY=VALUE ...] [--keep DIR]
+                                  [--set KEY=VALUE ...] [--declare-uplink] [--keep DIR]
 
 A bootstrap peer and --nodes drill nodes (`p2ptrain drill`, vectors of --size values), each in a
 network namespace of its own joined by the lab's userspace router (tests/support/internet.py,
@@ -11,7 +11,8 @@ router.py; needs root and /dev/net/tun). Per host: --delay its one-way delay to 
 round trip is twice the sum of its two hosts'), --jitter up to that much more per packet (a flow is
 never reordered), --loss the percentage of the packets it sends that are lost, --up/--down its
 rates, --queue what each of its queues holds (ms at its rate). A list gives node i its i-th value,
-the last one repeated past its end; the bootstrap peer takes the first.
+the last one repeated past its end; the bootstrap peer takes the first. --declare-uplink tells each
+node its lab uplink (`comm.uplink_mbit` = its --up value), as a volunteer who ran a speed test would.
 
 Per step (medians over the steps after the first, which opens the connections):
 - allreduce_s: the slowest member's all-reduce (the members' own clocks: from its start to done);
@@ -139,6 +140,9 @@ def run(args: Any) -> dict[str, Any]:
         try:
             peer = start_bootstrap(children, root, "internet", host=lab.address(0), prefix=lab.prefix(0))
             for index, name in enumerate(names, start=1):
+                settings = list(args.set)
+                if args.declare_uplink:
+                    settings.append(f"comm.uplink_mbit={lab.links[index].up_mbit}")
                 command = drill_command(
                     root,
                     name,
@@ -146,7 +150,7 @@ def run(args: Any) -> dict[str, Any]:
                     steps=args.steps,
                     nodes=args.nodes,
                     size=args.size,
-                    extra=[flag for setting in args.set for flag in ("--set", setting)],
+                    extra=[flag for setting in settings for flag in ("--set", setting)],
                     host=lab.address(index),
                     prefix=lab.prefix(index),
                 )
@@ -174,6 +178,7 @@ def run(args: Any) -> dict[str, Any]:
         up_mbit=args.up,
         down_mbit=args.down,
         settings=args.set,
+        declare_uplink=args.declare_uplink,
         router=lab.counts,
         router_cpu_s=lab.router_cpu_s,
     )
@@ -288,6 +293,9 @@ def main() -> None:
     add_path_flags(arguments, delay="25,40,55,75", up="50", down="200")
     arguments.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     arguments.add_argument("--keep", metavar="DIR", help="leave the nodes' folders and logs in DIR")
+    arguments.add_argument(
+        "--declare-uplink", action="store_true", help="set each node's comm.uplink_mbit to its --up"
+    )
     arguments.add_argument(
         "--tcp-baseline",
         action=argparse.BooleanOptionalAction,

@@ -394,6 +394,13 @@ class CommConfig(Section):
     """A frame in transit gets failure_timeout plus its bytes at this rate (Mbit/s per connection),
     so a large frame on a slow or shared uplink is not taken for a dead peer while one that sends
     nothing is; 0: failure_timeout alone, whatever the frame's size."""
+    uplink_mbit: float = Field(0.0, ge=0, le=1_000_000)
+    """This node's upload rate in Mbit/s (what a speed test says), or 0: not known. Known, the
+    lanes a step sends on share 95 % of it (each capped by the kernel's pacing, split among those
+    with bytes waiting: transport/pacing.py), so that several of them do not overflow the queue in
+    front of the uplink; 0: each lane's congestion control alone. Set it a little under the
+    measured rate: a cap above the uplink does nothing, one far below it wastes the difference
+    (no lane is capped under `slowest_link_mbit`, which the peers' deadlines take as stalled)."""
     warm_lanes: bool = True
     """Keep each lane of a step that succeeded and re-bind it to the next step in one round trip
     (transport/resume.py) instead of three, without TCP's slow start; off: a fresh connection and

@@ -1,19 +1,29 @@
-"""Drill nodes over the internet lab (internet.py, router.py): long round trips and lost packets.
+"""Over the internet lab (internet.py, router.py): long round trips and lost packets.
 
-The protocol, not the speed: every step done by every node with one result, no attempt retried,
-nobody named; and the lab really is a long lossy path (packets were lost, no all-reduce beat the
-path's one-way delays, and the round trips the nodes measured on their lanes are at least the
-paths').
+The protocol, not the speed. Drill nodes: every step done by every node with one result, no
+attempt retried, nobody named; and the lab really is a long lossy path (packets were lost, no
+all-reduce beat the path's one-way delays, and the round trips the nodes measured on their lanes
+are at least the paths'). A joiner's checkpoint download whose source leaves halfway: resumed from
+another holder where it stopped.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import signal
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from p2ptrain.ckpt.format import checkpoint_name
+from p2ptrain.ckpt.manifest import build_manifest
+from p2ptrain.procs import ChildProcesses
 from tests.support.drills import assert_agreement, drill_args, finish
-from tests.support.helpers import LocalSwarm
+from tests.support.helpers import LocalSwarm, wait_until
 from tests.support.internet import InternetLab, links, running_lab
 
 NODES = 3
@@ -59,4 +69,77 @@ def test_drill_over_long_lossy_paths(lab: InternetLab, swarm: LocalSwarm) -> Non
                 assert measured >= 0.95 * lab.round_trip_s(host_of[entry["node"]], host_of[peer]), entry
     swarm.stop()
     lab.stop()
+    assert sum(host["lost"] for host in lab.counts.values()) > 0, lab.counts
+
+
+CKPT_STEP = 7
+PARAMS_BYTES = 12 << 20
+"""θ_outer of the checkpoint the joiner downloads: about 5 s over a 20 Mbit/s uplink."""
+
+
+def holder_checkpoint(root: Path, node: int, params: bytes) -> Path:
+    """A holder's checkpoints folder with step CKPT_STEP: the shared files alike on every holder,
+    its own file (AdamW state, here 5,000 bytes of its index) its own."""
+    folder = root / "checkpoints" / checkpoint_name(CKPT_STEP)
+    folder.mkdir(parents=True)
+    (folder / "params.safetensors").write_bytes(params)
+    (folder / "outer.safetensors").write_bytes(params[:1000])
+    (folder / "inner.safetensors").write_bytes(bytes([node]) * 5000)
+    return root / "checkpoints"
+
+
+@pytest.mark.procs
+def test_a_checkpoint_download_survives_its_source_leaving_over_a_lossy_path(tmp_path: Path) -> None:
+    """A joiner downloads a checkpoint from a holder 230 ms away over paths that lose 1 % of their
+    packets; the holder is SIGKILLed a third of the way through θ_outer. The rest comes from the
+    other holder (270 ms away) by Range, from the byte the joiner had: no restart from zero, and
+    the files in place are the holders' own, verified."""
+    paths = links(3, delay_ms=[40, 60, 75], loss_pct=[1.0], up_mbit=[20], down_mbit=[50])
+    params = os.urandom(PARAMS_BYTES)
+    children = ChildProcesses()
+    with running_lab(paths, seed=2) as lab:
+        try:
+            urls = []
+            for node in (0, 1):
+                checkpoints = holder_checkpoint(tmp_path / f"holder{node}", node, params)
+                url_file = tmp_path / f"holder{node}.url"
+                serve = ["serve", "--checkpoints", str(checkpoints), "--step", str(CKPT_STEP)]
+                serve += ["--host", lab.address(node), "--url-file", str(url_file)]
+                children.spawn(
+                    f"holder{node}",
+                    [*lab.prefix(node), sys.executable, "-m", "tests.support.ckpt_procs", *serve],
+                    log_path=tmp_path / f"holder{node}.log",
+                )
+                wait_until(url_file.exists, timeout=60, what=f"holder{node}'s sidecar")
+                urls.append(url_file.read_text())
+            digest = build_manifest(
+                tmp_path / "holder0" / "checkpoints" / checkpoint_name(CKPT_STEP), CKPT_STEP
+            ).digest
+            dest, out = tmp_path / "joiner", tmp_path / "fetched.json"
+            fetch = ["fetch", "--digest", digest, "--holders", ",".join(urls), "--step", str(CKPT_STEP)]
+            fetch += ["--dest", str(dest), "--out", str(out)]
+            children.spawn(
+                "joiner",
+                [*lab.prefix(2), sys.executable, "-m", "tests.support.ckpt_procs", *fetch],
+                log_path=tmp_path / "joiner.log",
+            )
+            partial = dest / f".{checkpoint_name(CKPT_STEP)}.download" / "params.safetensors"
+
+            def a_third_in() -> bool:
+                return partial.exists() and partial.stat().st_size >= PARAMS_BYTES // 3
+
+            wait_until(a_third_in, timeout=120, interval=0.02, what="a third of θ_outer from holder0")
+            had = partial.stat().st_size
+            children.signal("holder0", signal.SIGKILL)
+            assert children.wait("joiner", timeout=180) == 0, (tmp_path / "joiner.log").read_text()
+        finally:
+            children.stop_all()
+    log = (tmp_path / "joiner.log").read_text()
+    folder = Path(json.loads(out.read_text())["folder"])
+    assert (folder / "params.safetensors").read_bytes() == params
+    resumed = [
+        int(at) for at in re.findall(rf"resuming params.safetensors from {urls[1]} at byte (\d+)", log)
+    ]
+    assert resumed and resumed[0] >= had, log  # from where it was, not from zero
+    assert "params.safetensors from " + urls[0] in log  # it had come from the holder that left
     assert sum(host["lost"] for host in lab.counts.values()) > 0, lab.counts

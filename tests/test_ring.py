@@ -75,6 +75,25 @@ def test_four_bit_codes_give_one_result_on_every_member_in_about_half_the_bytes(
 
 
 @pytest.mark.procs
+def test_members_paced_to_a_declared_uplink_take_the_same_result_no_faster_than_the_uplink(
+    tmp_path: Path,
+) -> None:
+    """comm.uplink_mbit caps each member's lanes (transport/pacing.py): the butterfly's result is
+    bit-identical on every member, and no member sends its bytes faster than the uplink it
+    declared (a lower bound: a slow machine only takes longer)."""
+    n, uplink_mbit = 4, 8.0
+    comm = CommConfig(chunk_bytes=1 << 16, topology="butterfly", uplink_mbit=uplink_mbit)
+    weights = [1.0] * n
+    outcomes, results, inputs = run_ring(tmp_path, n, 200_003, weights=weights, comm=comm)
+    assert all(outcome.ok for outcome in outcomes.values()) and len(results) == n, outcomes
+    first = results[0]
+    assert all(np.array_equal(first.view(np.uint32), other.view(np.uint32)) for other in results.values())
+    assert relative_error(first, weighted_mean(inputs, weights)) <= BUDGET
+    for outcome in outcomes.values():  # 300 kB each: ~0.3 s at 8 Mbit/s, milliseconds on loopback
+        assert outcome.seconds >= 0.6 * outcome.bytes_sent * 8 / (uplink_mbit * 1e6), outcome
+
+
+@pytest.mark.procs
 @pytest.mark.parametrize(("n", "topology", "connections"), [(3, "ring", 2), (5, "butterfly", 3)])
 def test_parallel_connections_per_peer(tmp_path: Path, n: int, topology: Topology, connections: int) -> None:
     """Chunks take the lanes in turn; more lanes than some segments have chunks leaves lanes idle."""

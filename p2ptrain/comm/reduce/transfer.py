@@ -20,9 +20,11 @@ from p2ptrain.comm.codec.quant import Buffer
 from p2ptrain.comm.net.attempt import Connection
 from p2ptrain.comm.transport import lanes
 from p2ptrain.comm.transport.handshake import Session
+from p2ptrain.comm.transport.pacing import UplinkPacer
 from p2ptrain.comm.transport.resume import WarmLane
 from p2ptrain.comm.transport.seal import FrameSeal
 from p2ptrain.comm.transport.wire import PeerClosed
+from p2ptrain.config import CommConfig
 
 SlotKey = tuple[str, int, int]
 """(phase, round, chunk) of a frame whose payload another thread produces."""
@@ -33,6 +35,7 @@ class Plan(Protocol):
 
     sockets: list[socket.socket]
     failure: BaseException | None
+    comm: CommConfig
 
     def send_lane(self, peer: int, lane: int, channel: lanes.Channel) -> None: ...
 
@@ -94,6 +97,9 @@ class Transfer:
         self.running = 0
         self.adopted: list[tuple[lanes.Channel, Session, bool]] = []
         """Every lane's channel, its session, and whether we send on it."""
+        uplink, floor = plan.comm.uplink_mbit * 1e6 / 8, plan.comm.slowest_link_mbit * 1e6 / 8
+        self.pacer = UplinkPacer(uplink_bytes_per_s=uplink, floor_bytes_per_s=floor) if uplink > 0 else None
+        """Our outgoing lanes' split of the uplink we declared (pacing.py); None: unpaced."""
 
     def adopt(self, connection: Connection, sending: bool) -> lanes.Channel:
         """Take a connection's socket out of asyncio (a kept lane's is out already), with the seal
@@ -143,6 +149,8 @@ class Transfer:
         self, outgoing: dict[tuple[int, int], lanes.Channel], incoming: dict[tuple[int, int], lanes.Channel]
     ) -> None:
         plan = self.plan
+        if self.pacer is not None:
+            self.pacer.start([channel.sock for channel in outgoing.values()])
         for (peer, lane), channel in outgoing.items():
             self._spawn(f"send-{peer}.{lane}", plan.send_lane, peer, lane, channel)
             sock = channel.sock
@@ -190,6 +198,8 @@ class Transfer:
 
     def stop(self) -> None:
         """Stop watching, wake every thread still blocked (they exit at once) and close the sockets."""
+        if self.pacer is not None:  # before the sockets close
+            self.pacer.stop()
         for fd in self.watched:
             self.loop.remove_reader(fd)
         self.watched.clear()
