@@ -286,6 +286,30 @@ def test_a_share_turned_against_the_others_or_empty_counts_for_nothing_and_hones
 
 
 @pytest.mark.procs
+def test_a_share_a_tenth_of_the_others_keeps_weight_for_what_it_holds_and_the_step_does_not_shrink(
+    tmp_path: Path,
+) -> None:
+    """Member 3 sends a tenth of its share (in the others' direction) with its full token count,
+    as what is left of an accumulator that adds nothing would be: the direction rule keeps it, the
+    size rule gives it a fifth of its weight (SMALL × a tenth) and hands the rest to the others, so
+    the step keeps the honest members' size where the plain mean would shrink it by almost a
+    quarter. Every member alike, and every member reports it left out (under half its weight)."""
+    comm = SPARSE.model_copy(update={"robust": "reweighted"})
+    outcomes, results, inputs = run_ring(
+        tmp_path, 4, 100_000, comm=comm, faults={3: ("scale", 0.1)}, correlated=True
+    )
+    assert all(outcome.ok for outcome in outcomes.values()) and len(results) == 4, outcomes
+    assert all(
+        np.array_equal(results[0].view(np.uint32), other.view(np.uint32)) for other in results.values()
+    )
+    assert all(outcome.left_out == {3: 1} for outcome in outcomes.values()), outcomes
+    honest = float(np.linalg.norm(expected_mean(inputs[:3], [1.0] * 3, clipped=True)))
+    plain = float(np.linalg.norm(expected_mean(inputs, [1.0] * 4, scales=[1, 1, 1, 0.1])))
+    assert plain < 0.85 * honest  # what the size rule is for
+    assert 0.9 * honest < float(np.linalg.norm(results[0])) < 1.1 * honest
+
+
+@pytest.mark.procs
 @pytest.mark.parametrize("fault", ["equivocate", "equivocate_unsigned"])
 def test_a_member_sending_one_member_another_share_fails_the_attempt_for_all_and_is_named(
     tmp_path: Path, fault: str

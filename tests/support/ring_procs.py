@@ -85,7 +85,8 @@ class MemberSpec:
     setup_timeout: float
     step: int
     fault: str | None
-    fault_after: int
+    fault_after: float
+    """The fault's number: a frame count, milliseconds, a factor (a scale's may be a fraction)."""
     retries: int
     steps: int
 
@@ -130,7 +131,7 @@ def _member(spec: MemberSpec, inbox: Any, outbox: Any) -> None:
             "equivocate_unsigned",
             "bad_testimony",
         ):
-            lie(fault, fault_after)
+            lie(fault, int(fault_after))
         if fault == "freeze_at_barrier":
             freeze_at_barrier()
         if fault == "slow_send":
@@ -368,7 +369,7 @@ def run_ring(
     correlated: bool = False,
     comm: CommConfig | None = None,
     setup_timeout: float = 30.0,
-    faults: dict[int, tuple[str, int]] | None = None,
+    faults: Mapping[int, tuple[str, float]] | None = None,
     timeout: float = 60.0,
     retries: int = 1,
     proxy: Callable[[str, int], tuple[str, int]] | None = None,
