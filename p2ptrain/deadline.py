@@ -12,6 +12,7 @@ flaw); there `within_by_task` stands in.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 from collections.abc import Awaitable
 from typing import TypeVar
@@ -43,3 +44,11 @@ if sys.version_info >= (3, 11):
 
 else:
     within = within_by_task
+
+
+async def pause(stop: asyncio.Event, seconds: float) -> bool:
+    """Wait `seconds`, or less where `stop` is set first; whether it is set. The pace of a loop
+    between two looks at the world, cut short by a shutdown."""
+    with contextlib.suppress(asyncio.TimeoutError):
+        await within(stop.wait(), seconds)
+    return stop.is_set()

@@ -40,7 +40,7 @@ from p2ptrain.channel import (
 )
 from p2ptrain.ckpt.format import checkpoint_places, checkpoint_step
 from p2ptrain.config import Config, parameter_count
-from p2ptrain.deadline import within
+from p2ptrain.deadline import pause, within
 from p2ptrain.errors import UserError
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.memory_limits import gib
@@ -448,8 +448,7 @@ class TrainingNode:
             if not announced:
                 self.say(f"staying up to {grace:.0f} s for {behind} node(s) still behind")
                 announced = True
-            with contextlib.suppress(asyncio.TimeoutError):
-                await within(self.stop.wait(), self.config.swarm.heartbeat_interval)
+            await pause(self.stop, self.config.swarm.heartbeat_interval)
 
     async def run(self) -> None:
         try:

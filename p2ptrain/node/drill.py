@@ -21,7 +21,7 @@ from typing import TextIO
 import numpy as np
 
 from p2ptrain.config import Config
-from p2ptrain.deadline import within
+from p2ptrain.deadline import pause
 from p2ptrain.errors import cannot_listen
 from p2ptrain.identity import NodeIdentity, short_id
 from p2ptrain.node.data_server import node_server
@@ -85,8 +85,7 @@ async def run_drill(
                 if stop.is_set():
                     break
                 await publisher.publish(state=NodeState.TRAINING, outer_step=step)
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await within(stop.wait(), rng.uniform(0, plan.inner_seconds))
+                await pause(stop, rng.uniform(0, plan.inner_seconds))
                 if stop.is_set():
                     break
                 seed = int.from_bytes(

@@ -8,13 +8,12 @@ sends its deathrattle when it is told to stop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import TextIO
 
 from p2ptrain.config import Config
-from p2ptrain.deadline import within
+from p2ptrain.deadline import pause
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.swarm.dht import SwarmDHT
 from p2ptrain.swarm.membership import HeartbeatPublisher, SwarmView
@@ -60,8 +59,7 @@ async def run_node(
             if table_every > 0 and time.monotonic() >= next_table:
                 next_table = time.monotonic() + table_every
                 print(format_table(await view.read()), file=out, flush=True)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await within(stop.wait(), config.swarm.heartbeat_interval)
+            await pause(stop, config.swarm.heartbeat_interval)
     finally:
         if page is not None:
             await page.close()

@@ -23,7 +23,7 @@ from typing import Any
 from p2ptrain.comm.net.reach import ProbeResult, Reach, can_be_dialed
 from p2ptrain.comm.net.server import DataPlaneServer
 from p2ptrain.config import Config
-from p2ptrain.deadline import within
+from p2ptrain.deadline import pause
 from p2ptrain.swarm.dht import SwarmDHT
 from p2ptrain.swarm.election import parse_address
 from p2ptrain.swarm.membership import HeartbeatPublisher, SwarmView, live
@@ -170,8 +170,7 @@ class Reachability:
         """Probe again every RECHECK_SECONDS (UNKNOWN_RETRY_SECONDS while unknown) until `stop`."""
         while not stop.is_set():
             delay = RECHECK_SECONDS if self.result.reach is not Reach.UNKNOWN else UNKNOWN_RETRY_SECONDS
-            with contextlib.suppress(asyncio.TimeoutError):
-                await within(stop.wait(), delay)
+            await pause(stop, delay)
             if not stop.is_set():
                 try:
                     await self.probe_once()

@@ -44,7 +44,7 @@ from p2ptrain.ckpt.replay import (
 from p2ptrain.ckpt.sidecar import CheckpointSidecar
 from p2ptrain.comm.reduce.gather import sparse_code
 from p2ptrain.config import Config, parameter_count
-from p2ptrain.deadline import within
+from p2ptrain.deadline import pause
 from p2ptrain.errors import cannot_listen
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.identity import short_id as short_key
@@ -201,8 +201,7 @@ class SwarmLink(SoloSwarm):
         """Read the records every half heartbeat timeout where nothing else did (an inner phase
         reads none for minutes), so the node says who left when it happens (the view's roster)."""
         while not stop.is_set():
-            with contextlib.suppress(asyncio.TimeoutError):
-                await within(stop.wait(), self.config.swarm.heartbeat_timeout / 2)
+            await pause(stop, self.config.swarm.heartbeat_timeout / 2)
             if not stop.is_set():
                 try:
                     await self._view().read(cached=True)  # no DHT round trip after a recent read

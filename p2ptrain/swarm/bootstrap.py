@@ -14,7 +14,7 @@ import multiaddr
 
 from p2ptrain.comm.net.server import DataPlaneServer
 from p2ptrain.config import MAX_CONNECTIONS, CommConfig, SwarmConfig
-from p2ptrain.deadline import within
+from p2ptrain.deadline import pause
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.swarm.dht import DHTSettings, SwarmDHT
 from p2ptrain.swarm.membership import HeartbeatPublisher, SwarmView, keep_alive
@@ -195,5 +195,4 @@ async def watch_run(view: SwarmView, stop: asyncio.Event) -> None:
             await view.read(cached=True)
         except Exception as exc:  # the next read may do: the lines are advice, the peer serves on
             failures.warning("reading the records of run %r failed: %s", view.run_id, exc)
-        with contextlib.suppress(asyncio.TimeoutError):
-            await within(stop.wait(), RUN_WATCH_INTERVAL)
+        await pause(stop, RUN_WATCH_INTERVAL)

@@ -12,7 +12,6 @@ they keep growing across restarts of the same node.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 import math
@@ -26,7 +25,7 @@ from hivemind.utils import get_dht_time
 import p2ptrain.swarm.quiet  # noqa: F401  (hivemind keeps quiet)
 from p2ptrain.comm.net.reach import can_be_dialed
 from p2ptrain.config import Config
-from p2ptrain.deadline import within
+from p2ptrain.deadline import pause
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.swarm.admission import parse_ticket_text
 from p2ptrain.swarm.crash_watch import port_refuses
@@ -171,8 +170,7 @@ class HeartbeatPublisher:
 async def keep_alive(publisher: HeartbeatPublisher, interval: float, stop: asyncio.Event) -> None:
     """Re-publish the current record every `interval` seconds until `stop` is set."""
     while not stop.is_set():
-        with contextlib.suppress(asyncio.TimeoutError):
-            await within(stop.wait(), interval)
+        await pause(stop, interval)
         if not stop.is_set() and not await publisher.publish():
             admission = publisher.current.admission
             if admission is not None and admission.expires <= get_dht_time():

@@ -11,14 +11,13 @@ alone, the fastest nodes of a fresh run took their first steps while a slower on
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Mapping
 from typing import TextIO
 
 from p2ptrain.config import Config
-from p2ptrain.deadline import within
+from p2ptrain.deadline import pause
 from p2ptrain.errors import UserError
 from p2ptrain.swarm.election import IN_STEPS
 from p2ptrain.swarm.membership import SwarmView, finished_run, live
@@ -87,5 +86,4 @@ async def wait_for_first_step(
 
 async def pause_a_beat(config: Config, stop: asyncio.Event) -> None:
     """Half a heartbeat interval between two reads of the swarm, or less if `stop` is set."""
-    with contextlib.suppress(asyncio.TimeoutError):
-        await within(stop.wait(), config.swarm.heartbeat_interval / 2)
+    await pause(stop, config.swarm.heartbeat_interval / 2)
