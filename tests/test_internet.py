@@ -74,7 +74,11 @@ def test_drill_over_long_lossy_paths(lab: InternetLab, swarm: LocalSwarm) -> Non
 
 CKPT_STEP = 7
 PARAMS_BYTES = 12 << 20
-"""θ_outer of the checkpoint the joiner downloads: about 5 s over a 20 Mbit/s uplink."""
+"""θ_outer of the checkpoint the joiner downloads."""
+SERVE_MBPS = 12.0
+"""The first holder serves at most this (node.serve_mbps), under its 20 Mbit/s uplink, so its
+kernel holds little unsent: uncapped, a killed holder's kernel still sent the 4–6 MB its socket
+had queued, which could have been the rest of the file."""
 
 
 def holder_checkpoint(root: Path, node: int, params: bytes) -> Path:
@@ -91,9 +95,9 @@ def holder_checkpoint(root: Path, node: int, params: bytes) -> Path:
 @pytest.mark.procs
 def test_a_checkpoint_download_survives_its_source_leaving_over_a_lossy_path(tmp_path: Path) -> None:
     """A joiner downloads a checkpoint from a holder 230 ms away over paths that lose 1 % of their
-    packets; the holder is SIGKILLed a third of the way through θ_outer. The rest comes from the
-    other holder (270 ms away) by Range, from the byte the joiner had: no restart from zero, and
-    the files in place are the holders' own, verified."""
+    packets; the holder (serving at most 12 Mbit/s) is SIGKILLed a third of the way through
+    θ_outer. The rest comes from the other holder (270 ms away) by Range, from the byte the joiner
+    had: no restart from zero, and the files in place are the holders' own, verified."""
     paths = links(3, delay_ms=[40, 60, 75], loss_pct=[1.0], up_mbit=[20], down_mbit=[50])
     params = os.urandom(PARAMS_BYTES)
     children = ChildProcesses()
@@ -105,6 +109,7 @@ def test_a_checkpoint_download_survives_its_source_leaving_over_a_lossy_path(tmp
                 url_file = tmp_path / f"holder{node}.url"
                 serve = ["serve", "--checkpoints", str(checkpoints), "--step", str(CKPT_STEP)]
                 serve += ["--host", lab.address(node), "--url-file", str(url_file)]
+                serve += ["--mbps", str(SERVE_MBPS if node == 0 else 0.0)]
                 children.spawn(
                     f"holder{node}",
                     [*lab.prefix(node), sys.executable, "-m", "tests.support.ckpt_procs", *serve],

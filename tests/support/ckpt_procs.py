@@ -2,11 +2,13 @@
 lab can run them in its hosts (and a test can SIGKILL a holder halfway through a transfer).
 
     python -m tests.support.ckpt_procs serve --checkpoints DIR --step N --host IP --url-file FILE
+                                       [--mbps M]
     python -m tests.support.ckpt_procs fetch --digest HEX --holders URL[,URL...] --step N
                                        --dest DIR --out FILE [--timeout S]
 
 `serve` announces DIR/step-N (a folder of a node's checkpoint files) on the real sidecar
-(ckpt/sidecar.py) and writes its URL to FILE once it listens; it runs until SIGTERM. `fetch` runs
+(ckpt/sidecar.py), serving at most M Mbit/s (node.serve_mbps; 0: uncapped), and writes its URL to
+FILE once it listens; it runs until SIGTERM. `fetch` runs
 the joiner's real download (ckpt/fetch.py: fetch_checkpoint) from the holders in the order given,
 logs what it does on stderr (its "resuming … at byte N" lines among them), and writes
 {"folder": …, "seconds": …} to FILE when the checkpoint is in place, verified.
@@ -29,8 +31,8 @@ from p2ptrain.ckpt.sidecar import CheckpointSidecar
 from tests.support.records import record
 
 
-async def serve(checkpoints: Path, step: int, host: str, url_file: Path) -> None:
-    sidecar = CheckpointSidecar(checkpoints)
+async def serve(checkpoints: Path, step: int, host: str, url_file: Path, mbps: float) -> None:
+    sidecar = CheckpointSidecar(checkpoints, serve_bytes_per_s=mbps * 1e6 / 8)
     sidecar.announce(build_manifest(checkpoints / checkpoint_name(step), step))
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
@@ -62,6 +64,7 @@ def main() -> None:
     serving.add_argument("--step", type=int, required=True)
     serving.add_argument("--host", required=True)
     serving.add_argument("--url-file", type=Path, required=True)
+    serving.add_argument("--mbps", type=float, default=0.0)
     fetching = commands.add_parser("fetch")
     fetching.add_argument("--digest", required=True)
     fetching.add_argument("--holders", required=True, help="comma-separated URLs, tried in this order")
@@ -72,7 +75,7 @@ def main() -> None:
     options = args.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if options.command == "serve":
-        asyncio.run(serve(options.checkpoints, options.step, options.host, options.url_file))
+        asyncio.run(serve(options.checkpoints, options.step, options.host, options.url_file, options.mbps))
     else:
         urls = options.holders.split(",")
         asyncio.run(fetch(options.digest, urls, options.step, options.dest, options.out, options.timeout))
