@@ -46,9 +46,8 @@ else:
     within = within_by_task
 
 
-async def pause(stop: asyncio.Event, seconds: float) -> bool:
-    """Wait `seconds`, or less where `stop` is set first; whether it is set. The pace of a loop
-    between two looks at the world, cut short by a shutdown."""
+async def pause(stop: asyncio.Event, seconds: float) -> None:
+    """Wait `seconds`, or less where `stop` is set first: the pace of a loop between two looks at
+    the world, cut short by a shutdown."""
     with contextlib.suppress(asyncio.TimeoutError):
         await within(stop.wait(), seconds)
-    return stop.is_set()

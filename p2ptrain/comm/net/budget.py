@@ -138,12 +138,12 @@ class ParkingLot:
         return self._by_source[source]
 
     def park(self, source: str, transport: asyncio.WriteTransport) -> bool:
-        """Hold `transport` open, unread; False (closed instead) where the lot has no room at all."""
+        """Hold `transport` open, unread; False where the lot has no room at all (the caller
+        closes it)."""
         now = self.clock()
         while self._lot and now - next(iter(self._lot.values()))[1] >= self.hold_s:
             self._close(next(iter(self._lot)))
         if min(self.total, self.per_source) <= 0:
-            transport.abort()
             return False
         if self._by_source[source] >= self.per_source:
             self._close(next(ticket for ticket, entry in self._lot.items() if entry[0] == source))

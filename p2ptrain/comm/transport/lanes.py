@@ -239,6 +239,16 @@ def unacknowledged(sock: socket.socket) -> int:
     return _queued(sock.fileno(), termios.TIOCOUTQ)
 
 
+SIOCOUTQNSD = 0x894B
+"""Linux's ioctl for the bytes of a socket's send queue not sent yet (TIOCOUTQ counts those in
+flight too, which have left this host)."""
+
+
+def unsent(sock: socket.socket) -> int:
+    """Bytes queued on `sock` that have not left this host yet (Linux's SIOCOUTQNSD)."""
+    return _queued(sock.fileno(), SIOCOUTQNSD)
+
+
 def unread(fd: int) -> int:
     """Bytes that have arrived on the socket `fd` and wait to be read (Linux's FIONREAD)."""
     return _queued(fd, termios.FIONREAD)

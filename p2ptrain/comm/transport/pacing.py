@@ -9,7 +9,7 @@ uplink, 5.9–6.3 s (docs/results/2026-12-internet.md). The kernel paces a socke
 SO_MAX_PACING_RATE (BBR paces itself; other congestion controls through the fq qdisc), so the cap
 is the kernel's, per socket, and costs no copy.
 
-The split follows which lanes have bytes waiting to leave (SIOCOUTQNSD): those share 95 % of the
+The split follows which lanes have bytes waiting to leave (lanes.unsent): those share 95 % of the
 uplink evenly; an idle lane is capped at the share it would get if it woke up. The butterfly's
 lane to the successor, which carries the all-gather after the others' reduce-scatter frames have
 left, then takes the whole uplink. A thread looks every INTERVAL_S while the transfer runs (there
@@ -19,20 +19,14 @@ is no event for a send queue draining); a cap a moment out of date costs at most
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import logging
 import socket
-import struct
 import threading
 from collections.abc import Sequence
 
-log = logging.getLogger(__name__)
+from p2ptrain.comm.transport import lanes
 
 SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)
 """Linux's socket option (not in Python 3.11's socket module)."""
-SIOCOUTQNSD = 0x894B
-"""Linux's ioctl for the bytes of a socket's send queue not sent yet (SIOCOUTQ counts those in
-flight too, which have left this host)."""
 UNLIMITED = 0xFFFFFFFF
 """SO_MAX_PACING_RATE's "no cap" (~0U)."""
 SHARE_OF_UPLINK = 0.95
@@ -45,7 +39,7 @@ INTERVAL_S = 0.05
 def unsent(sock: socket.socket) -> int:
     """Bytes in `sock`'s send queue that have not left this host yet (0 where the kernel cannot say)."""
     try:
-        return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), SIOCOUTQNSD, bytes(4)))[0])
+        return lanes.unsent(sock)
     except OSError:
         return 0
 
