@@ -366,10 +366,16 @@ class OuterSync:
                 last_error = exc
                 refusers.forgive(exc.connected)
                 liar = refusers.still(exc.refuser)
-                if liar is None and (exc.views_differ or exc.refuser is not None):
-                    # views that still differ, a refusal that may yet pass: not a failed try, and read
-                    # again only after they had time to converge (instant refusals burned every retry)
-                    log.info("step %d: refused (%s); electing again", step, exc)
+                if liar is None and (exc.views_differ or exc.superseded or exc.refuser is not None):
+                    # views that still differ, a refusal that may yet pass, a member gone on to a later
+                    # attempt: not a failed try, and read again only after they had time to converge
+                    # (instant refusals burned every retry). The election's deadline still bounds it.
+                    log.info(
+                        "step %d: %s (%s); electing again",
+                        step,
+                        "superseded" if exc.superseded else "refused",
+                        exc,
+                    )
                     attempt -= 1
                     await asyncio.sleep(min(0.5, swarm.heartbeat_interval / 2))
                     continue

@@ -46,6 +46,7 @@ class AllReduceError(WireError):
         *,
         views_differ: bool = False,
         refuser: bytes | None = None,
+        superseded: bool = False,
     ):
         super().__init__(message)
         self.unresponsive = unresponsive
@@ -58,6 +59,11 @@ class AllReduceError(WireError):
         other for as long as any member fails their attempts). An honest member says it only while
         views converge; one that keeps saying it is lying, as a stranger can, or broken (outer_sync
         names it then)."""
+        self.superseded = superseded
+        """A member has moved on to a later attempt of this step (it dialed us with a later number,
+        or answered that ours is over there): this attempt is over and nobody is to blame here; the
+        member that saw it fail counted that. Not a failed try: counted as one, a member cycling
+        through attempts while a refuser's patience runs burned every retry of its peers."""
         self.connected: frozenset[bytes] = frozenset()
         """Members whose handshake with this node completed in the failed attempt (either way): they
         did not refuse it (set by all_reduce)."""
@@ -100,5 +106,5 @@ class Registration:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
         if task.cancelled() and self.abandoned.is_set():
-            raise AllReduceError(self.reason)
+            raise AllReduceError(self.reason, superseded=True)
         return task.result()

@@ -204,7 +204,8 @@ async def all_reduce(
         if comm.warm_lanes:
             kept = _keep_lanes(plan, transfer, members)
     except AllReduceError as exc:
-        level = logging.INFO if exc.views_differ else logging.WARNING  # normal while records spread
+        # normal while records spread, or while another member's failure moves the step on
+        level = logging.INFO if exc.views_differ or exc.superseded else logging.WARNING
         log.log(level, "all-reduce of step %d failed: %s", step, exc)
         exc.connected = frozenset(session_of(connection).peer_key for connection in connections)
         raise

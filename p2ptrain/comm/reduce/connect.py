@@ -275,7 +275,7 @@ async def connect_lanes(
             )
         except AttemptBehind as exc:
             server.learn_attempt(step, exc.attempt)
-            raise AllReduceError(f"step {step}: {exc}") from None
+            raise AllReduceError(f"step {step}: {exc}", superseded=True) from None
         except HandshakeError as exc:  # a plain no, or not the peer it should be
             peer_key = members[peer].key
             raise AllReduceError(f"step {step}: {short_id(peer_key)}: {exc}", refuser=peer_key) from None
