@@ -389,7 +389,10 @@ class CommConfig(Section):
     zstd: Annotated[bool, SHARED] = False
     """zstd-compress every data frame (int8 codes of smooth values compress a little; costs CPU)."""
     failure_timeout: float = Field(5.0, gt=0, le=600)
-    """Longest wait for the next frame (or for a peer to answer) before a step's attempt fails."""
+    """Longest wait for the next frame (or for a peer to answer) before a step's attempt fails, on
+    the fastest paths: an attempt with a member whose path this node measured longer waits 8 of its
+    round trips instead, up to 4 × this (comm/net/paths.py). A member that crashes is seen at once
+    whatever it is (its connections end); a frozen one after it."""
     slowest_link_mbit: float = Field(1.0, ge=0, le=100_000)
     """A frame in transit gets failure_timeout plus its bytes at this rate (Mbit/s per connection),
     so a large frame on a slow or shared uplink is not taken for a dead peer while one that sends

@@ -23,7 +23,7 @@ from p2ptrain.ckpt.format import checkpoint_name
 from p2ptrain.ckpt.manifest import build_manifest
 from p2ptrain.procs import ChildProcesses
 from tests.support.drills import assert_agreement, drill_args, finish
-from tests.support.helpers import LocalSwarm, wait_until
+from tests.support.helpers import LocalSwarm, cli, wait_until
 from tests.support.internet import InternetLab, links, running_lab
 
 NODES = 3
@@ -70,6 +70,64 @@ def test_drill_over_long_lossy_paths(lab: InternetLab, swarm: LocalSwarm) -> Non
     swarm.stop()
     lab.stop()
     assert sum(host["lost"] for host in lab.counts.values()) > 0, lab.counts
+
+
+LONG_DELAY_MS = [50, 200, 200]
+"""The bootstrap's host and two nodes': 800 ms round trips between the nodes (a geostationary
+satellite hop, or a home uplink whose queue fills under the all-reduce)."""
+
+
+@pytest.fixture
+def long_lab() -> Iterator[InternetLab]:
+    with running_lab(links(3, delay_ms=LONG_DELAY_MS), seed=2) as network:
+        yield network
+
+
+@pytest.mark.procs
+def test_a_long_path_gets_a_longer_deadline_and_the_status_shows_it(
+    long_lab: InternetLab, swarm: LocalSwarm
+) -> None:
+    """The first step's deadline is comm.failure_timeout (5 s, no path measured yet); every later
+    one is 8 round trips of the path the nodes measured (6.4 s and up, under the cap of 20 s); and
+    `p2ptrain status` shows each node's round trip to the other, as the node measured it."""
+    steps, nodes = 4, 2
+    swarm.start_bootstrap(listen=f"/ip4/{long_lab.address(0)}/tcp/0", prefix=long_lab.prefix(0))
+    names = [f"node{index}" for index in range(nodes)]
+    for index, name in enumerate(names, start=1):
+        host = long_lab.address(index)
+        flags = [*drill_args(steps, nodes), "--size", "50000", "--set", f"node.data_host={host}"]
+        swarm.start_node(
+            name, None, *flags, command="drill", prefix=long_lab.prefix(index), listen=f"/ip4/{host}/tcp/0"
+        )
+    path_s = long_lab.round_trip_s(1, 2)
+    status: list[dict] = []
+
+    def shown() -> bool:
+        """The nodes' rows with paths in them: their ready records for step 1 on carry them."""
+        done = cli(
+            "status",
+            "--peer",
+            swarm.bootstrap_addr,
+            "--config",
+            "debug",
+            "--json",
+            "--once",
+            prefix=long_lab.prefix(0),
+        )
+        assert done.returncode == 0, done.stderr
+        status[:] = [row for row in json.loads(done.stdout)["nodes"] if row["paths"]]
+        return len(status) == nodes
+
+    wait_until(shown, timeout=120)
+    for row in status:
+        (path,) = row["paths"]
+        assert path["rtt_ms"] >= 0.95 * 1000 * path_s, row
+    logs = finish(swarm, names)
+    assert_agreement(logs, range(steps))
+    for log in logs.values():
+        assert log[0]["failure_timeout"] == 5.0, log[0]
+        for entry in log[1:]:
+            assert 0.95 * 8 * path_s <= entry["failure_timeout"] <= 20.0, entry
 
 
 CKPT_STEP = 7

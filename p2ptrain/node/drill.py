@@ -120,6 +120,7 @@ async def run_drill(
                     "transfer_s": round(result.stats.transfer_s, 3),
                     "barrier_s": round(result.stats.barrier_s, 3),
                     "round_trips": {key.hex(): round(s, 4) for key, s in result.stats.round_trips.items()},
+                    "failure_timeout": round(result.stats.failure_timeout, 3),
                     "bytes_sent": result.stats.bytes_sent,
                     "lanes_accepted": server.lanes_accepted,
                     "lanes_rebound": server.warm.rebound,

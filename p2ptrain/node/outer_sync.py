@@ -118,7 +118,7 @@ class OuterSync:
         """The last all-reduce result this node took (robust aggregation weighs the shares of the
         segment it owns by their agreement with it): one more model-sized fp32 vector, kept only
         where comm.robust is "reweighted"."""
-        self.extras = RecordExtras()
+        self.extras = RecordExtras(server.paths)
         self.crashes = CrashWatch(on_crash=self.roster.crashed)
         self.offences = Offences()
         self._last_members: tuple[int, frozenset[bytes]] = (-1, frozenset())
@@ -406,7 +406,6 @@ class OuterSync:
                 await self._announce(step, state=NodeState.READY, extra=extra)
                 await asyncio.sleep(max(0.0, next_attempt_at - time.monotonic()))
                 continue
-            self.extras.remember_links(stats.link_rates)
             for key, chunks in stats.clipped.items():
                 log.warning(
                     "step %d: cut %s's share to under half its norm in %d chunk(s) (comm.clip: its "

@@ -60,6 +60,9 @@ STEP_TOKENS_FIELD = "step_tokens"
 weight 0, catching up)."""
 TOKENS_RATE_FIELD = "tokens_per_s"
 """`extra`: the node's tokens per second over its last outer step, inner phase and sync together."""
+ROUND_TRIPS_FIELD = "rtts"
+"""`extra`: {peer key hex prefix: ms}, the smoothed round trips of the node's lanes to the peers
+it sent to (comm/net/paths.py), the newest few; the status shows them beside the links' rates."""
 
 
 class RecordError(ValueError):

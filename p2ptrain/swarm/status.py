@@ -8,9 +8,10 @@ from typing import Any
 
 from p2ptrain.comm.net.reach import Reach
 from p2ptrain.identity import short_id
-from p2ptrain.swarm.election import ring_order
+from p2ptrain.swarm.election import LINK_PREFIX_HEX, LINKS_FIELD, ring_order
 from p2ptrain.swarm.records import (
     OUTER_STEPS_FIELD,
+    ROUND_TRIPS_FIELD,
     STEP_TOKENS_FIELD,
     TOKENS_RATE_FIELD,
     TOKENS_TOTAL_FIELD,
@@ -19,6 +20,37 @@ from p2ptrain.swarm.records import (
     record_count,
     record_number,
 )
+
+MAX_SHOWN_PATHS = 32
+"""Paths shown per node: what an honest record holds (record_extras.MAX_PUBLISHED_LINKS of each
+kind); a record claiming more is cut there."""
+
+
+def measured_paths(extra: dict[str, Any]) -> list[dict[str, Any]]:
+    """A node's measured paths from its record (untrusted): per peer key prefix, the round trip
+    (ms) and, where the link held our sends up, its rate (Mbit/s); None where not measured."""
+    paths: dict[str, dict[str, Any]] = {}
+    for field_name, unit, scale in ((ROUND_TRIPS_FIELD, "rtt_ms", 1.0), (LINKS_FIELD, "mbps", 8e-6)):
+        published = extra.get(field_name)
+        if not isinstance(published, dict):
+            continue
+        for prefix, value in list(published.items())[:MAX_SHOWN_PATHS]:
+            number = record_number(value)
+            if not _is_prefix(prefix) or number is None or number < 0:
+                continue
+            if prefix not in paths and len(paths) >= MAX_SHOWN_PATHS:
+                continue
+            path = paths.setdefault(prefix, {"to": prefix, "rtt_ms": None, "mbps": None})
+            path[unit] = round(number * scale, 1)
+    return list(paths.values())
+
+
+def _is_prefix(value: Any) -> bool:
+    return (
+        isinstance(value, str)
+        and 0 < len(value) <= LINK_PREFIX_HEX
+        and all(char in "0123456789abcdef" for char in value)
+    )
 
 
 def _completed(heartbeats: list[Heartbeat]) -> list[Heartbeat]:
@@ -178,6 +210,8 @@ def status_json(
                 "allreduce_mbps": record_number(beat.extra.get("allreduce_mbps")),
                 # the longest smoothed round trip to a member it sent to in that all-reduce (ms)
                 "rtt_ms": record_number(beat.extra.get("rtt_ms")),
+                # per peer it sent to: the smoothed round trip, and the rate where the link held it up
+                "paths": measured_paths(beat.extra),
                 "ckpt_digest": beat.ckpt_digest,
                 "data_addr": beat.data_addr,
                 # "open": peers dialed it back; "closed": behind NAT (it dials out); "": not probed
@@ -245,4 +279,15 @@ def format_table(
         lines.append(f"last ring (step {ring['step']}): {order}")
     for relay in status["relays"]:
         lines.append(f"standby relay {short_id(bytes.fromhex(relay['id']))} at {relay['data_addr']}")
+    for row in rows:
+        if row["paths"]:
+            shown = ", ".join(_path_text(path) for path in row["paths"])
+            lines.append(f"paths of {short_id(bytes.fromhex(row['id']))}: {shown}")
     return "\n".join(lines)
+
+
+def _path_text(path: dict[str, Any]) -> str:
+    """ "2f3a9c01d4e5 230 ms 41.5 Mbit/s": a peer, its round trip and its measured rate if any."""
+    rtt = f" {path['rtt_ms']:.0f} ms" if path["rtt_ms"] is not None else ""
+    rate = f" {path['mbps']:.1f} Mbit/s" if path["mbps"] is not None else ""
+    return f"{path['to'][:12]}{rtt}{rate}"

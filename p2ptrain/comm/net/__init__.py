@@ -4,6 +4,7 @@ server.py         the listening server: hands each authenticated connection to i
 budget.py         budgets for connections that have not authenticated yet (floods)
 attempt.py        one attempt of one step: who may connect, and AllReduceError
 warm.py           lanes kept between steps, and the rebinds that come on them
+paths.py          round trips and rates measured per peer, and an attempt's deadline from them
 members.py        the members of one step, their digest and their shares of the average
 reach.py          can others dial this node? dial-back probes
 relay.py          edges between two members behind NAT, spliced by a reachable member

@@ -36,6 +36,7 @@ from p2ptrain.comm.net.budget import (
     wait_until,
 )
 from p2ptrain.comm.net.members import Member
+from p2ptrain.comm.net.paths import PathBook
 from p2ptrain.comm.net.reach import REACH_KINDS, ReachService
 from p2ptrain.comm.net.record_push import HELD, NOT_HELD, RECORD_KIND, RecordSink, receive_record
 from p2ptrain.comm.net.relay import RELAY_KINDS
@@ -133,6 +134,9 @@ class DataPlaneServer:
         """Incoming connections still being answered (a handshake, a probe, a relayed edge)."""
         self.warm = WarmLanes(rebind=self._rebind, read_timeout=comm.failure_timeout)
         """Lanes kept from steps that succeeded, for the next (transport/resume.py)."""
+        self.paths = PathBook()
+        """Round trips and rates of our lanes to each peer, from the all-reduces: an attempt's
+        deadline grows with its slowest path (paths.py)."""
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         loop = asyncio.get_running_loop()

@@ -111,6 +111,10 @@ async def all_reduce(
     keys = [member.key for member in members]
     if identity.public_key not in keys or len(set(keys)) != len(keys):
         raise ValueError("members must be distinct and include this node")
+    # the attempt's deadlines grow with the slowest path to a member we measured (net/paths.py)
+    failure_timeout = server.paths.failure_timeout(keys, comm.failure_timeout)
+    if failure_timeout != comm.failure_timeout:
+        comm = comm.model_copy(update={"failure_timeout": failure_timeout})
     started = time.monotonic()
     own_share = None
     if comm.codec == "sparse":
@@ -148,6 +152,7 @@ async def all_reduce(
         identity=identity,
         digest=digest,
     )
+    plan.stats.failure_timeout = comm.failure_timeout
     lane_plan = LanePlan.of(members, plan.schedule)
     registration = server.expect(
         step, (), digest=digest, lanes=lane_plan.incoming_lanes(members, comm.connections), members=members
@@ -167,6 +172,7 @@ async def all_reduce(
             digest=digest,
             connections=connections,
             standby=relays,
+            failure_timeout=comm.failure_timeout,
         )
         connected_at = time.monotonic()
         plan.stats.connect_s = connected_at - started
@@ -236,6 +242,7 @@ async def all_reduce(
             if not (isinstance(connection, WarmLane) and connection.sock in kept_sockets):
                 close_connection(connection)
         server.forget(step)
+        server.paths.measured(round_trips=plan.stats.round_trips)
         if not cancelled:
             await asyncio.to_thread(transfer.join, comm.failure_timeout)
     for lane in kept:
@@ -249,5 +256,6 @@ async def all_reduce(
         plan.stats.clipped = dict(plan.aggregator.clipped)
         plan.stats.left_out = dict(plan.aggregator.left_out)
     plan.stats.link_rates = link_rates({plan.keys[peer]: held for peer, held in plan.held_up.items()})
+    server.paths.measured(rates=plan.stats.link_rates)
     plan.stats.seconds = time.monotonic() - started
     return plan.stats

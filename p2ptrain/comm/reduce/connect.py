@@ -224,12 +224,13 @@ async def connect_lanes(
     digest: bytes,
     connections: list[Connection],
     standby: Sequence[Member] = (),
+    failure_timeout: float,
 ) -> tuple[dict[Slot, Connection], dict[Slot, Connection]]:
     """Dial the lanes `plan` says we dial and wait for the others; every connection lands in
     `connections`. Returns the ones we send on and the ones we receive on, by (peer, lane).
-    `standby`: relays for edges between members behind NAT where no member can relay."""
+    `standby`: relays for edges between members behind NAT where no member can relay;
+    `failure_timeout`: the attempt's (from its paths: net/paths.py)."""
     setup_timeout = server.setup_timeout
-    failure_timeout = server.comm.failure_timeout
     lanes = server.comm.connections
     me = next(member for member in members if member.key == server.identity.public_key)
     paired: dict[LaneKey, bytes] = {}

@@ -81,6 +81,9 @@ class ReduceStats:
     peer that took our frames as fast as we produced them (its link was not our bottleneck)."""
     round_trips: dict[bytes, float] = field(default_factory=dict)
     """Seconds, the kernel's smoothed round trip to each peer we sent to (the slowest of its lanes)."""
+    failure_timeout: float = 0.0
+    """The attempt's deadline for a frame or an answer: comm.failure_timeout, or longer where a
+    member's path measured long in an earlier step (net/paths.py)."""
     clipped: dict[bytes, int] = field(default_factory=dict)
     """Robust aggregation: member → chunks of ours (we own them) in which its share was cut to under
     half its norm (clipping.CUT_FAR)."""
