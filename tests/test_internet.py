@@ -40,17 +40,23 @@ def lab() -> Iterator[InternetLab]:
         yield network
 
 
-@pytest.mark.procs
-def test_drill_over_long_lossy_paths(lab: InternetLab, swarm: LocalSwarm) -> None:
-    steps = 3
+def start_lab_drill(swarm: LocalSwarm, lab: InternetLab, steps: int, nodes: int) -> list[str]:
+    """A bootstrap peer on the lab's host 0 and `nodes` drill nodes on hosts 1, 2, …; their names."""
     swarm.start_bootstrap(listen=f"/ip4/{lab.address(0)}/tcp/0", prefix=lab.prefix(0))
-    names = [f"node{index}" for index in range(NODES)]
+    names = [f"node{index}" for index in range(nodes)]
     for index, name in enumerate(names, start=1):
         host = lab.address(index)
-        flags = [*drill_args(steps, NODES), "--size", "50000", "--set", f"node.data_host={host}"]
+        flags = [*drill_args(steps, nodes), "--size", "50000", "--set", f"node.data_host={host}"]
         swarm.start_node(
             name, None, *flags, command="drill", prefix=lab.prefix(index), listen=f"/ip4/{host}/tcp/0"
         )
+    return names
+
+
+@pytest.mark.procs
+def test_drill_over_long_lossy_paths(lab: InternetLab, swarm: LocalSwarm) -> None:
+    steps = 3
+    names = start_lab_drill(swarm, lab, steps, NODES)
     logs = finish(swarm, names)
     assert_agreement(logs, range(steps))
     # the fewest one-way delays of the shortest path an all-reduce can take: an open run's robust
@@ -91,14 +97,7 @@ def test_a_long_path_gets_a_longer_deadline_and_the_status_shows_it(
     one is 8 round trips of the path the nodes measured (6.4 s and up, under the cap of 20 s); and
     `p2ptrain status` shows each node's round trip to the other, as the node measured it."""
     steps, nodes = 4, 2
-    swarm.start_bootstrap(listen=f"/ip4/{long_lab.address(0)}/tcp/0", prefix=long_lab.prefix(0))
-    names = [f"node{index}" for index in range(nodes)]
-    for index, name in enumerate(names, start=1):
-        host = long_lab.address(index)
-        flags = [*drill_args(steps, nodes), "--size", "50000", "--set", f"node.data_host={host}"]
-        swarm.start_node(
-            name, None, *flags, command="drill", prefix=long_lab.prefix(index), listen=f"/ip4/{host}/tcp/0"
-        )
+    names = start_lab_drill(swarm, long_lab, steps, nodes)
     path_s = long_lab.round_trip_s(1, 2)
     status: list[dict] = []
 
