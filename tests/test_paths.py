@@ -3,6 +3,7 @@ publishes of them, and what the status makes of a record's (a stranger's) claims
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -24,13 +25,15 @@ def key(index: int) -> bytes:
 
 def test_an_attempt_waits_eight_round_trips_of_its_slowest_measured_path_never_less_than_configured() -> None:
     book = PathBook()
-    assert book.failure_timeout([A, B], 5.0) == 5.0  # nothing measured: the configured value
+    deadline = functools.partial(book.failure_timeout, configured=5.0, cap=BEATS_PER_TIMEOUT * 5.0)
+    assert deadline([A, B]) == 5.0  # nothing measured: the configured value
     book.measured(round_trips={A: 0.01, B: 0.8})
-    assert book.failure_timeout([A], 5.0) == 5.0  # a 10 ms path: never shorter than configured
-    assert book.failure_timeout([A, B], 5.0) == pytest.approx(PATH_ROUND_TRIPS * 0.8)
-    assert book.failure_timeout([A, C], 5.0) == 5.0  # C unmeasured, B not a member
+    assert deadline([A]) == 5.0  # a 10 ms path: never shorter than configured
+    assert deadline([A, B]) == pytest.approx(PATH_ROUND_TRIPS * 0.8)
+    assert deadline([A, C]) == 5.0  # C unmeasured, B not a member
     book.measured(round_trips={B: 30.0})  # a path that claims more is held at the cap
-    assert book.failure_timeout([A, B], 5.0) == BEATS_PER_TIMEOUT * 5.0
+    assert deadline([A, B]) == BEATS_PER_TIMEOUT * 5.0
+    assert book.failure_timeout([B], configured=5.0, cap=1.0) == 5.0  # a cap under it: configured
 
 
 def test_a_round_trip_that_grows_counts_at_once_one_that_shrinks_by_halves() -> None:

@@ -316,6 +316,10 @@ class OuterSync:
         attempt = 0
         deadline = time.monotonic() + swarm.election_timeout
         refusers = Refusers(2 * self.server.setup_timeout)
+        # a member's claims of a later attempt: honest ones make them for as long as another's
+        # failures move the step on (a refuser's included, until its patience runs out: theirs
+        # start after the refuser's and must outlast it, and the attempt without it that follows)
+        ahead = Refusers(3 * self.server.setup_timeout)
         while attempt < swarm.sync_retries and time.monotonic() < deadline:
             standby = await self.standby.current()
             try:
@@ -365,7 +369,9 @@ class OuterSync:
             except AllReduceError as exc:
                 last_error = exc
                 refusers.forgive(exc.connected)
-                liar = refusers.still(exc.refuser)
+                ahead.forgive(exc.connected)
+                patience = ahead if exc.superseded else refusers
+                liar = patience.still(exc.refuser)
                 if liar is None and (exc.views_differ or exc.superseded or exc.refuser is not None):
                     # views that still differ, a refusal that may yet pass, a member gone on to a later
                     # attempt: not a failed try, and read again only after they had time to converge
@@ -382,9 +388,10 @@ class OuterSync:
                 log.warning("step %d attempt %d failed (%s); electing the survivors", step, attempt, exc)
                 if liar is not None:
                     log.warning(
-                        "%s has refused our handshakes for %.0f s: naming it in the evidence of step %d",
+                        "%s has %s for %.0f s: naming it in the evidence of step %d",
                         short_id(liar),
-                        refusers.patience,
+                        "claimed later attempts" if exc.superseded else "refused our handshakes",
+                        patience.patience,
                         step,
                     )
                     named.add(liar)

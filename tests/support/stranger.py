@@ -13,7 +13,10 @@ digest copied from their records) with a data-plane address that cannot take par
 - `differs`: a port of its own that answers every hello at once with "our views differ" (the
   refusal of an honest member that elected other members, which blames no one);
 - `refuses`: a port of its own that answers every hello at once with a plain refusal (an honest
-  member's answer to a step that is over there).
+  member's answer to a step that is over there);
+- `ahead`: a port of its own that completes every handshake under the stranger's key, as an
+  elected member's would, then answers that the dialer's attempt is over there, a later one under
+  way (an honest member's answer to a peer one attempt behind).
 
 In a closed run (`--closed-by`, the run's authority key in hex) it stores its records under that
 run's key, with no ticket or with a ticket copied from an honest node's record (`--ticket copied`),
@@ -36,8 +39,15 @@ from typing import TypedDict
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from p2ptrain.comm.transport.handshake import MAX_HANDSHAKE_FRAME
-from p2ptrain.comm.transport.wire import WireError, read_frame, write_frame
+from p2ptrain.comm.transport.handshake import (
+    MAX_HANDSHAKE_FRAME,
+    Admission,
+    HandshakeError,
+    Refusal,
+    Session,
+    accept_any,
+)
+from p2ptrain.comm.transport.wire import WireError, expect, read_frame, write_frame
 from p2ptrain.identity import NodeIdentity
 from p2ptrain.swarm.dht import DHTSettings, SwarmDHT
 from p2ptrain.swarm.election import IN_STEPS
@@ -59,6 +69,10 @@ REFUSALS: dict[str, dict[str, object]] = {
 }
 """What the stranger answers every hello with, by mode: our views differ, or a plain no."""
 
+AHEAD_BY = 8
+"""How many attempts ahead of the dialer's the `ahead` stranger claims to be (what a dialer takes
+at once at most: server.MAX_ATTEMPT_JUMP)."""
+
 
 async def refuse_every_hello(
     refusal: Mapping[str, object], reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -68,6 +82,33 @@ async def refuse_every_hello(
         await read_frame(reader, 5.0, MAX_HANDSHAKE_FRAME)
         await write_frame(writer, refusal, timeout=5.0)
     except WireError:
+        pass
+    finally:
+        writer.close()
+
+
+async def claim_a_later_attempt(
+    identity: NodeIdentity, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    """Prove our key to the dialer and take its proof, as a member of its step does, then answer
+    that its attempt is over here: however often it is dialed."""
+    try:
+        hello = expect(await read_frame(reader, 5.0, MAX_HANDSHAKE_FRAME), "hello")
+        digest = hello.header.get("digest")
+        if not isinstance(digest, bytes):
+            return
+
+        async def anyone(step: int, key: bytes) -> Admission:
+            return Admission({key}, digest)
+
+        def over(session: Session) -> Refusal:
+            reason = f"attempt {session.attempt} of step {session.step} is over here"
+            return Refusal(reason, attempt=session.attempt + AHEAD_BY)
+
+        await accept_any(
+            reader, writer, identity=identity, resolve=anyone, timeout=5.0, claim=over, first=hello
+        )
+    except (WireError, HandshakeError):
         pass
     finally:
         writer.close()
@@ -84,12 +125,15 @@ class Claimed(TypedDict):
 
 async def publish_forever(args: argparse.Namespace, address: str) -> None:
     server = None
-    if args.mode in REFUSALS:
-        server = await asyncio.start_server(
-            functools.partial(refuse_every_hello, REFUSALS[args.mode]), "127.0.0.1", 0
-        )
-        address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
     identity = NodeIdentity(Ed25519PrivateKey.generate(), Path(tempfile.gettempdir()))
+    if args.mode in REFUSALS or args.mode == "ahead":
+        answer = (
+            functools.partial(refuse_every_hello, REFUSALS[args.mode])
+            if args.mode in REFUSALS
+            else functools.partial(claim_a_later_attempt, identity)
+        )
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
     dht = SwarmDHT.start(DHTSettings(peers=[args.peer], listen=["/ip4/127.0.0.1/tcp/0"]))
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
@@ -146,7 +190,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peer", required=True)
     parser.add_argument("--run-id", default="p2ptrain-debug")
-    parser.add_argument("--mode", choices=["refused", "silent", "differs", "refuses"], default="refused")
+    parser.add_argument(
+        "--mode", choices=["refused", "silent", "differs", "refuses", "ahead"], default="refused"
+    )
     parser.add_argument("--interval", type=float, default=0.5)
     parser.add_argument("--address-file", default="")
     parser.add_argument("--closed-by", default="", metavar="AUTHORITY")

@@ -60,10 +60,12 @@ class AllReduceError(WireError):
         views converge; one that keeps saying it is lying, as a stranger can, or broken (outer_sync
         names it then)."""
         self.superseded = superseded
-        """A member has moved on to a later attempt of this step (it dialed us with a later number,
-        or answered that ours is over there): this attempt is over and nobody is to blame here; the
-        member that saw it fail counted that. Not a failed try: counted as one, a member cycling
-        through attempts while a refuser's patience runs burned every retry of its peers."""
+        """A member (`refuser`) has moved on to a later attempt of this step (it dialed us with a
+        later number, or answered that ours is over there): this attempt is over and nobody is to
+        blame here; the member that saw it fail counted that. Not a failed try: counted as one,
+        members cycling through attempts while a refuser's patience ran burned every retry of
+        their peers. A member that claims later attempts forever (a stranger can) is named after
+        a longer patience than a refuser's (outer_sync)."""
         self.connected: frozenset[bytes] = frozenset()
         """Members whose handshake with this node completed in the failed attempt (either way): they
         did not refuse it (set by all_reduce)."""
@@ -87,10 +89,12 @@ class Registration:
     strangers' keys once filled it."""
     abandoned: asyncio.Event = field(default_factory=asyncio.Event)
     reason: str = ""
+    abandoned_by: bytes | None = None
 
-    def abandon(self, reason: str) -> None:
+    def abandon(self, reason: str, *, by: bytes) -> None:
+        """`by`, a member, dialed us with a later attempt of the step."""
         if not self.abandoned.is_set():
-            self.reason = reason
+            self.reason, self.abandoned_by = reason, by
             self.abandoned.set()
 
     async def unless_abandoned(self, work: Awaitable[T]) -> T:
@@ -106,5 +110,5 @@ class Registration:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
         if task.cancelled() and self.abandoned.is_set():
-            raise AllReduceError(self.reason, superseded=True)
+            raise AllReduceError(self.reason, superseded=True, refuser=self.abandoned_by)
         return task.result()

@@ -5,9 +5,9 @@ A deadline is a function of the path, not a constant: a frame over a 700 ms path
 segment waits TCP's retransmission timeout (more than a round trip), then a round trip more for
 the copy, twice that under backoff. `comm.failure_timeout` is what the fastest paths need (and
 what an unmeasured one gets); an attempt whose members include a longer path waits
-PATH_ROUND_TRIPS of that path's round trips instead, up to BEATS_PER_TIMEOUT times the configured
-value (the keepalives' spacing follows the deadline, and a successor that measured a short path
-still waits only twice its own for them).
+PATH_ROUND_TRIPS of that path's round trips instead, up to a cap its caller sets (the all-reduce:
+reduce/barrier.BEATS_PER_TIMEOUT times the configured value, since the keepalives' spacing follows
+the deadline, and a successor that measured a short path still waits only twice its own for them).
 
 Never shorter than the configured value: a crashed member's connections end at once whatever the
 deadline (its kernel closes them; the dialer's probe finds its port refusing), and what a shorter
@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping
-
-from p2ptrain.comm.reduce.barrier import BEATS_PER_TIMEOUT
 
 PATH_ROUND_TRIPS = 8
 """Round trips of the slowest measured member path that one frame (or answer) may take."""
@@ -58,8 +56,8 @@ class PathBook:
             while len(book) > MAX_PATHS:
                 book.pop(next(iter(book)))
 
-    def failure_timeout(self, keys: Collection[bytes], configured: float) -> float:
+    def failure_timeout(self, keys: Collection[bytes], *, configured: float, cap: float) -> float:
         """The deadline of an attempt with members `keys`: PATH_ROUND_TRIPS round trips of the
-        slowest path to one of them we measured, within [configured, BEATS_PER_TIMEOUT × configured]."""
+        slowest path to one of them we measured, within [configured, cap]."""
         slowest = max((self.round_trips.get(key, 0.0) for key in keys), default=0.0)
-        return min(max(configured, PATH_ROUND_TRIPS * slowest), BEATS_PER_TIMEOUT * configured)
+        return min(max(configured, PATH_ROUND_TRIPS * slowest), max(configured, cap))

@@ -54,6 +54,7 @@ from p2ptrain.comm.net.relay import needs_relay
 from p2ptrain.comm.net.server import DataPlaneServer
 from p2ptrain.comm.reduce.barrier import (
     ALIVE,
+    BEATS_PER_TIMEOUT,
     DONE,
     Holding,
     Proven,
@@ -112,7 +113,9 @@ async def all_reduce(
     if identity.public_key not in keys or len(set(keys)) != len(keys):
         raise ValueError("members must be distinct and include this node")
     # the attempt's deadlines grow with the slowest path to a member we measured (net/paths.py)
-    failure_timeout = server.paths.failure_timeout(keys, comm.failure_timeout)
+    failure_timeout = server.paths.failure_timeout(
+        keys, configured=comm.failure_timeout, cap=BEATS_PER_TIMEOUT * comm.failure_timeout
+    )
     if failure_timeout != comm.failure_timeout:
         comm = comm.model_copy(update={"failure_timeout": failure_timeout})
     started = time.monotonic()

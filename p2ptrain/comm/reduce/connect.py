@@ -229,8 +229,9 @@ async def connect_lanes(
     """Dial the lanes `plan` says we dial and wait for the others; every connection lands in
     `connections`. Returns the ones we send on and the ones we receive on, by (peer, lane).
     `standby`: relays for edges between members behind NAT where no member can relay;
-    `failure_timeout`: the attempt's (from its paths: net/paths.py)."""
-    setup_timeout = server.setup_timeout
+    `failure_timeout`: the attempt's (from its paths: net/paths.py); the set-up waits at least as
+    long (a node's is the larger of comm.failure_timeout and the heartbeat timeout: data_server.py)."""
+    setup_timeout = max(server.setup_timeout, failure_timeout)
     lanes = server.comm.connections
     me = next(member for member in members if member.key == server.identity.public_key)
     paired: dict[LaneKey, bytes] = {}
@@ -276,7 +277,8 @@ async def connect_lanes(
             )
         except AttemptBehind as exc:
             server.learn_attempt(step, exc.attempt)
-            raise AllReduceError(f"step {step}: {exc}", superseded=True) from None
+            peer_key = members[peer].key
+            raise AllReduceError(f"step {step}: {exc}", superseded=True, refuser=peer_key) from None
         except HandshakeError as exc:  # a plain no, or not the peer it should be
             peer_key = members[peer].key
             raise AllReduceError(f"step {step}: {short_id(peer_key)}: {exc}", refuser=peer_key) from None
