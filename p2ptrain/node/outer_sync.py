@@ -60,6 +60,14 @@ heartbeat interval): a refusal that comes at once must not burn every retry befo
 converge (seen: 20 attempts within a second, then the step given up on every node)."""
 
 
+OUT_OF_STEP_TRIES = 2
+"""Attempts that a member at a later attempt ends are free, up to this many times sync_retries
+a step; then they count. Members cycle through attempts at most twice a second (the pause after
+a free try), and a refuser holds them for 12 s before it is named: 24 such ends. A stranger that
+claims a later attempt at every handshake is never named (AllReduceError.out_of_step), and costs
+each step it is in about this many half seconds more before the step is given up."""
+
+
 class StepGivenUp(RuntimeError):
     """No all-reduce of this step completed here within the retries, or the others take it without
     this node (the evidence, or no room behind NAT; its result is theirs to replay once they have
@@ -316,10 +324,10 @@ class OuterSync:
         attempt = 0
         deadline = time.monotonic() + swarm.election_timeout
         refusers = Refusers(2 * self.server.setup_timeout)
-        # a member's claims of a later attempt: honest ones make them for as long as another's
-        # failures move the step on (a refuser's included, until its patience runs out: theirs
-        # start after the refuser's and must outlast it, and the attempt without it that follows)
-        ahead = Refusers(3 * self.server.setup_timeout)
+        # "dial again" for a whole setup deadline, three times (an honest member says it only until
+        # its own attempt unwinds); later attempts are free tries up to a budget instead (AllReduceError)
+        busy = Refusers(3 * self.server.setup_timeout)
+        free_tries = OUT_OF_STEP_TRIES * swarm.sync_retries
         while attempt < swarm.sync_retries and time.monotonic() < deadline:
             standby = await self.standby.current()
             try:
@@ -369,17 +377,20 @@ class OuterSync:
             except AllReduceError as exc:
                 last_error = exc
                 refusers.forgive(exc.connected)
-                ahead.forgive(exc.connected)
-                patience = ahead if exc.superseded else refusers
+                busy.forgive(exc.connected)
+                patience = busy if exc.out_of_step else refusers
                 liar = patience.still(exc.refuser)
-                if liar is None and (exc.views_differ or exc.superseded or exc.refuser is not None):
-                    # views that still differ, a refusal that may yet pass, a member gone on to a later
+                if exc.out_of_step and exc.refuser is None:
+                    free_tries -= 1
+                free = exc.views_differ or exc.refuser is not None or (exc.out_of_step and free_tries >= 0)
+                if liar is None and free:
+                    # views that still differ, a refusal that may yet pass, a member at another
                     # attempt: not a failed try, and read again only after they had time to converge
                     # (instant refusals burned every retry). The election's deadline still bounds it.
                     log.info(
                         "step %d: %s (%s); electing again",
                         step,
-                        "superseded" if exc.superseded else "refused",
+                        "at another attempt" if exc.out_of_step else "refused",
                         exc,
                     )
                     attempt -= 1
@@ -390,7 +401,7 @@ class OuterSync:
                     log.warning(
                         "%s has %s for %.0f s: naming it in the evidence of step %d",
                         short_id(liar),
-                        "claimed later attempts" if exc.superseded else "refused our handshakes",
+                        "said dial again" if exc.out_of_step else "refused our handshakes",
                         patience.patience,
                         step,
                     )

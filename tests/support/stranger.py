@@ -16,7 +16,9 @@ digest copied from their records) with a data-plane address that cannot take par
   member's answer to a step that is over there);
 - `ahead`: a port of its own that completes every handshake under the stranger's key, as an
   elected member's would, then answers that the dialer's attempt is over there, a later one under
-  way (an honest member's answer to a peer one attempt behind).
+  way (an honest member's answer to a peer one attempt behind);
+- `busy`: the same, answering "dial again", still in an earlier attempt (an honest member's answer
+  to a peer one attempt ahead, until its own attempt ends).
 
 In a closed run (`--closed-by`, the run's authority key in hex) it stores its records under that
 run's key, with no ticket or with a ticket copied from an honest node's record (`--ticket copied`),
@@ -33,7 +35,7 @@ import functools
 import signal
 import socket
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TypedDict
 
@@ -87,11 +89,29 @@ async def refuse_every_hello(
         writer.close()
 
 
-async def claim_a_later_attempt(
-    identity: NodeIdentity, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+def over_here(session: Session) -> Refusal:
+    """A later attempt under way here: the dialer's is over (`ahead`)."""
+    reason = f"attempt {session.attempt} of step {session.step} is over here"
+    return Refusal(reason, attempt=session.attempt + AHEAD_BY)
+
+
+def still_busy(session: Session) -> Refusal:
+    """Still in an earlier attempt here: dial again (`busy`)."""
+    return Refusal(f"still in attempt {max(0, session.attempt - 1)} of step {session.step}", retry=True)
+
+
+PROVEN_REFUSALS = {"ahead": over_here, "busy": still_busy}
+"""What the stranger answers once the handshake has proven both keys, by mode."""
+
+
+async def refuse_once_proven(
+    identity: NodeIdentity,
+    refusal: Callable[[Session], Refusal],
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
 ) -> None:
     """Prove our key to the dialer and take its proof, as a member of its step does, then answer
-    that its attempt is over here: however often it is dialed."""
+    `refusal`: however often it is dialed."""
     try:
         hello = expect(await read_frame(reader, 5.0, MAX_HANDSHAKE_FRAME), "hello")
         digest = hello.header.get("digest")
@@ -101,12 +121,8 @@ async def claim_a_later_attempt(
         async def anyone(step: int, key: bytes) -> Admission:
             return Admission({key}, digest)
 
-        def over(session: Session) -> Refusal:
-            reason = f"attempt {session.attempt} of step {session.step} is over here"
-            return Refusal(reason, attempt=session.attempt + AHEAD_BY)
-
         await accept_any(
-            reader, writer, identity=identity, resolve=anyone, timeout=5.0, claim=over, first=hello
+            reader, writer, identity=identity, resolve=anyone, timeout=5.0, claim=refusal, first=hello
         )
     except (WireError, HandshakeError):
         pass
@@ -126,11 +142,11 @@ class Claimed(TypedDict):
 async def publish_forever(args: argparse.Namespace, address: str) -> None:
     server = None
     identity = NodeIdentity(Ed25519PrivateKey.generate(), Path(tempfile.gettempdir()))
-    if args.mode in REFUSALS or args.mode == "ahead":
+    if args.mode in REFUSALS or args.mode in PROVEN_REFUSALS:
         answer = (
             functools.partial(refuse_every_hello, REFUSALS[args.mode])
             if args.mode in REFUSALS
-            else functools.partial(claim_a_later_attempt, identity)
+            else functools.partial(refuse_once_proven, identity, PROVEN_REFUSALS[args.mode])
         )
         server = await asyncio.start_server(answer, "127.0.0.1", 0)
         address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
@@ -191,7 +207,7 @@ def main() -> None:
     parser.add_argument("--peer", required=True)
     parser.add_argument("--run-id", default="p2ptrain-debug")
     parser.add_argument(
-        "--mode", choices=["refused", "silent", "differs", "refuses", "ahead"], default="refused"
+        "--mode", choices=["refused", "silent", *REFUSALS, *PROVEN_REFUSALS], default="refused"
     )
     parser.add_argument("--interval", type=float, default=0.5)
     parser.add_argument("--address-file", default="")

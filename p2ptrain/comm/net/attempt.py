@@ -46,7 +46,7 @@ class AllReduceError(WireError):
         *,
         views_differ: bool = False,
         refuser: bytes | None = None,
-        superseded: bool = False,
+        out_of_step: bool = False,
     ):
         super().__init__(message)
         self.unresponsive = unresponsive
@@ -59,13 +59,15 @@ class AllReduceError(WireError):
         other for as long as any member fails their attempts). An honest member says it only while
         views converge; one that keeps saying it is lying, as a stranger can, or broken (outer_sync
         names it then)."""
-        self.superseded = superseded
-        """A member (`refuser`) has moved on to a later attempt of this step (it dialed us with a
-        later number, or answered that ours is over there): this attempt is over and nobody is to
-        blame here; the member that saw it fail counted that. Not a failed try: counted as one,
-        members cycling through attempts while a refuser's patience ran burned every retry of
-        their peers. A member that claims later attempts forever (a stranger can) is named after
-        a longer patience than a refuser's (outer_sync)."""
+        self.out_of_step = out_of_step
+        """A member is at another attempt of this step than ours: it has moved on to a later one (it
+        dialed us with a later number, or answered that ours is over there), or it answered "dial
+        again", still in an earlier one, for the whole setup deadline (then it is `refuser`). Nobody
+        is to blame yet (the member that saw an attempt fail counted that), so not a failed try:
+        counted as one, members cycling through attempts while a refuser's patience ran burned
+        every retry of their peers. A later attempt names no one: a stranger that claims ever later
+        ones pushes honest members ahead of each other, and they then say it too (naming it named
+        honest members); "dial again" for three deadlines names its sayer (outer_sync)."""
         self.connected: frozenset[bytes] = frozenset()
         """Members whose handshake with this node completed in the failed attempt (either way): they
         did not refuse it (set by all_reduce)."""
@@ -89,12 +91,10 @@ class Registration:
     strangers' keys once filled it."""
     abandoned: asyncio.Event = field(default_factory=asyncio.Event)
     reason: str = ""
-    abandoned_by: bytes | None = None
 
-    def abandon(self, reason: str, *, by: bytes) -> None:
-        """`by`, a member, dialed us with a later attempt of the step."""
+    def abandon(self, reason: str) -> None:
         if not self.abandoned.is_set():
-            self.reason, self.abandoned_by = reason, by
+            self.reason = reason
             self.abandoned.set()
 
     async def unless_abandoned(self, work: Awaitable[T]) -> T:
@@ -110,5 +110,5 @@ class Registration:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
         if task.cancelled() and self.abandoned.is_set():
-            raise AllReduceError(self.reason, superseded=True, refuser=self.abandoned_by)
+            raise AllReduceError(self.reason, out_of_step=True)
         return task.result()

@@ -309,9 +309,7 @@ class DataPlaneServer:
             return Refusal(f"no attempt of step {step} with that membership is open here now", retry=True)
         if attempt > registration.attempt:
             self.learn_attempt(step, attempt)
-            registration.abandon(
-                f"step {step}: {short_id(session.peer_key)} is at attempt {attempt}", by=session.peer_key
-            )
+            registration.abandon(f"step {step}: {short_id(session.peer_key)} is at attempt {attempt}")
             return Refusal(f"still in attempt {registration.attempt} of step {step}", retry=True)
         if attempt < registration.attempt:
             return Refusal(f"attempt {attempt} of step {step} is over here", attempt=registration.attempt)

@@ -214,7 +214,7 @@ async def all_reduce(
             kept = _keep_lanes(plan, transfer, members)
     except AllReduceError as exc:
         # normal while records spread, or while another member's failure moves the step on
-        level = logging.INFO if exc.views_differ or exc.superseded else logging.WARNING
+        level = logging.INFO if exc.views_differ or exc.out_of_step else logging.WARNING
         log.log(level, "all-reduce of step %d failed: %s", step, exc)
         exc.connected = frozenset(session_of(connection).peer_key for connection in connections)
         raise

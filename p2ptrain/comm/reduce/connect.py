@@ -162,7 +162,9 @@ async def dial_member(
         except PeerBusy as exc:
             writer.close()
             if time.monotonic() + busy_delay > busy_deadline:
-                raise AllReduceError(f"step {step}: {exc} for {setup_timeout:.0f} s") from None
+                raise AllReduceError(
+                    f"step {step}: {exc} for {setup_timeout:.0f} s", out_of_step=True, refuser=member.key
+                ) from None
             await asyncio.sleep(busy_delay)
             busy_delay = min(busy_delay * 2, BUSY_RETRY_MAX)
             continue
@@ -277,8 +279,7 @@ async def connect_lanes(
             )
         except AttemptBehind as exc:
             server.learn_attempt(step, exc.attempt)
-            peer_key = members[peer].key
-            raise AllReduceError(f"step {step}: {exc}", superseded=True, refuser=peer_key) from None
+            raise AllReduceError(f"step {step}: {exc}", out_of_step=True) from None
         except HandshakeError as exc:  # a plain no, or not the peer it should be
             peer_key = members[peer].key
             raise AllReduceError(f"step {step}: {short_id(peer_key)}: {exc}", refuser=peer_key) from None
