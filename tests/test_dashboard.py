@@ -247,6 +247,12 @@ def test_status_page_in_a_real_browser(swarm: LocalSwarm, tmp_path: Path) -> Non
         assert re.fullmatch(r"outer steps: [1-9]\d* of 40 done", browser.execute_script(text, "steps"))
         assert browser.execute_script(text, "access") == "open run"
         assert any(re.search(r" \d+ % ", row) for row in rows), rows  # each node's share of the last step
+        # each node's round trip to the other, as its kernel measured it: the round trip cell's title
+        paths = browser.execute_script(
+            "return Array.from(document.querySelectorAll('#nodes tbody tr td:nth-child(8)'),"
+            " cell => cell.title)"
+        )
+        assert all(re.fullmatch(r"to [0-9a-f]{12}: \d+ ms", title) for title in paths), paths
         # the loss plot has its axes: ticks with labels on both, and what each one is
         for axis in ("x-axis", "y-axis"):
             assert len(browser.find_elements(By.CSS_SELECTOR, f"#loss .{axis} text.tick")) >= 2, axis

@@ -34,13 +34,20 @@ class RecordExtras:
         }
         if named or report:
             extra[BLAME_FIELD] = blame_field(step, named)
+        return extra | self.path_fields()
+
+    def path_fields(self) -> dict[str, Any]:
+        """Our slow links' rates (bytes/s) and our round trips (ms), the newest of each, by peer
+        key prefix; in every record the node publishes (the elections read the links of ready
+        records only)."""
+        fields: dict[str, Any] = {}
         if links := newest(self.paths.rates):
-            extra[LINKS_FIELD] = {key.hex()[:LINK_PREFIX_HEX]: round(rate) for key, rate in links}
+            fields[LINKS_FIELD] = {key.hex()[:LINK_PREFIX_HEX]: round(rate) for key, rate in links}
         if round_trips := newest(self.paths.round_trips):
-            extra[ROUND_TRIPS_FIELD] = {
+            fields[ROUND_TRIPS_FIELD] = {
                 key.hex()[:LINK_PREFIX_HEX]: round(1000 * seconds, 1) for key, seconds in round_trips
             }
-        return extra
+        return fields
 
 
 def newest(book: Mapping[bytes, float]) -> list[tuple[bytes, float]]:

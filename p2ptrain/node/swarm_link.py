@@ -229,7 +229,11 @@ class SwarmLink(SoloSwarm):
         )
 
     async def training(self, outer_step: int, **fields: Any) -> None:
+        """Publish that this node trains toward `outer_step`; an `extra` it gives keeps the node's
+        measured paths (the status shows them)."""
         assert self.publisher is not None
+        if "extra" in fields and self.sync is not None:
+            fields["extra"] = {**fields["extra"], **self.sync.extras.path_fields()}
         await self.publisher.publish(state=NodeState.TRAINING, outer_step=outer_step, **fields)
 
     async def average(self, step: int, vector: np.ndarray, tokens: int) -> tuple[Averaged, str]:
