@@ -43,6 +43,12 @@ def decimal(text: str, max_digits: int = 12) -> int | None:
     return int(text)
 
 
+def lower_hex(text: str) -> bool:
+    """Only the digits 0-9a-f: how keys, prefixes and nonces are written (`bytes.hex`). Not
+    `str.isalnum` nor `int(text, 16)`: those take other scripts' digits, upper case or '0x'."""
+    return all(char in "0123456789abcdef" for char in text)
+
+
 LOG_INTERVAL = 10.0
 
 

@@ -32,7 +32,7 @@ from p2ptrain.ckpt.manifest import Manifest, ManifestError, parse_manifest
 from p2ptrain.ckpt.replay import RecentResults
 from p2ptrain.comm.net.reach import NONCE_BYTES
 from p2ptrain.rate import RateCap
-from p2ptrain.untrusted import ThrottledLog, decimal
+from p2ptrain.untrusted import ThrottledLog, decimal, lower_hex
 from p2ptrain.web.server import Served, start_app
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class CheckpointSidecar:
     async def _reach(self, request: web.Request) -> web.Response:
         """A prober's GET with the nonce we gave it: proof that others can reach this sidecar."""
         text = request.match_info["nonce"]
-        if len(text) != 2 * NONCE_BYTES or not all(c in "0123456789abcdef" for c in text):
+        if len(text) != 2 * NONCE_BYTES or not lower_hex(text):
             return self._refuse(request, "a reachability nonce is 32 hex digits")
         if self.reach_proof is not None:
             self.reach_proof(bytes.fromhex(text))

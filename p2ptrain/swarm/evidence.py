@@ -35,6 +35,7 @@ from typing import Any
 
 from p2ptrain.identity import short_id
 from p2ptrain.swarm.records import Heartbeat
+from p2ptrain.untrusted import lower_hex
 
 BLAME_FIELD = "blame"
 PREFIX_HEX = 16
@@ -64,11 +65,7 @@ def reported(beat: Heartbeat, step: int) -> set[str] | None:
     keys = blame.get("keys")
     if not isinstance(keys, list) or len(keys) > MAX_BLAMED:
         return set()
-    return {name for name in keys if isinstance(name, str) and len(name) == PREFIX_HEX and _hex(name)}
-
-
-def _hex(text: str) -> bool:
-    return all(char in "0123456789abcdef" for char in text)
+    return {name for name in keys if isinstance(name, str) and len(name) == PREFIX_HEX and lower_hex(name)}
 
 
 def accusations(ready: Iterable[Heartbeat], step: int) -> dict[bytes, set[bytes]]:

@@ -20,6 +20,7 @@ from p2ptrain.swarm.records import (
     record_count,
     record_number,
 )
+from p2ptrain.untrusted import lower_hex
 
 MAX_SHOWN_PATHS = 32
 """Paths shown per node: what an honest record holds (record_extras.MAX_PUBLISHED_LINKS of each
@@ -46,11 +47,7 @@ def measured_paths(extra: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _is_prefix(value: Any) -> bool:
-    return (
-        isinstance(value, str)
-        and 0 < len(value) <= LINK_PREFIX_HEX
-        and all(char in "0123456789abcdef" for char in value)
-    )
+    return isinstance(value, str) and 0 < len(value) <= LINK_PREFIX_HEX and lower_hex(value)
 
 
 def _completed(heartbeats: list[Heartbeat]) -> list[Heartbeat]:
